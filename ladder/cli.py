@@ -1,0 +1,53 @@
+"""`ladder <stage> ...`: one command for the three stages and the TP benchmark.
+
+Each stage owns its arguments (`convert.cli`, `adapt.cli`, `eval.cli`); this only dispatches,
+and turns a `UsageError` into one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from .errors import UsageError
+
+STAGES = {
+    "convert": ("convert.cli", "rewire a Llama checkpoint into ladder form"),
+    "adapt": ("adapt.cli", "retrain a ladder model from a YAML recipe"),
+    "eval": ("eval.cli", "score models side by side with lm-evaluation-harness"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: ladder <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {summary}" for name, (_, summary) in STAGES.items()]
+    lines += ["", "`ladder <command> --help` describes each command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from . import __version__
+
+        print(__version__)
+        return 0
+    if argv[0] not in STAGES:
+        print(f"ladder: error: unknown command {argv[0]!r}; choose from {', '.join(STAGES)}", file=sys.stderr)
+        return 2
+    stage = importlib.import_module(STAGES[argv[0]][0])
+    try:
+        return stage.main(argv[1:]) or 0
+    except UsageError as error:
+        print(f"ladder {argv[0]}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ladder {argv[0]}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

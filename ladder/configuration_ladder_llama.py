@@ -1,0 +1,55 @@
+"""Configuration of a Llama whose chosen layers use Ladder Residual wiring (arXiv 2501.06589).
+
+Depends only on transformers, so it can travel inside a checkpoint (see `auto_map`).
+"""
+
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers import LlamaConfig
+
+
+def resolve_ladder_layers(ladder_layers: Any, num_hidden_layers: int) -> list[int]:
+    """Normalise `ladder_layers` to a sorted list of distinct layer indices.
+
+    An int N means the upper N layers, `range(L - N, L)`, as in the published configs;
+    a list names the layers; `None` means no ladder layer.
+    """
+    if ladder_layers is None:
+        return []
+    if isinstance(ladder_layers, int) and not isinstance(ladder_layers, bool):
+        if not 0 <= ladder_layers <= num_hidden_layers:
+            raise ValueError(
+                f"ladder_layers={ladder_layers}: the upper N layers needs 0 <= N <= {num_hidden_layers}"
+            )
+        return list(range(num_hidden_layers - ladder_layers, num_hidden_layers))
+    if not isinstance(ladder_layers, (list, tuple)):
+        raise ValueError(f"ladder_layers must be an int or a list of layer indices, got {ladder_layers!r}")
+    for index in ladder_layers:
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise ValueError(f"ladder_layers entries must be integers, got {index!r}")
+        if not 0 <= index < num_hidden_layers:
+            raise ValueError(f"ladder_layers entry {index} is out of range for {num_hidden_layers} layers")
+    if len(set(ladder_layers)) != len(ladder_layers):
+        duplicates = sorted({i for i in ladder_layers if list(ladder_layers).count(i) > 1})
+        raise ValueError(f"ladder_layers has duplicate entries: {duplicates}")
+    return sorted(ladder_layers)
+
+
+@strict
+class LadderLlamaConfig(LlamaConfig):
+    """A `LlamaConfig` plus `ladder_layers`, the layers whose modules read the residual stream
+    from before the previous module's output was added. With no ladder layers it is Llama."""
+
+    # The model_type of the published ladder checkpoints, so their config.json loads as is.
+    model_type = "llamaLadder"
+
+    # Typed `Any` so that our own check below raises ValueError with a clear message.
+    ladder_layers: Any = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.ladder_layers = resolve_ladder_layers(self.ladder_layers, self.num_hidden_layers)
+
+
+__all__ = ["LadderLlamaConfig", "resolve_ladder_layers"]
