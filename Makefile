@@ -52,8 +52,17 @@ convert: $(STAMP)
 adapt: $(STAMP)
 	$(BIN)/ladder adapt "$(RECIPE)" $(RECIPE_OVERRIDES) $(ARGS)
 
+# With no MODEL, `make eval` scores the embedded SmolLM2 against its upper-half ladder copy
+# (converted first if `make convert` has not made it yet).
+DEFAULT_LADDER := runs/convert/SmolLM2-135M-Instruct-ladder15
+
 eval: $(STAMP)
-	$(BIN)/ladder eval $(if $(MODEL),$(MODEL)) $(if $(BASELINE),--baseline "$(BASELINE)") --suite "$(SUITE)" $(if $(LIMIT),--limit "$(LIMIT)") $(ARGS)
+ifeq ($(MODEL),)
+	test -f $(DEFAULT_LADDER)/config.json || $(BIN)/ladder convert --out $(DEFAULT_LADDER)
+	$(BIN)/ladder eval $(DEFAULT_LADDER) --baseline $(if $(BASELINE),"$(BASELINE)",embedded) --suite "$(SUITE)" $(if $(LIMIT),--limit "$(LIMIT)") $(ARGS)
+else
+	$(BIN)/ladder eval $(MODEL) $(if $(BASELINE),--baseline "$(BASELINE)") --suite "$(SUITE)" $(if $(LIMIT),--limit "$(LIMIT)") $(ARGS)
+endif
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/tp_speed.py $(ARGS)
