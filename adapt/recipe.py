@@ -24,9 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from ladder.errors import UsageError
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
+from ladder.files import ladder_data_dir
 
 @dataclass
 class ModelSpec:
@@ -324,10 +322,6 @@ def validate(recipe: Recipe) -> None:
             if not source.path:
                 raise UsageError(f"data.{group}[{i}].path is empty")
             expand_path(source.path, f"data.{group}[{i}].path")
-
-
-def ladder_data_dir() -> Path:
-    return Path(os.environ.get("LADDER_DATA") or REPO_ROOT.parent / "shared" / "data")
 
 
 def expand_path(text: str, key: str) -> str:

@@ -1,0 +1,123 @@
+"""Writing outputs so that an interrupted run never leaves something that looks complete.
+
+Every stage writes through these: a directory is built under a temporary name beside its final
+place and renamed at the end (rename is atomic within one filesystem); a single file is written
+to a temporary name, flushed to disk and renamed over the old one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from .errors import UsageError
+
+_TEMPORARY_MARK = ".tmp-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temporaries(final: Path) -> None:
+    """Temporary siblings left by runs that were killed (their process is gone)."""
+    prefix = f".{final.name}{_TEMPORARY_MARK}"
+    for leftover in final.parent.glob(prefix + "*"):
+        pid_text = leftover.name[len(prefix):].split("-", 1)[0]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _fsync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | Path, force: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary directory beside `final`; on success it becomes `final`.
+
+    An existing `final` is refused unless `force`, and is replaced only once the new one is
+    complete. On an exception the temporary directory is removed; after SIGKILL it is left under
+    a hidden name (`.NAME.tmp-PID-...`) and cleared by the next run. A full disk becomes a
+    `UsageError` that says so.
+    """
+    final = Path(final).absolute()
+    if final.exists() and not force:
+        raise UsageError(f"output {final} already exists; pass --force to replace it")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(final)
+    temporary = final.parent / f".{final.name}{_TEMPORARY_MARK}{os.getpid()}-{os.urandom(4).hex()}"
+    temporary.mkdir()
+    try:
+        yield temporary
+        _fsync_directory(temporary)
+        if final.exists():
+            # Keep the old output until the new one is in place, so a failure here loses neither.
+            retired = final.parent / f".{final.name}{_TEMPORARY_MARK}{os.getpid()}-old"
+            os.replace(final, retired)
+            os.replace(temporary, final)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(temporary, final)
+        _fsync_directory(final.parent)
+    except OSError as error:
+        shutil.rmtree(temporary, ignore_errors=True)
+        if error.errno == errno.ENOSPC:
+            raise UsageError(f"no space left on the device while writing {final}") from None
+        raise
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+
+def atomic_write(path: str | Path, data: bytes | str) -> None:
+    """Write a whole file under a temporary name, flush it to disk, then rename it into place."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}{_TEMPORARY_MARK}{os.getpid()}")
+    payload = data.encode() if isinstance(data, str) else data
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        if error.errno == errno.ENOSPC:
+            raise UsageError(f"no space left on the device while writing {path}") from None
+        raise
+
+
+def sha256_file(path: str | Path, chunk_size: int = 1 << 22) -> str:
+    """Hex SHA-256 of a file, read in chunks (weight files are many GB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def ladder_data_dir() -> Path:
+    """The shared data folder: `$LADDER_DATA`, else `../shared/data` beside the repository."""
+    configured = os.environ.get("LADDER_DATA")
+    if configured:
+        return Path(configured).expanduser()
+    return Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+__all__ = ["atomic_directory", "atomic_write", "ladder_data_dir", "sha256_file"]

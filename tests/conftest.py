@@ -1,0 +1,46 @@
+"""Test session setup: no network, a private HF cache, and shared tiny checkpoints.
+
+The environment is set before transformers is imported anywhere, so no test can reach the Hub
+or write into the user's cache.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+_HF_HOME = tempfile.mkdtemp(prefix="ladder-tests-hf-")
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=_HF_HOME)
+
+import pytest  # noqa: E402
+from transformers import AutoTokenizer, GenerationConfig  # noqa: E402
+
+from tiny import tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
+    """The real SmolLM2 tokenizer (with its chat template), read once from the embedded GGUF file."""
+    from ladder.loading import embedded_model_path
+
+    gguf = embedded_model_path()
+    directory = tmp_path_factory.mktemp("smollm2-tokenizer")
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny random Llama checkpoint directory with SmolLM2's tokenizer (vocab 49152), as
+    `save_pretrained` writes it: config.json, model.safetensors, tokenizer, generation config.
+    Shared by the whole session: tests must not modify it (copy it first)."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    model = tiny_llama(vocab_size=len(tokenizer), num_hidden_layers=4, max_position_embeddings=512,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id)
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

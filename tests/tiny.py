@@ -1,0 +1,38 @@
+"""Tiny random Llama models for tests: a few layers, hidden 64, GQA, norms perturbed off 1."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+NUM_LAYERS = 6
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    values = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(**overrides)).eval()
+    # Random init leaves norms at 1; perturb them so a wrong norm placement shows.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    return model
+
+
+def random_ids(batch: int = 2, length: int = 12, seed: int = 1, vocab_size: int = 256) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
