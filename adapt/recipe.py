@@ -103,8 +103,12 @@ class LoraSpec:
 
 @dataclass
 class TrainableSpec:
-    # all: every weight; ladder: only the ladder layers; lora: peft adapters, merged at the end.
-    mode: Literal["all", "ladder", "lora"] = "all"
+    # all: every weight; ladder: only the ladder layers; layers: only `layers`; lora: peft adapters
+    # on every layer, merged into the weights at the end.
+    mode: Literal["all", "ladder", "layers", "lora"] = "all"
+    # For mode `layers`, as ladder_layers is written (int N = upper N, "16-31", [3, 5]): e.g. the
+    # same layers of the original model, as a control for a ladder run.
+    layers: int | str | list[int] | None = None
     lora: LoraSpec = field(default_factory=LoraSpec)
 
 
@@ -222,7 +226,7 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     """Construct dataclass `cls` from `raw`, checking every key and type; errors name the dotted key."""
     if not isinstance(raw, dict):
-        raise UsageError(f"{prefix or 'recipe'}: expected a mapping, got {raw!r}")
+        raise UsageError(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
@@ -235,17 +239,18 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is SourceSpec and isinstance(value, str):
+        return SourceSpec(path=value)  # a source may be written as just its path
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, f"{key}.")
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         for option in (a for a in args if a is not type(None)):
             try:
                 return _coerce(option, value, key)
-            except UsageError as error:
-                errors.append(str(error))
+            except UsageError:
+                pass  # try the next type of the union
         raise UsageError(f"{key}: {value!r} does not fit {_type_name(hint)}")
     if origin is Literal:
         if value not in args:
@@ -255,8 +260,6 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, list):
             value = [value]  # one item may be written without brackets
         return [_coerce(args[0], item, f"{key}[{i}]") for i, item in enumerate(value)]
-    if hint is SourceSpec and isinstance(value, str):
-        return SourceSpec(path=value)
     if hint is bool:
         if not isinstance(value, bool):
             raise UsageError(f"{key}: expected true or false, got {value!r}")
@@ -315,6 +318,8 @@ def validate(recipe: Recipe) -> None:
     for ok, key, message in checks:
         if not ok:
             raise UsageError(f"{key} {message}")
+    if (recipe.trainable.mode == "layers") != (recipe.trainable.layers is not None):
+        raise UsageError("trainable.layers goes with trainable.mode=layers, and that mode needs it")
     if not recipe.data.train:
         raise UsageError("data.train must list at least one source")
     for group in ("train", "eval"):

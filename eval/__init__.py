@@ -1,0 +1,1 @@
+"""eval/: score ladder models against their originals with lm-evaluation-harness (`ladder eval`)."""

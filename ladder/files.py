@@ -12,7 +12,7 @@ import errno
 import hashlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import UsageError
@@ -103,12 +103,17 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
         raise
 
 
-def sha256_file(path: str | Path, chunk_size: int = 1 << 22) -> str:
-    """Hex SHA-256 of a file, read in chunks (weight files are many GB)."""
+def sha256_file(
+    path: str | Path, chunk_size: int = 1 << 22, on_chunk: Callable[[int], None] | None = None
+) -> str:
+    """Hex SHA-256 of a file, read in chunks (weight files are many GB). `on_chunk(nbytes)` runs
+    after each chunk: a progress bar, or a cancellation check that raises."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(chunk_size):
             digest.update(chunk)
+            if on_chunk is not None:
+                on_chunk(len(chunk))
     return digest.hexdigest()
 
 

@@ -1,21 +1,27 @@
 """One rank's shard of a Llama for tensor-parallel inference, gpt-fast style (pytorch-labs/gpt-fast
 model.py): a lean forward with a static KV cache, fused projections and local shapes only.
 
-This file imports nothing distributed. Each branch (attention, MLP) returns its *partial* output:
-with Megatron sharding, q/k/v and gate/up are column-parallel (this rank holds some heads and some
-intermediate channels) and o/down are row-parallel, so a branch's output is this rank's term of a
-sum over ranks. `ladder.tp` owns the layer loop that adds the terms up (all-reduce) and decides
-when to wait for them; that is where the standard and ladder wirings differ. At TP=1 the shard is
-the whole model and the partial output is the output.
+References: the Ladder Residual paper (arXiv 2501.06589), Algorithm 1, and its official gpt-fast
+code (github.com/mayank31398/ladder-residual-inference, gpt_fast/gpt_ladder_TP.py), whose layer
+loop this follows; Megatron-LM for the sharding.
 
-The attention and MLP maths follow transformers' Llama (RMSNorm, RoPE from LlamaRotaryEmbedding
-so llama3/linear/... scaling comes for free, GQA, tied embeddings), so logits match
-`LlamaForCausalLM` to float tolerance.
+Megatron sharding: q/k/v and gate/up are column-parallel (this rank holds some heads and some
+intermediate channels), o/down are row-parallel, so each branch (attention, MLP) returns this
+rank's *partial* output, one term of a sum over ranks. The layer loop hands every partial to
+`self.reduce`, which sums it over the ranks and returns a pending result; the loop calls `.wait()`
+where the wiring needs the sum. This file imports nothing distributed: the default `reduce` is the
+identity, exact at TP=1, and `ladder.tp` installs the collective (an all-reduce over the group).
+
+The attention and MLP maths follow transformers' Llama (RMSNorm, RoPE from LlamaRotaryEmbedding so
+llama3/linear/... scaling comes for free, GQA, tied embeddings), so logits match
+`LlamaForCausalLM` / `LadderLlamaForCausalLM` to float tolerance.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,32 +30,85 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 
+def shard_range(total: int, parts: int, index: int) -> range:
+    """Part `index` of `range(total)` cut into `parts` contiguous pieces whose sizes differ by at most one."""
+    size, extra = divmod(total, parts)
+    start = index * size + min(index, extra)
+    return range(start, start + size + (index < extra))
+
+
 @dataclass(frozen=True)
 class ShardShape:
-    """The sizes one rank holds; derived once from the config and the TP degree."""
+    """What one rank holds, derived once from the config, the rank and the TP degree.
+
+    KV heads are split across ranks and each KV head keeps its whole group of query heads, so
+    attention needs no communication. When the KV heads do not divide evenly (SmolLM2: 3 KV heads
+    at TP=2) the ranks get unequal groups: it runs, with some load imbalance.
+    """
 
     hidden_size: int
     vocab_size: int
     num_layers: int
     head_dim: int
-    local_heads: int
-    local_kv_heads: int
-    local_intermediate: int
     rms_norm_eps: float
+    heads: range  # this rank's query heads
+    kv_heads: range
+    intermediate: range  # this rank's MLP channels
 
     @classmethod
-    def of(cls, config: LlamaConfig, tp_size: int) -> ShardShape:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    def of(cls, config: LlamaConfig, rank: int = 0, tp_size: int = 1) -> ShardShape:
+        if config.hidden_act != "silu" or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+            raise ValueError("only Llama's SiLU MLP without biases is supported (hidden_act=silu, no attention/mlp bias)")
+        kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
+        if kv_heads < tp_size:
+            raise ValueError(f"TP={tp_size} needs at least one KV head per rank; the model has {kv_heads}")
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        group = heads // kv_heads
+        kv_range = shard_range(kv_heads, tp_size, rank)
         return cls(
             hidden_size=config.hidden_size,
             vocab_size=config.vocab_size,
             num_layers=config.num_hidden_layers,
-            head_dim=head_dim,
-            local_heads=config.num_attention_heads // tp_size,
-            local_kv_heads=config.num_key_value_heads // tp_size,
-            local_intermediate=config.intermediate_size // tp_size,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             rms_norm_eps=config.rms_norm_eps,
+            heads=range(kv_range.start * group, kv_range.stop * group),
+            kv_heads=kv_range,
+            intermediate=shard_range(config.intermediate_size, tp_size, rank),
         )
+
+
+class Pending(Protocol):
+    """A branch output being summed over the ranks; `wait()` returns the sum once it is complete."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
+class Ready:
+    """A sum that is already complete (TP=1, a blocking all-reduce, or no communication at all)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+# reduce(partial, async_op) sums a branch's partial output over the ranks. With async_op=False it
+# returns once the sum is done; with async_op=True it may return while the sum is in flight.
+Reduce = Callable[[torch.Tensor, bool], Pending]
+
+
+def local_sum(partial: torch.Tensor, async_op: bool) -> Ready:
+    """The partial output is the whole sum: exact at TP=1, the no-communication bound above it."""
+    return Ready(partial)
+
+
+def settle(x: torch.Tensor, pending: Pending | None) -> torch.Tensor:
+    """Add a pending branch output to the residual, waiting for its sum if it is still in flight."""
+    return x if pending is None else x + pending.wait()
 
 
 class AttentionBranch(nn.Module):
@@ -59,17 +118,17 @@ class AttentionBranch(nn.Module):
     def __init__(self, shape: ShardShape):
         super().__init__()
         self.shape = shape
-        q_width = shape.local_heads * shape.head_dim
-        kv_width = shape.local_kv_heads * shape.head_dim
+        q_width = len(shape.heads) * shape.head_dim
+        kv_width = len(shape.kv_heads) * shape.head_dim
         self.split = (q_width, kv_width, kv_width)
         self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
         self.wqkv = nn.Linear(shape.hidden_size, sum(self.split), bias=False)
         self.wo = nn.Linear(q_width, shape.hidden_size, bias=False)
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
+        self.register_buffer("k_cache", None, persistent=False)  # allocated by setup_cache
+        self.register_buffer("v_cache", None, persistent=False)
 
     def setup_cache(self, batch: int, max_length: int, dtype: torch.dtype, device: torch.device) -> None:
-        size = (batch, self.shape.local_kv_heads, max_length, self.shape.head_dim)
+        size = (batch, len(self.shape.kv_heads), max_length, self.shape.head_dim)
         # Buffers, so that torch.compile / CUDA graphs see fixed addresses.
         self.register_buffer("k_cache", torch.zeros(size, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(size, dtype=dtype, device=device), persistent=False)
@@ -79,9 +138,9 @@ class AttentionBranch(nn.Module):
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         q, k, v = self.wqkv(self.norm(x)).split(self.split, dim=-1)
-        q = q.view(batch, length, self.shape.local_heads, self.shape.head_dim).transpose(1, 2)
-        k = k.view(batch, length, self.shape.local_kv_heads, self.shape.head_dim).transpose(1, 2)
-        v = v.view(batch, length, self.shape.local_kv_heads, self.shape.head_dim).transpose(1, 2)
+        q = q.view(batch, length, -1, self.shape.head_dim).transpose(1, 2)
+        k = k.view(batch, length, -1, self.shape.head_dim).transpose(1, 2)
+        v = v.view(batch, length, -1, self.shape.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         self.k_cache.index_copy_(2, input_pos, k)
         self.v_cache.index_copy_(2, input_pos, v)
@@ -97,8 +156,8 @@ class MLPBranch(nn.Module):
     def __init__(self, shape: ShardShape):
         super().__init__()
         self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
-        self.w13 = nn.Linear(shape.hidden_size, 2 * shape.local_intermediate, bias=False)
-        self.w2 = nn.Linear(shape.local_intermediate, shape.hidden_size, bias=False)
+        self.w13 = nn.Linear(shape.hidden_size, 2 * len(shape.intermediate), bias=False)
+        self.w2 = nn.Linear(len(shape.intermediate), shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(self.norm(x)).chunk(2, dim=-1)
@@ -106,27 +165,40 @@ class MLPBranch(nn.Module):
 
 
 class Block(nn.Module):
-    """A decoder layer as two branches; how their outputs join the residual is the runtime's choice."""
+    """A decoder layer as two branches; `is_ladder` says how their outputs join the residual."""
 
-    def __init__(self, shape: ShardShape):
+    def __init__(self, shape: ShardShape, is_ladder: bool = False):
         super().__init__()
         self.attention = AttentionBranch(shape)
         self.mlp = MLPBranch(shape)
+        self.is_ladder = is_ladder
 
 
 class LlamaShard(nn.Module):
     """Embedding and LM head (replicated on every rank), the sharded blocks, the final norm and the
     RoPE tables. `setup_cache` must run before the first forward."""
 
-    def __init__(self, config: LlamaConfig, tp_size: int):
+    def __init__(self, config: LlamaConfig, shape: ShardShape):
         super().__init__()
         self.config = config
-        self.shape = ShardShape.of(config, tp_size)
-        self.embed = nn.Embedding(self.shape.vocab_size, self.shape.hidden_size)
-        self.layers = nn.ModuleList(Block(self.shape) for _ in range(self.shape.num_layers))
-        self.norm = LlamaRMSNorm(self.shape.hidden_size, eps=self.shape.rms_norm_eps)
-        self.lm_head = nn.Linear(self.shape.hidden_size, self.shape.vocab_size, bias=False)
+        self.shape = shape
+        ladder_layers = set(getattr(config, "ladder_layers", None) or ())
+        self.embed = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(Block(shape, index in ladder_layers) for index in range(shape.num_layers))
+        self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.reduce: Reduce = local_sum
         self.max_length = 0
+
+    @property
+    def ladder_layers(self) -> list[int]:
+        return [index for index, block in enumerate(self.layers) if block.is_ladder]
+
+    def set_ladder_layers(self, ladder_layers: list[int]) -> None:
+        """Rewire in place: the weights stay, only which layers use ladder wiring changes."""
+        chosen = set(ladder_layers)
+        for index, block in enumerate(self.layers):
+            block.is_ladder = index in chosen
 
     def setup_cache(self, batch: int, max_length: int) -> None:
         """Allocate the KV caches, the causal mask and the cos/sin tables for `max_length` positions."""
@@ -142,14 +214,32 @@ class LlamaShard(nn.Module):
         self.register_buffer("causal_mask", causal, persistent=False)
         self.max_length = max_length
 
-    def rope_and_mask(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """cos, sin for the given positions and the mask rows that let them see the cache up to themselves."""
-        if self.max_length == 0 or int(input_pos[-1]) >= self.max_length:
-            raise ValueError(f"position {int(input_pos[-1])} is beyond the cache; call setup_cache with more room")
-        return self.cos[:, input_pos], self.sin[:, input_pos], self.causal_mask[input_pos]
+    def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """Logits for `input_ids` (batch, length) at cache positions `input_pos` (length,).
 
-    def output(self, x: torch.Tensor) -> torch.Tensor:
+        The residual `x` takes each branch's summed output one step late (Algorithm 1): a ladder
+        layer adds the previous attention output, launches its own attention, adds the previous
+        MLP output, launches its MLP, and the sums travel while the next branch computes. A
+        standard layer adds whatever is pending and sums its attention at once; its MLP output is
+        also left pending, because a ladder layer right after it reads the stream from before that
+        MLP (see ladder/modeling_ladder_llama.py). The caller keeps positions inside the cache.
+        """
+        cos, sin, mask = self.cos[:, input_pos], self.sin[:, input_pos], self.causal_mask[input_pos]
+        x = self.embed(input_ids)
+        pending_attention = pending_mlp = None
+        for block in self.layers:
+            if block.is_ladder:
+                x = settle(x, pending_attention)
+                pending_attention = self.reduce(block.attention(x, cos, sin, mask, input_pos), True)
+                x = settle(x, pending_mlp)
+                pending_mlp = self.reduce(block.mlp(x), True)
+            else:
+                x = settle(settle(x, pending_attention), pending_mlp)
+                x = x + self.reduce(block.attention(x, cos, sin, mask, input_pos), False).wait()
+                pending_attention = None
+                pending_mlp = self.reduce(block.mlp(x), False)
+        x = settle(settle(x, pending_attention), pending_mlp)
         return self.lm_head(self.norm(x))
 
 
-__all__ = ["AttentionBranch", "Block", "LlamaShard", "MLPBranch", "ShardShape"]
+__all__ = ["AttentionBranch", "Block", "LlamaShard", "MLPBranch", "Pending", "Ready", "Reduce", "ShardShape", "local_sum", "settle", "shard_range"]

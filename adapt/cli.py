@@ -1,0 +1,61 @@
+"""`ladder adapt RECIPE.yaml [key=value ...]`: retrain a ladder model from a YAML recipe.
+
+Several processes (DDP or FSDP, on GPUs or on CPU over gloo):
+    accelerate launch --multi_gpu --num_processes 2 -m adapt.cli RECIPE.yaml [key=value ...]
+    accelerate launch --config_file recipes/accelerate/fsdp-8gpu.yaml -m adapt.cli RECIPE.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ladder.errors import UsageError
+
+from .recipe import dump_recipe, load_recipe
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line through UsageError, not argparse's exit
+        raise UsageError(message)
+
+
+def main(argv: list[str]) -> int:
+    parser = _Parser(
+        prog="ladder adapt",
+        description="Retrain a ladder model from a YAML recipe; key=value arguments override recipe keys "
+        "(e.g. optimizer.lr=1e-4 budget=2e5 resume=true).",
+    )
+    parser.add_argument("recipe", help="recipe YAML file (see recipes/)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, dotted keys")
+    parser.add_argument("--print-recipe", action="store_true", help="print the resolved recipe and exit")
+    parser.add_argument("--prepare-data", action="store_true",
+                        help="tokenize and cache the data only (one process, no weights), then exit")
+    if not argv:
+        raise UsageError("a recipe is needed: ladder adapt RECIPE.yaml [key=value ...] (see recipes/)")
+    args = parser.parse_args(argv)
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.print_recipe:
+        print(dump_recipe(recipe), end="")
+        return 0
+
+    from .train import TrainingDiverged, prepare, train  # torch and transformers load only from here
+
+    if args.prepare_data:
+        splits = prepare(recipe)
+        print(f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks of {recipe.data.seq_len} tokens "
+              f"cached under {recipe.data.cache_dir}")
+        return 0
+
+    try:
+        train(recipe)
+    except TrainingDiverged as error:
+        print(f"ladder adapt: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    from ladder.cli import main as ladder_main
+
+    sys.exit(ladder_main(["adapt", *sys.argv[1:]]))

@@ -1,0 +1,248 @@
+"""Training data: sources -> documents -> tokens -> packed `seq_len` blocks, cached on disk.
+
+Every source yields documents (plain text files, blank-line blocks, JSONL text records, JSONL
+chat records rendered with the tokenizer's chat template, or Hugging Face datasets streamed from
+the Hub). Documents are tokenized without special tokens, joined with EOS after each one, and cut
+into blocks of exactly `seq_len` tokens (the incomplete tail is dropped). The blocks of a group of
+sources are written once to `cache_dir/<group>-<key>/blocks.bin` (uint32, row-major) with a
+`meta.json`; the key hashes the source settings, the bytes of every local file, the tokenizer and
+`seq_len`, so a rerun with the same inputs maps the file instead of tokenizing again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import hashlib
+import itertools
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from ladder.errors import UsageError
+from ladder.files import atomic_directory, sha256_file
+
+from .recipe import DataSpec, SourceSpec, expand_path
+
+HF_PREFIX = "hf:"
+CACHE_FORMAT = 1  # bump when the layout of blocks.bin changes
+TOKENIZE_BATCH = 256  # documents per tokenizer call (the Rust tokenizer runs a batch in parallel)
+# ShareGPT-style chat records ({"from": "human", "value": ...}, as in BAAI/Infinity-Instruct).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass
+class Splits:
+    """Token blocks, each row one training example of `seq_len` tokens."""
+
+    train: np.ndarray
+    eval: np.ndarray
+
+
+def prepare_data(data: DataSpec, tokenizer: PreTrainedTokenizerBase) -> Splits:
+    """Build (or reuse from the cache) the training and evaluation blocks of a recipe.
+
+    With no `data.eval` sources, the last `heldout_fraction` of the training blocks is held out
+    (and never trained on); evaluation uses at most `eval_blocks` blocks, spread evenly.
+    """
+    train = load_blocks(data.train, tokenizer, data.seq_len, Path(data.cache_dir), "train")
+    if data.eval:
+        heldout = load_blocks(data.eval, tokenizer, data.seq_len, Path(data.cache_dir), "eval")
+    else:
+        count = int(np.ceil(len(train) * data.heldout_fraction)) if data.heldout_fraction > 0 else 0
+        train, heldout = train[: len(train) - count], train[len(train) - count :]
+    if len(heldout) > data.eval_blocks:
+        heldout = heldout[np.unique(np.linspace(0, len(heldout) - 1, data.eval_blocks).round().astype(int))]
+    return Splits(train=train, eval=np.asarray(heldout))
+
+
+def load_blocks(
+    sources: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, seq_len: int, cache_dir: Path, group: str
+) -> np.ndarray:
+    """The packed blocks of `sources`, as a read-only memory map of shape (blocks, seq_len)."""
+    key = cache_key(sources, tokenizer, seq_len, group)
+    directory = cache_dir / f"{group}-{key[:16]}"
+    if not (directory / "meta.json").is_file():
+        with atomic_directory(directory, force=True) as temporary:
+            meta = write_blocks(sources, tokenizer, seq_len, temporary / "blocks.bin", group)
+            (temporary / "meta.json").write_text(json.dumps({**meta, "key": key}, indent=1))
+    meta = json.loads((directory / "meta.json").read_text())
+    return np.memmap(directory / "blocks.bin", dtype=np.uint32, mode="r", shape=(meta["blocks"], seq_len))
+
+
+def write_blocks(
+    sources: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, seq_len: int, path: Path, group: str
+) -> dict:
+    """Tokenize and pack every source into `path`; returns the counts for meta.json."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise UsageError("the tokenizer has no EOS token, which separates documents in packed blocks")
+    pending: list[int] = []
+    blocks = documents = 0
+    with open(path, "wb") as handle:
+        for i, source in enumerate(sources):
+            produced = 0
+            for texts in batched(read_documents(source, tokenizer, f"data.{group}[{i}]"), TOKENIZE_BATCH):
+                for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+                    ids = ids + [eos]
+                    if source.max_tokens:
+                        ids = ids[: source.max_tokens - produced]
+                    pending.extend(ids)
+                    produced += len(ids)
+                    documents += 1
+                    if source.max_tokens and produced >= source.max_tokens:
+                        break
+                whole = len(pending) // seq_len * seq_len
+                np.asarray(pending[:whole], dtype=np.uint32).tofile(handle)
+                blocks += whole // seq_len
+                del pending[:whole]
+                if source.max_tokens and produced >= source.max_tokens:
+                    break
+            if produced == 0:
+                raise UsageError(f"data.{group}[{i}] ({source.path}) holds no text")
+    if blocks == 0:
+        raise UsageError(f"data.{group} gives fewer than seq_len={seq_len} tokens: no block can be made")
+    return {"blocks": blocks, "seq_len": seq_len, "documents": documents, "dropped_tail_tokens": len(pending)}
+
+
+def cache_key(sources: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, seq_len: int, group: str) -> str:
+    """A hash of everything the blocks depend on: source settings and bytes, tokenizer, seq_len."""
+    digest = hashlib.sha256()
+    described = {"format": CACHE_FORMAT, "seq_len": seq_len, "eos": tokenizer.eos_token_id,
+                 "chat_template": tokenizer.chat_template, "sources": []}
+    for i, source in enumerate(sources):
+        entry = dataclasses.asdict(source)
+        if not source.path.startswith(HF_PREFIX):
+            entry["files"] = [(str(f), sha256_file(f)) for f in local_files(source, f"data.{group}[{i}].path")]
+        described["sources"].append(entry)
+    digest.update(json.dumps(described, sort_keys=True).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocabulary = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    digest.update(vocabulary.encode())
+    return digest.hexdigest()
+
+
+def local_files(source: SourceSpec, key: str) -> list[Path]:
+    """The files a local source names: a file, a folder (its files, recursively) or a glob."""
+    text = expand_path(source.path, key)
+    if any(mark in text for mark in "*?["):
+        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
+        if not files:
+            raise UsageError(f"{key}: the pattern {text} matches no file")
+        return files
+    path = Path(text)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise UsageError(f"{key}: the folder {path} holds no file")
+        return files
+    raise UsageError(f"{key}: {path} does not exist")
+
+
+def read_documents(source: SourceSpec, tokenizer: PreTrainedTokenizerBase, key: str) -> Iterator[str]:
+    """The documents of one source, as text (chat records rendered with the chat template)."""
+    if source.path.startswith(HF_PREFIX):
+        yield from (record_text(r, source, tokenizer, f"{key} record {n}") for n, r in enumerate(hub_records(source)))
+        return
+    for path in local_files(source, f"{key}.path"):
+        kind = source.format
+        if kind == "auto":
+            kind = "jsonl" if path.suffix == ".jsonl" else "text"
+        if kind == "text":
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if source.documents == "file":
+                if text.strip():
+                    yield text
+            else:
+                yield from (block for block in text.replace("\r\n", "\n").split("\n\n") if block.strip())
+            continue
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise UsageError(f"{key}: {path}:{number} is not JSON ({error.msg})") from None
+                yield record_text(record, source, tokenizer, f"{key}: {path}:{number}")
+
+
+def record_text(record: object, source: SourceSpec, tokenizer: PreTrainedTokenizerBase, where: str) -> str:
+    """The text of one JSON record: its `text_field`, or its `chat_field` rendered as a chat."""
+    if not isinstance(record, dict):
+        raise UsageError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    chat = source.format == "chat" or (source.format == "auto" and source.chat_field in record)
+    if not chat:
+        if not isinstance(record.get(source.text_field), str):
+            raise UsageError(f"{where}: no text field {source.text_field!r} (set text_field or chat_field)")
+        return record[source.text_field]
+    messages = record.get(source.chat_field)
+    if not isinstance(messages, list) or not messages:
+        raise UsageError(f"{where}: no chat field {source.chat_field!r} holding a list of messages")
+    if tokenizer.chat_template is None:
+        raise UsageError(f"{where}: chat records need a tokenizer with a chat template, and this one has none")
+    return tokenizer.apply_chat_template([chat_message(m, where) for m in messages], tokenize=False)
+
+
+def chat_message(message: object, where: str) -> dict:
+    """One message as {"role", "content"}; ShareGPT's {"from", "value"} is mapped."""
+    if isinstance(message, dict) and "role" in message and "content" in message:
+        return {"role": message["role"], "content": message["content"]}
+    if isinstance(message, dict) and message.get("from") in SHAREGPT_ROLES and "value" in message:
+        return {"role": SHAREGPT_ROLES[message["from"]], "content": message["value"]}
+    raise UsageError(f"{where}: a message must be {{role, content}} or {{from, value}}, got {message!r:.80}")
+
+
+def hub_records(source: SourceSpec) -> Iterator[dict]:
+    """Records of a Hugging Face dataset, streamed (`max_tokens` bounds how much is read)."""
+    import datasets
+
+    name = source.path[len(HF_PREFIX) :]
+    try:
+        stream = datasets.load_dataset(name, source.hf_subset, split=source.hf_split, streaming=True)
+        yield from stream
+    except (FileNotFoundError, ConnectionError, ValueError) as error:
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        offline = " (this machine is offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise UsageError(f"cannot read the dataset {name}{offline}: {first_line}") from None
+
+
+def batched(items: Iterator[str], size: int) -> Iterator[list[str]]:
+    iterator = iter(items)
+    while batch := list(itertools.islice(iterator, size)):
+        yield batch
+
+
+class BlockOrder:
+    """Which blocks each optimizer step reads: a pure function of (seed, step), so a resumed run
+    reads exactly what an uninterrupted one would, whatever the number of processes.
+
+    The training blocks are read in a fresh seeded permutation per epoch; step `s` takes positions
+    `[s * G, (s + 1) * G)` of that endless stream, G = micro_batch * grad_accum * processes. Within a
+    step, micro-step `a` of process `p` takes the slice `(a * processes + p) * micro_batch`.
+    """
+
+    def __init__(self, blocks: int, seed: int, micro_batch: int, grad_accum: int, processes: int):
+        self.blocks, self.seed = blocks, seed
+        self.micro_batch, self.grad_accum, self.processes = micro_batch, grad_accum, processes
+        self.per_step = micro_batch * grad_accum * processes
+        self._permutation = functools.lru_cache(maxsize=2)(self._make_permutation)
+
+    def _make_permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.blocks)
+
+    def indices(self, step: int, micro_step: int, process: int) -> np.ndarray:
+        start = step * self.per_step + (micro_step * self.processes + process) * self.micro_batch
+        positions = np.arange(start, start + self.micro_batch)
+        return np.array([self._permutation(p // self.blocks)[p % self.blocks] for p in positions])
+
+
+__all__ = ["BlockOrder", "Splits", "load_blocks", "prepare_data", "read_documents"]

@@ -1,0 +1,157 @@
+"""Conversion time and memory against a plain recursive copy, on a synthetic checkpoint of a few GB.
+
+    flock /tmp/team/cpu.lock .venv/bin/python benchmarks/convert_speed.py [--repeats 2]
+
+The checkpoint (written once into runs/bench/convert-source and reused): Llama-3.1-8B shapes
+(hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256) with 4 layers instead of 32 and
+tied embeddings, random float32 weights, 2 GB shards: 5.6 GB, largest tensor 2.1 GB.
+
+In one run, for each mode (`copy`: same dtype, the files are copied; `bfloat16`: every tensor is
+read, cast and written) and each page-cache state, it times `cp -r SRC DST && sync` and
+`ladder convert SRC --out DST --no-verify` (the conversion flushes its files; a `sync` follows it
+too), best of --repeats, and reports the ratio. "cold": the source is evicted from the page cache
+first, as for a checkpoint larger than RAM; "warm": it was just read. The conversion's time is
+measured inside its process (`convert`), and also with the interpreter and library start-up
+(`+start`, about constant per run). Peak RSS is the conversion process's own (wait4's ru_maxrss).
+Goals: time ratio at most 1.2, peak RSS under 1.5x the largest shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from convert.tensor_io import ShardedWriter, TensorSpec, plan_shards, row_blocks
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+LLAMA_31_8B_SHAPES = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                          vocab_size=128256)
+CONVERT_IN_CHILD = """
+import json, os, sys, time
+import torch
+from convert.convert import convert_checkpoint
+source, out, dtype = sys.argv[1:4]
+started = time.perf_counter()
+convert_checkpoint(source, out=out, dtype=getattr(torch, dtype) if dtype != "keep" else None, verify=False)
+os.sync()
+print(json.dumps({"seconds": time.perf_counter() - started}))
+"""
+
+
+def write_synthetic_checkpoint(directory: Path, config: LlamaConfig, max_shard_size: int, seed: int = 0) -> None:
+    """A checkpoint directory of `config`'s shapes with random float32 weights, written the way
+    `save_pretrained` lays it out, streaming (one 64 MiB block in memory at a time)."""
+    with torch.device("meta"):
+        names_and_shapes = [(name, tuple(tensor.shape)) for name, tensor in LlamaForCausalLM(config).state_dict().items()
+                            if not (config.tie_word_embeddings and name == "lm_head.weight")]
+    specs = [TensorSpec(name, torch.float32, shape) for name, shape in names_and_shapes]
+    staging = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    writer = ShardedWriter(staging, plan_shards(specs, max_shard_size))
+    generator = torch.Generator().manual_seed(seed)
+    for spec in specs:
+        for start, stop in row_blocks(spec.shape, 4):
+            block_shape = (stop - start, *spec.shape[1:]) if spec.shape else ()
+            writer.write(spec.name, torch.randn(block_shape, generator=generator).mul_(0.02))
+    writer.close()
+    config.save_pretrained(staging)
+    staging.rename(directory)
+
+
+def evict_from_page_cache(directory: Path) -> None:
+    """Drop a directory's files from the page cache (only clean pages go, so sync first)."""
+    os.sync()
+    for path in directory.rglob("*"):
+        if path.is_file():
+            descriptor = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(descriptor)
+
+
+def read_through(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                while handle.read(64 << 20):
+                    pass
+
+
+def prepare(source: Path, out: Path, cache: str) -> None:
+    shutil.rmtree(out, ignore_errors=True)
+    evict_from_page_cache(source)
+    if cache == "warm":
+        read_through(source)
+
+
+def time_copy(source: Path, out: Path) -> float:
+    started = time.perf_counter()
+    subprocess.run(f"cp -r '{source}' '{out}' && sync", shell=True, check=True)
+    return time.perf_counter() - started
+
+
+def time_conversion(source: Path, out: Path, dtype: str) -> tuple[float, float, int]:
+    """(seconds inside the process, seconds with start-up, peak RSS in bytes) of one conversion."""
+    command = [sys.executable, "-c", CONVERT_IN_CHILD, str(source), str(out), dtype]
+    started = time.perf_counter()
+    child = subprocess.Popen(command, cwd=REPOSITORY, stdout=subprocess.PIPE, text=True)
+    stdout = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"conversion failed with status {status}")
+    return json.loads(stdout.strip().splitlines()[-1])["seconds"], wall, usage.ru_maxrss * 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cache", choices=["cold", "warm"], nargs="+", default=["cold", "warm"])
+    parser.add_argument("--mode", choices=["copy", "bfloat16"], nargs="+", default=["copy", "bfloat16"])
+    parser.add_argument("--workdir", type=Path, default=REPOSITORY / "runs" / "bench")
+    args = parser.parse_args()
+
+    source = args.workdir / f"convert-source-{args.layers}l"
+    if not source.exists():
+        print(f"writing the synthetic checkpoint into {source} (once) ...", flush=True)
+        config = LlamaConfig(num_hidden_layers=args.layers, tie_word_embeddings=True, **LLAMA_31_8B_SHAPES)
+        write_synthetic_checkpoint(source, config, max_shard_size=2 * 10**9)
+    shards = sorted(source.glob("*.safetensors"))
+    total, largest = sum(p.stat().st_size for p in shards), max(p.stat().st_size for p in shards)
+    print(f"checkpoint: {total / 1e9:.2f} GB in {len(shards)} shards, largest {largest / 1e9:.2f} GB; "
+          f"{os.cpu_count()} CPUs; best of {args.repeats}")
+    print(f"{'mode':<9}{'cache':<6}{'cp -r':>8}{'convert':>9}{'ratio':>7}{'+start':>8}{'ratio':>7}"
+          f"{'peak RSS':>10}{'RSS/shard':>10}")
+    out = args.workdir / "convert-out"
+    for mode in args.mode:
+        dtype = "keep" if mode == "copy" else mode
+        for cache in args.cache:
+            copies, conversions = [], []
+            for _ in range(args.repeats):
+                prepare(source, out, cache)
+                copies.append(time_copy(source, out))
+                prepare(source, out, cache)
+                conversions.append(time_conversion(source, out, dtype))
+            shutil.rmtree(out, ignore_errors=True)
+            copy_seconds = min(copies)
+            seconds, wall, _ = min(conversions)
+            peak_rss = max(rss for _, _, rss in conversions)
+            print(f"{mode:<9}{cache:<6}{copy_seconds:>7.2f}s{seconds:>8.2f}s{seconds / copy_seconds:>7.2f}"
+                  f"{wall:>7.2f}s{wall / copy_seconds:>7.2f}{peak_rss / 1e9:>8.2f}GB{peak_rss / largest:>10.2f}",
+                  flush=True)
+    print("goals: ratio <= 1.2, RSS/shard < 1.5")
+
+
+if __name__ == "__main__":
+    main()

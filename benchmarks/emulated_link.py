@@ -1,0 +1,83 @@
+"""An emulated interconnect for CPU runs: a network namespace whose loopback is shaped with tc's token
+bucket filter (tbf), so the ranks' gloo traffic crosses a link of a chosen rate.
+
+Why: on plain loopback an all-reduce costs CPU (the kernel copies the bytes) and 2 ranks on 2 cores
+leave none spare, so nothing can overlap. On a rate-limited link most of an all-reduce is waiting
+for the wire, which is what a slow interconnect looks like and what ladder wiring hides.
+
+Needs root and iproute2 (`ip`, `tc`) with the sch_tbf kernel module; netem is not needed. The
+namespace's loopback gets MTU 1500: tbf drops a packet larger than its bucket, and loopback's
+default 64 KiB MTU would need a bucket so large that whole all-reduces pass unshaped. Both ranks'
+traffic shares the one shaped device, like a half-duplex link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+from ladder.errors import UsageError
+
+LOOPBACK = "loopback"
+_PREFIX = "ladder-bench-"
+_RATE = re.compile(r"^\d+(\.\d+)?[kmgt]?bit$")
+# Bucket and queue: a few packets of burst keeps the rate exact at millisecond scale; a long queue
+# limit (1 s) avoids drops, since TCP retransmission timeouts would swamp every measurement.
+_BURST, _QUEUE_LATENCY = "4kb", "1s"
+
+
+def check_rate(rate: str) -> str:
+    """A tc rate in bits per second, e.g. 20mbit, 1gbit; the error says what is accepted."""
+    if rate != LOOPBACK and not _RATE.match(rate):
+        raise UsageError(f"link {rate!r} is not '{LOOPBACK}' or a rate in bits per second such as 20mbit, 500kbit, 1gbit")
+    return rate
+
+
+def check_tools() -> None:
+    """Fail early, with what to install, when this machine cannot make a shaped namespace."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise UsageError(f"--link needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2, or use --link {LOOPBACK}")
+    if os.geteuid() != 0:
+        raise UsageError(f"--link needs root to create a network namespace; run as root or use --link {LOOPBACK}")
+
+
+def _run(*command: str) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        message = (result.stderr or result.stdout).strip().splitlines()
+        raise UsageError(f"`{' '.join(command)}` failed: {message[0] if message else f'exit {result.returncode}'}")
+
+
+def _remove_stale_namespaces() -> None:
+    """Namespaces left by benchmark runs that were killed (their process is gone)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in listing.splitlines():
+        name = line.split()[0] if line.split() else ""
+        pid = name[len(_PREFIX) :]
+        if name.startswith(_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@contextlib.contextmanager
+def emulated_link(rate: str) -> Iterator[list[str]]:
+    """Yield the command prefix that runs a program on a loopback shaped to `rate` (nothing for plain
+    loopback). The namespace is removed on exit, also after an error or Ctrl-C."""
+    if rate == LOOPBACK:
+        yield []
+        return
+    check_tools()
+    _remove_stale_namespaces()
+    name = f"{_PREFIX}{os.getpid()}"
+    _run("ip", "netns", "add", name)
+    try:
+        inside = ("ip", "netns", "exec", name)
+        _run(*inside, "ip", "link", "set", "lo", "mtu", "1500", "up")
+        _run(*inside, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", _BURST, "latency", _QUEUE_LATENCY)
+        yield list(inside)
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -1,0 +1,132 @@
+"""Training speed of the adapt loop against a plain `transformers.Trainer`, in one run.
+
+Both train the same model (the CPU recipe's: SmolLM2-135M with its upper layers made ladder, the
+same trainable parameters), on the same packed blocks, with the same batch, sequence length,
+AdamW and schedule, each in its own process so that peak RSS is its own. The sides alternate
+(adapt, Trainer, adapt, Trainer, ...) so that a change in the machine's load hits both. Prints each
+side's median step time over all its rounds, tokens/s and peak RSS, and the ratio adapt / Trainer
+(goal: at least 1.0).
+
+    flock /tmp/team/cpu.lock .venv/bin/python benchmarks/train_speed.py [--steps 8] [--rounds 2] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+RECIPE = REPO / "recipes" / "smollm2-135m-ladder-cpu.yaml"
+
+
+def recipe_for(steps: int, overrides: list[str], out: Path):
+    from adapt.recipe import load_recipe
+
+    base = load_recipe(RECIPE, overrides)
+    tokens = steps * base.batch.micro_batch * base.batch.grad_accum * base.data.seq_len
+    return load_recipe(RECIPE, [*overrides, f"budget={tokens}", f"output_dir={out}", "data.eval_blocks=0",
+                                f"checkpoint_every={steps + 1}", "logging.progress=false"])
+
+
+def run_adapt(steps: int, overrides: list[str], out: Path) -> list[float]:
+    from adapt.train import train
+
+    recipe = recipe_for(steps, overrides, out)
+    train(recipe)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    tokens = recipe.batch.micro_batch * recipe.batch.grad_accum * recipe.data.seq_len
+    return [tokens / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+
+
+def run_trainer(steps: int, overrides: list[str], out: Path) -> list[float]:
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import ladder
+    from adapt.data import prepare_data
+    from adapt.train import model_path
+    from ladder.loading import load_model
+
+    recipe = recipe_for(steps, overrides, out)
+    model, tokenizer = load_model(model_path(recipe.model.path))
+    model = ladder.to_ladder(model, recipe.model.ladder_layers).train()
+    if recipe.trainable.mode == "ladder":  # the same trainable parameters as the adapt run
+        model.requires_grad_(False)
+        for index in model.config.ladder_layers:
+            model.model.layers[index].requires_grad_(True)
+    blocks = prepare_data(recipe.data, tokenizer).train
+    rows = [torch.from_numpy(blocks[i].astype("int64")) for i in range(steps * recipe.batch.micro_batch)]
+    dataset = [{"input_ids": ids, "labels": ids} for ids in rows]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.seconds: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self.started)
+
+    timer = StepTimer()
+    arguments = TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=recipe.batch.micro_batch,
+        gradient_accumulation_steps=recipe.batch.grad_accum, learning_rate=recipe.optimizer.lr,
+        adam_beta1=recipe.optimizer.betas[0], adam_beta2=recipe.optimizer.betas[1],
+        weight_decay=recipe.optimizer.weight_decay, max_grad_norm=recipe.grad_clip, lr_scheduler_type="cosine",
+        warmup_steps=recipe.schedule.warmup_steps, optim="adamw_torch", use_cpu=True, save_strategy="no",
+        report_to=[], logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True, seed=recipe.seed,
+    )
+    Trainer(model=model, args=arguments, train_dataset=dataset, callbacks=[timer]).train()
+    return timer.seconds
+
+
+def child(kind: str, steps: int, overrides: list[str]) -> None:
+    with tempfile.TemporaryDirectory(prefix=f"train-speed-{kind}-") as out:
+        seconds = (run_adapt if kind == "adapt" else run_trainer)(steps, overrides, Path(out) / "run")
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"seconds": seconds, "peak_rss_mib": peak_mib}))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="steps per side; the first is warmup and not timed")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating")
+    parser.add_argument("--child", choices=["adapt", "trainer"], help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides for both sides")
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child, args.steps, args.overrides)
+        return 0
+    recipe = recipe_for(args.steps, args.overrides, Path("unused"))
+    tokens = recipe.batch.micro_batch * recipe.batch.grad_accum * recipe.data.seq_len
+    results = {kind: {"seconds": [], "peak_rss_mib": 0.0} for kind in ("adapt", "trainer")}
+    for _ in range(args.rounds):
+        for kind in results:
+            command = [sys.executable, __file__, "--child", kind, "--steps", str(args.steps), *args.overrides]
+            output = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO).stdout
+            run = json.loads(output.strip().splitlines()[-1])
+            results[kind]["seconds"] += run["seconds"][1:]  # the first step warms up
+            results[kind]["peak_rss_mib"] = max(results[kind]["peak_rss_mib"], run["peak_rss_mib"])
+    for kind, result in results.items():
+        step = statistics.median(result["seconds"])
+        result["tokens_per_s"] = tokens / step
+        print(f"{kind:8} median step {step:.2f} s, {tokens / step:.0f} tokens/s, "
+              f"peak RSS {result['peak_rss_mib']:.0f} MiB")
+    ratio = results["adapt"]["tokens_per_s"] / results["trainer"]["tokens_per_s"]
+    print(f"batch {recipe.batch.micro_batch} x {recipe.data.seq_len} (grad_accum {recipe.batch.grad_accum}), "
+          f"trainable {recipe.trainable.mode}, {args.rounds} x {args.steps - 1} timed steps per side")
+    print(f"adapt / Trainer tokens/s: {ratio:.2f}  (goal >= 1.0)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,102 @@
+"""`ladder convert [MODEL] [--layers SPEC] [--out DIR] ...`: parse and check the arguments, call
+`convert_checkpoint`, print a one-screen summary. Bad input raises `UsageError` (one line, exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from transformers.utils.hub import convert_file_size_to_int
+
+from ladder.errors import UsageError
+from ladder.loading import DTYPES
+
+from .convert import ConversionSummary, convert_checkpoint, format_layers
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="ladder convert",
+        description="Rewire a Llama checkpoint (a Hugging Face directory or a .gguf file) into Ladder Residual "
+        "form. No weight changes; the output loads with transformers.",
+    )
+    parser.add_argument("model", nargs="?", help="checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--layers", help="ladder layers: N (the upper N), a range 16-31, or a list 3,5,7 (default: the upper half)")
+    parser.add_argument("--out", type=Path, help="output directory (default: runs/convert/<model>-ladder<N>)")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="cast floating weights (default: keep the source's; float32 for GGUF)")
+    parser.add_argument("--max-shard-size", help="reshard into files of at most this size, e.g. 5GB, 500MB, 2GiB (default: the source's shards)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure the conversion damage on fixed prompts (default: when both models fit in memory)")
+    parser.add_argument("--allow-pickle", action="store_true", help="read pickle .bin weights, with torch.load(weights_only=True)")
+    return parser
+
+
+def parse_size(text: str) -> int:
+    try:
+        size = int(text) if text.isdigit() else convert_file_size_to_int(text)
+    except ValueError:
+        raise UsageError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 2GiB") from None
+    if size <= 0:
+        raise UsageError(f"--max-shard-size {text!r} must be positive")
+    return size
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError
+
+
+def format_summary(summary: ConversionSummary) -> str:
+    layers = summary.ladder_layers
+    shards = summary.shards[0] if len(summary.shards) == 1 else f"{summary.shards[0]} ... {summary.shards[-1]}"
+    lines = [
+        f"converted {Path(summary.source).name} ({summary.source_format}) -> {summary.output}",
+        f"  ladder layers  {len(layers)} of {summary.num_hidden_layers}: {format_layers(layers)}",
+        f"  weights        {summary.weights}: {summary.tensors} tensors, {summary.dtype}, "
+        f"{_size(summary.weight_bytes)} in {len(summary.shards)} shard{'s' if len(summary.shards) > 1 else ''} ({shards})",
+    ]
+    if summary.dropped:
+        lines.append("  dropped        " + "; ".join(f"{name} ({why})" for name, why in summary.dropped.items()))
+    if summary.not_copied:
+        lines.append("  not copied     " + ", ".join(summary.not_copied) + " (other weight formats, code, folders)")
+    lines.append(f"  time           {summary.seconds:.1f} s")
+    damage = summary.damage
+    if damage is None:
+        lines.append(f"  damage         {summary.verify_skipped}")
+    else:
+        before = "all layers (no ladder layer)" if damage.first_ladder_layer is None else f"layer {damage.first_ladder_layer}"
+        lines += [
+            f"  damage         original vs ladder, no retraining, {damage.prompts} prompts ({damage.tokens} tokens):",
+            f"    max |Δ| of hidden states before {before}: {damage.hidden_max_abs_diff:g} (must be 0)",
+            f"    next-token top-1 agreement: {damage.top1_agreement:.1%}",
+            f"    mean KL(original || ladder): {damage.mean_kl:.4f} nats",
+        ]
+        if damage.first_ladder_layer is None:
+            lines.append(f"    max |Δ| of logits: {damage.logits_max_abs_diff:g} (must be 0)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    summary = convert_checkpoint(
+        args.model,
+        out=args.out,
+        ladder_layers=args.layers,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        max_shard_size=parse_size(args.max_shard_size) if args.max_shard_size else None,
+        force=args.force,
+        verify=args.verify,
+        allow_pickle=args.allow_pickle,
+        progress=True,
+    )
+    print(format_summary(summary))
+    return 0

@@ -1,0 +1,54 @@
+"""Checks on a GGUF file (llama.cpp's format) before transformers dequantizes it, which takes a
+while and fails late with less clear errors: the architecture must be Llama, and every tensor's
+type one that gguf-py (what transformers dequantizes with) can dequantize."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from ladder.errors import UsageError
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    num_hidden_layers: int
+    tensor_types: tuple[str, ...]  # e.g. ("F32", "Q4_1", "Q8_0")
+
+
+def _can_dequantize(tensor_type: gguf.GGMLQuantizationType) -> bool:
+    _, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
+    try:
+        gguf.dequantize(np.zeros(type_size, dtype=np.uint8), tensor_type)  # one block of zeros
+    except NotImplementedError:
+        return False
+    return True
+
+
+def inspect_llama_gguf(path: Path) -> GGUFInfo:
+    """Read a GGUF file's metadata (not its tensors) and check that it converts."""
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError, KeyError, IndexError) as error:
+        raise UsageError(f"cannot read GGUF file {path}: {error}") from None
+    field = reader.get_field("general.architecture")
+    architecture = field.contents() if field is not None else None
+    if architecture != "llama":
+        raise UsageError(
+            f"GGUF file {path} holds a {architecture!r} model; only the 'llama' architecture converts"
+        )
+    types = sorted({tensor.tensor_type for tensor in reader.tensors}, key=lambda t: t.name)
+    unsupported = [t.name for t in types if not _can_dequantize(t)]
+    if unsupported:
+        raise UsageError(
+            f"GGUF file {path} uses quantization type {', '.join(unsupported)}, which gguf {version('gguf')} "
+            f"cannot dequantize; export it as F16, BF16, Q8_0 or Q4_K_M instead"
+        )
+    block_count = reader.get_field("llama.block_count")
+    if block_count is None:
+        raise UsageError(f"GGUF file {path} has no llama.block_count: not a complete Llama GGUF")
+    return GGUFInfo(int(block_count.contents()), tuple(t.name for t in types))

@@ -1,0 +1,311 @@
+"""Streaming checkpoint IO: safetensors headers, chunked reads, planned shard writes, file copies.
+
+Memory stays bounded by one chunk (64 MiB), whatever the size of a tensor, a shard or the model.
+The `safetensors` library reads through mmap (every byte read stays in the RSS until the file is
+closed, up to the whole shard) and writes a file from tensors that are all in memory at once;
+a checkpoint far larger than RAM needs neither. The format is small (an 8-byte little-endian
+header length, a JSON header, then the tensors' bytes back to back), so it is read and written
+here directly; the tests check that the `safetensors` library reads what this writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ladder.errors import UsageError
+
+CHUNK_BYTES = 64 << 20
+# Plain reads go through Python in pieces this big: the allocator reuses memory of this size,
+# while a fresh 64 MiB buffer per read costs page faults that halve the throughput.
+BUFFER_BYTES = 4 << 20
+# The largest header the safetensors library accepts.
+MAX_HEADER_BYTES = 100_000_000
+INDEX_NAME = "model.safetensors.index.json"
+# Linux's FICLONE ioctl (fcntl.FICLONE from Python 3.12): share the blocks of a file on btrfs/XFS.
+FICLONE = getattr(fcntl, "FICLONE", 0x40049409)
+# Errors meaning "this way of copying is not available here": fall back to the next way.
+UNSUPPORTED_COPY_ERRNOS = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EBADF}
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a header records about a tensor, and what the shape checks compare."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One safetensors file as its (checked) header describes it; `tensors` in file order."""
+
+    path: Path
+    data_start: int
+    tensors: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class OutputShard:
+    """A safetensors file to write: its name and its tensors, in order."""
+
+    filename: str
+    tensors: tuple[TensorSpec, ...]
+
+
+def read_shard(path: Path) -> Shard:
+    """Parse and check a safetensors header without reading the tensors: a truncated or corrupt
+    file is a `UsageError` that names it."""
+
+    def invalid(reason: str) -> UsageError:
+        return UsageError(f"{path} is not a valid safetensors file: {reason}")
+
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise invalid(f"truncated to {size} bytes, shorter than the header length field")
+        (header_size,) = struct.unpack("<Q", prefix)
+        if header_size > min(MAX_HEADER_BYTES, size - 8):
+            raise invalid(f"header length {header_size} does not fit the file ({size} bytes): truncated or corrupt")
+        try:
+            header = json.loads(handle.read(header_size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise invalid(f"the header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise invalid("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    placed = []
+    for name, entry in header.items():
+        try:
+            spec = TensorSpec(name, SAFETENSORS_DTYPES[entry["dtype"]], tuple(int(n) for n in entry["shape"]))
+            begin, end = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise invalid(f"tensor {name!r} has a malformed entry {entry!r}") from None
+        if min(spec.shape, default=0) < 0 or end - begin != spec.nbytes:
+            raise invalid(f"tensor {name!r}: offsets {begin}-{end} do not hold shape {list(spec.shape)} {entry['dtype']}")
+        placed.append((begin, spec))
+    placed.sort(key=lambda item: item[0])
+    position = 0
+    for begin, spec in placed:
+        if begin != position:
+            raise invalid(f"tensor {spec.name!r} starts at data byte {begin}, expected {position}")
+        position += spec.nbytes
+    available = size - 8 - header_size
+    if position > available:
+        raise invalid(f"truncated: the header describes {position} bytes of tensor data, the file holds {available}")
+    if position < available:
+        raise invalid(f"{available - position} stray bytes after the last tensor")
+    return Shard(path, 8 + header_size, tuple(spec for _, spec in placed))
+
+
+def row_blocks(shape: Sequence[int], itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, int]]:
+    """(start, stop) ranges over the first dimension, each at most `chunk_bytes` (at least one row):
+    row blocks of a contiguous tensor are contiguous byte ranges, so a tensor streams in pieces."""
+    if not shape:
+        yield 0, 1
+        return
+    row_bytes = math.prod(shape[1:]) * itemsize
+    step = max(1, chunk_bytes // max(row_bytes, 1))
+    for start in range(0, max(shape[0], 1), step):
+        yield start, min(start + step, shape[0])
+
+
+def read_chunks(
+    shard: Shard, on_read: Callable[[memoryview], None], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """Yield the tensors of a shard in file order as row blocks of at most `chunk_bytes`, reading
+    the file once from front to back; `on_read` sees every byte, header included (progress).
+
+    The blocks are views of one reused buffer (fresh memory for each would cost more than the
+    read): a block is valid until the next one is yielded; clone it to keep it."""
+    buffer = torch.empty(0, dtype=torch.uint8)
+    with open(shard.path, "rb") as handle:
+        on_read(memoryview(handle.read(shard.data_start)))
+        for spec in shard.tensors:
+            row_shape = spec.shape[1:]
+            for start, stop in row_blocks(spec.shape, spec.dtype.itemsize, chunk_bytes):
+                nbytes = (stop - start) * math.prod(row_shape) * spec.dtype.itemsize if spec.shape else spec.nbytes
+                if nbytes > len(buffer):
+                    buffer = torch.empty(nbytes, dtype=torch.uint8)
+                view = memoryview(buffer[:nbytes].numpy())
+                if handle.readinto(view) != nbytes:
+                    raise UsageError(f"{shard.path} became shorter while it was being read")
+                on_read(view)
+                shape = (stop - start, *row_shape) if spec.shape else ()
+                yield spec, buffer[:nbytes].view(spec.dtype).reshape(shape)
+
+
+def split_rows(spec: TensorSpec, tensor: torch.Tensor) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """An in-memory tensor as the same row blocks `read_chunks` yields (views, no copies)."""
+    if not spec.shape:
+        yield spec, tensor
+        return
+    for start, stop in row_blocks(spec.shape, tensor.dtype.itemsize):
+        yield spec, tensor[start:stop]
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file whose tensors are known up front: the header first, then each
+    tensor's bytes as they arrive, in order, in any number of row blocks, cast to the planned
+    dtype on the way (into one reused buffer)."""
+
+    def __init__(self, path: Path, tensors: Sequence[TensorSpec]):
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for spec in tensors:
+            header[spec.name] = {"dtype": DTYPE_CODES[spec.dtype], "shape": list(spec.shape),
+                                 "data_offsets": [offset, offset + spec.nbytes]}
+            offset += spec.nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the safetensors library aligns tensor data to 8 bytes
+        self.path = path
+        self._pending = list(reversed(tensors))
+        self._remaining = tensors[0].nbytes if tensors else 0
+        self._cast_buffer = torch.empty(0, dtype=torch.uint8)
+        self._handle = open(path, "wb")
+        self._handle.write(struct.pack("<Q", len(encoded)) + encoded)
+
+    def write(self, name: str, block: torch.Tensor) -> None:
+        """Append a row block of tensor `name`, which must be the next tensor due."""
+        spec = self._pending[-1]
+        if name != spec.name:
+            raise RuntimeError(f"{self.path}: got {name}, expected {spec.name}")
+        if block.dtype != spec.dtype:
+            nbytes = block.numel() * spec.dtype.itemsize
+            if nbytes > len(self._cast_buffer):
+                self._cast_buffer = torch.empty(nbytes, dtype=torch.uint8)
+            block = self._cast_buffer[:nbytes].view(spec.dtype).view(block.shape).copy_(block)
+        data = block.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        if data.nbytes > self._remaining:
+            raise RuntimeError(f"{self.path}: more bytes than the shape of {name} holds")
+        self._handle.write(data)
+        self._remaining -= data.nbytes
+        if self._remaining == 0:
+            self._pending.pop()
+            self._remaining = self._pending[-1].nbytes if self._pending else 0
+
+    def close(self) -> None:
+        """A file with tensors still due is an error (and is left incomplete)."""
+        self._handle.close()
+        if self._pending:
+            raise RuntimeError(f"{self.path}: closed before {self._pending[-1].name} was written")
+
+
+def shard_filenames(count: int) -> list[str]:
+    """The names transformers gives `count` shards."""
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{index:05d}-of-{count:05d}.safetensors" for index in range(1, count + 1)]
+
+
+def plan_shards(tensors: Sequence[TensorSpec], max_shard_size: int) -> list[OutputShard]:
+    """Cut `tensors`, kept in order, into shards of at most `max_shard_size` bytes (a tensor larger
+    than that gets a shard of its own)."""
+    groups: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in tensors:
+        if groups[-1] and size + spec.nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += spec.nbytes
+    return [OutputShard(name, tuple(group)) for name, group in zip(shard_filenames(len(groups)), groups)]
+
+
+class ShardedWriter:
+    """Writes planned shards one after another, one file open at a time, then the index (only
+    when there is more than one shard, as transformers does)."""
+
+    def __init__(self, directory: Path, shards: Sequence[OutputShard]):
+        self.directory = directory
+        self.shards = list(shards)
+        self._shard_of = {spec.name: index for index, shard in enumerate(self.shards) for spec in shard.tensors}
+        self._writer: SafetensorsWriter | None = None
+        self._opened = -1
+
+    def write(self, name: str, block: torch.Tensor) -> None:
+        index = self._shard_of[name]
+        if index != self._opened:
+            if index != self._opened + 1:
+                raise RuntimeError(f"tensor {name} arrived out of the planned shard order")
+            if self._writer is not None:
+                self._writer.close()
+            shard = self.shards[index]
+            self._writer = SafetensorsWriter(self.directory / shard.filename, shard.tensors)
+            self._opened = index
+        self._writer.write(name, block)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._opened != len(self.shards) - 1:
+            raise RuntimeError(f"only {self._opened + 1} of {len(self.shards)} shards were written")
+        if len(self.shards) > 1:
+            write_index(self.directory, self.shards)
+
+
+def write_index(directory: Path, shards: Sequence[OutputShard]) -> None:
+    """`model.safetensors.index.json`: which shard holds each tensor."""
+    weight_map = {spec.name: shard.filename for shard in shards for spec in shard.tensors}
+    total_size = sum(spec.nbytes for shard in shards for spec in shard.tensors)
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_file(source: Path, destination: Path, on_chunk: Callable[[int], None]) -> None:
+    """Copy a file without its bytes passing through Python where the system allows: a reflink
+    (btrfs, XFS: the copy shares the blocks), else `copy_file_range` (the kernel copies), else
+    read/write. `on_chunk(nbytes)` reports progress."""
+    with open(source, "rb") as reader, open(destination, "wb") as writer:
+        size = os.fstat(reader.fileno()).st_size
+        try:
+            fcntl.ioctl(writer.fileno(), FICLONE, reader.fileno())
+            on_chunk(size)
+            return
+        except OSError as error:
+            if error.errno not in UNSUPPORTED_COPY_ERRNOS:
+                raise
+        copied = 0
+        try:
+            if not hasattr(os, "copy_file_range"):
+                raise OSError(errno.ENOSYS, "copy_file_range is not available")
+            while copied < size:
+                step = os.copy_file_range(reader.fileno(), writer.fileno(), min(CHUNK_BYTES, size - copied))
+                if step == 0:
+                    break
+                copied += step
+                on_chunk(step)
+        except OSError as error:
+            if error.errno not in UNSUPPORTED_COPY_ERRNOS:
+                raise
+            reader.seek(copied)
+            writer.seek(copied)
+            while chunk := reader.read(BUFFER_BYTES):
+                writer.write(chunk)
+                copied += len(chunk)
+                on_chunk(len(chunk))
+        if copied != size:
+            raise UsageError(f"{source} changed size while it was being copied")

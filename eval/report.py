@@ -1,0 +1,254 @@
+"""The side-by-side report: every task and metric, each model's score, and each model's difference
+from the reference (the first model) with its standard error; as markdown, JSON and a chart.
+
+Standard error of a difference: both models score the same items, so it is computed from the
+per-item differences (paired). For mean metrics (acc, acc_norm) that is sd(d_i) / sqrt(n); for
+other aggregations (perplexities, bits per byte) it is the spread of the difference over paired
+bootstrap resamples of the items. Where the items do not match or per-item values are missing
+(group scores such as MMLU), it falls back to sqrt(se_a^2 + se_b^2), which ignores the
+correlation between the two models and so overstates the error; each row names its method.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from lm_eval.api.registry import AGGREGATION_REGISTRY
+
+from .harness import ModelResults
+
+BOOTSTRAP_DRAWS = 1000
+
+STDERR_NOTE = (
+    "Scores are lm-eval's, ± its standard error (where lm-eval gives none, as for WikiText's "
+    f"perplexities, a bootstrap over documents, {BOOTSTRAP_DRAWS} draws). Differences are against "
+    "the first model, ± the standard error of the difference: paired over the same items "
+    f"(mean metrics: sd of per-item differences / sqrt(n); other aggregations: {BOOTSTRAP_DRAWS}-draw "
+    "paired bootstrap); `independent` rows use sqrt(se_a² + se_b²), which overstates it."
+)
+
+
+@dataclass
+class Estimate:
+    value: float | None
+    stderr: float | None
+    method: str = ""  # for differences: "paired" or "independent"
+
+
+@dataclass
+class Row:
+    task: str
+    metric: str  # "acc", or "exact_match,strict-match" when a filter other than `none` applies
+    n: int | None
+    higher_is_better: bool | None
+    scores: list[Estimate]  # one per model, reference first
+    differences: list[Estimate]  # one per model after the reference
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _bootstrap(aggregate, items_a: list, items_b: list | None) -> float:
+    """Bootstrap standard error of aggregate(a), or of aggregate(a) - aggregate(b) on the same draws."""
+    rng = np.random.default_rng(0)
+    n = len(items_a)
+    draws = []
+    for _ in range(BOOTSTRAP_DRAWS):
+        index = rng.integers(0, n, n)
+        value = aggregate([items_a[i] for i in index])
+        if items_b is not None:
+            value -= aggregate([items_b[i] for i in index])
+        draws.append(value)
+    return float(np.std(draws, ddof=1))
+
+
+def _items(record: dict, task: str, key: str) -> dict | None:
+    column = record.get("per_item", {}).get(task, {}).get(key)
+    return column if column and column["doc_id"] else None
+
+
+def _aggregation(record: dict, task: str, metric: str):
+    name = record.get("aggregations", {}).get(task, {}).get(metric, "")
+    return name, (AGGREGATION_REGISTRY.get(name) if name in AGGREGATION_REGISTRY.keys() else None)
+
+
+def _score(record: dict, task: str, key: str) -> Estimate:
+    metric, _, filter_name = key.partition(",")
+    results = record["results"].get(task, {})
+    value = _number(results.get(key))
+    stderr = _number(results.get(f"{metric}_stderr,{filter_name}"))
+    items = _items(record, task, key)
+    _, aggregate = _aggregation(record, task, metric)
+    if value is not None and stderr is None and items and aggregate and len(items["value"]) > 1:
+        stderr = _bootstrap(aggregate, items["value"], None)
+    return Estimate(value, stderr)
+
+
+def _difference(reference: dict, other: dict, task: str, key: str, ref: Estimate, score: Estimate) -> Estimate:
+    if ref.value is None or score.value is None:
+        return Estimate(None, None)
+    value = score.value - ref.value
+    metric = key.partition(",")[0]
+    items_ref, items_other = _items(reference, task, key), _items(other, task, key)
+    name, aggregate = _aggregation(reference, task, metric)
+    if items_ref and items_other and items_ref["doc_id"] == items_other["doc_id"] and len(items_ref["doc_id"]) > 1:
+        if name == "mean":
+            per_item = np.asarray(items_other["value"], dtype=float) - np.asarray(items_ref["value"], dtype=float)
+            return Estimate(value, float(per_item.std(ddof=1) / math.sqrt(len(per_item))), "paired")
+        if aggregate is not None:
+            return Estimate(value, _bootstrap(aggregate, items_other["value"], items_ref["value"]), "paired")
+    if ref.stderr is not None and score.stderr is not None:
+        return Estimate(value, math.hypot(ref.stderr, score.stderr), "independent")
+    return Estimate(value, None)
+
+
+def build_rows(models: list[ModelResults]) -> list[Row]:
+    """One row per (task, metric) of the reference model's results, in suite order."""
+    reference = models[0]
+    rows = []
+    for suite_task, record in reference.tasks.items():
+        for task, results in record["results"].items():
+            for key in results:
+                metric, comma, _ = key.partition(",")
+                if not comma or metric.endswith("_stderr"):
+                    continue
+                scores = []
+                for model in models:
+                    other = model.tasks[suite_task]
+                    scores.append(_score(other, task, key) if task in other["results"] else Estimate(None, None))
+                differences = [
+                    _difference(record, model.tasks[suite_task], task, key, scores[0], score)
+                    for model, score in zip(models[1:], scores[1:])
+                ]
+                samples = record.get("n-samples", {}).get(task, {})
+                rows.append(
+                    Row(
+                        task=task,
+                        metric=key.removesuffix(",none"),
+                        n=samples.get("effective"),
+                        higher_is_better=record.get("higher_is_better", {}).get(task, {}).get(metric),
+                        scores=scores,
+                        differences=differences,
+                    )
+                )
+    return rows
+
+
+def _decimals(value: float | None) -> int:
+    if value is None:
+        return 4
+    magnitude = abs(value)
+    return 4 if magnitude < 10 else 2 if magnitude < 1000 else 1
+
+
+def _format(estimate: Estimate, like: float | None, signed: bool = False) -> str:
+    if estimate.value is None:
+        return "—"
+    decimals = _decimals(like)
+    text = f"{estimate.value:{'+' if signed else ''}.{decimals}f}"
+    if estimate.stderr is not None:
+        text += f" ± {estimate.stderr:.{decimals}f}"
+    return text
+
+
+def _arrow(row: Row) -> str:
+    return {True: " ↑", False: " ↓"}.get(row.higher_is_better, "")
+
+
+def markdown_table(labels: list[str], rows: list[Row]) -> str:
+    header = ["task", "metric", "n", labels[0]]
+    for label in labels[1:]:
+        header += [label, f"Δ {label}"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        like = row.scores[0].value
+        cells = [row.task, row.metric + _arrow(row), "" if row.n is None else str(row.n), _format(row.scores[0], like)]
+        for score, difference in zip(row.scores[1:], row.differences):
+            method = f" ({difference.method})" if difference.method == "independent" else ""
+            cells += [_format(score, like), _format(difference, like, signed=True) + method]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report_dict(models: list[ModelResults], rows: list[Row], header: dict) -> dict:
+    return {
+        **header,
+        "reference": models[0].model.label,
+        "models": [
+            {
+                "label": m.model.label,
+                "model": m.model.spec,
+                "path": str(m.model.path),
+                "fingerprint_sha256": m.fingerprint,
+                "cached_tasks": m.cached,
+            }
+            for m in models
+        ],
+        "stderr": STDERR_NOTE,
+        "rows": [
+            {
+                "task": row.task,
+                "metric": row.metric,
+                "n": row.n,
+                "higher_is_better": row.higher_is_better,
+                "scores": {m.model.label: asdict(s) for m, s in zip(models, row.scores)},
+                "differences": {m.model.label: asdict(d) for m, d in zip(models[1:], row.differences)},
+            }
+            for row in rows
+        ],
+    }
+
+
+def markdown_report(models: list[ModelResults], rows: list[Row], header: dict) -> str:
+    labels = [m.model.label for m in models]
+    lines = [f"# Evaluation: suite `{header['suite']}`", ""]
+    lines += [f"- {key}: {value}" for key, value in header.items() if key != "suite"]
+    lines += [f"- model `{m.model.label}`: {m.model.path}" + (" (reference)" if i == 0 else "")
+              for i, m in enumerate(models)]
+    lines += ["", markdown_table(labels, rows), "", STDERR_NOTE, ""]
+    return "\n".join(lines)
+
+
+def plot(models: list[ModelResults], rows: list[Row], path: Path) -> None:
+    """Per-metric panels of horizontal bars: each model's difference from the reference per task,
+    with 95% error bars (1.96 standard errors); the scores themselves when there is one model."""
+    from matplotlib.figure import Figure  # the Agg canvas, without pyplot's global state
+
+    compare = len(models) > 1
+    series = models[1:] if compare else models[:1]
+    panels: dict[str, list[Row]] = {}
+    for row in rows:
+        panels.setdefault(row.metric, []).append(row)
+    heights = [max(1.0, 0.45 * len(panel_rows) * len(series) + 0.8) for panel_rows in panels.values()]
+    figure = Figure(figsize=(9, sum(heights) + 0.6), layout="constrained")
+    axes = figure.subplots(len(panels), 1, squeeze=False, height_ratios=heights)[:, 0]
+    bar = 0.8 / len(series)
+    for ax, (metric, panel_rows) in zip(axes, panels.items()):
+        for s, model in enumerate(series):
+            estimates = [row.differences[s] if compare else row.scores[0] for row in panel_rows]
+            positions = np.arange(len(panel_rows)) + (s - (len(series) - 1) / 2) * bar
+            values = [e.value if e.value is not None else np.nan for e in estimates]
+            errors = [1.96 * e.stderr if e.stderr is not None else 0.0 for e in estimates]
+            ax.barh(positions, values, height=bar, xerr=errors, capsize=3, label=model.model.label)
+        ax.set_yticks(np.arange(len(panel_rows)), [row.task for row in panel_rows])
+        ax.invert_yaxis()
+        ax.axvline(0, color="black", linewidth=0.8)
+        direction = _arrow(panel_rows[0]).strip()
+        what = f"difference from {models[0].model.label}" if compare else "score"
+        ax.set_title(f"{metric} {direction} — {what} (±1.96 se)", fontsize=10)
+    axes[0].legend(fontsize=8, loc="best")
+    figure.savefig(path, dpi=110)
+
+
+def write_report(models: list[ModelResults], header: dict, directory: Path) -> str:
+    """Write report.md, report.json and report.png into `directory`; returns the markdown table."""
+    rows = build_rows(models)
+    (directory / "report.md").write_text(markdown_report(models, rows, header))
+    (directory / "report.json").write_text(json.dumps(report_dict(models, rows, header), indent=2) + "\n")
+    plot(models, rows, directory / "report.png")
+    return markdown_table([m.model.label for m in models], rows)

@@ -1,0 +1,1 @@
+"""Offline lm-eval task configs (`--include_path` this folder); a package so that installs carry it."""

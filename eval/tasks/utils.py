@@ -1,0 +1,132 @@
+"""Datasets and doc processing for the offline lm-eval tasks in this folder.
+
+Each task YAML names a loader here as its `custom_dataset`; lm-eval calls it with the task's
+`dataset_kwargs` and the TaskManager's metadata. The data folder is `metadata["data_dir"]` when
+given (`ladder eval --data`, or `lm_eval --metadata '{"data_dir": ...}'`), else `$LADDER_DATA`,
+else `../shared/data` beside the repository (`ladder.files.ladder_data_dir`). Prompt formatting
+reuses the stock tasks' own functions where they have them, so formats cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import bz2
+import json
+import re
+from pathlib import Path
+
+import datasets
+from lm_eval.tasks.hellaswag.utils import preprocess as hellaswag_preprocess
+from lm_eval.tasks.wikitext.preprocess_wikitext import process_results as wikitext_process_results  # noqa: F401
+from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer  # noqa: F401
+
+from ladder.files import ladder_data_dir
+
+
+def data_file(relative: str, data_dir: str | None = None) -> Path:
+    """A file of the data folder; a missing file is a FileNotFoundError naming it and the fix."""
+    root = Path(data_dir).expanduser() if data_dir else ladder_data_dir()
+    path = root / relative
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"data file {path} is missing: point --data or $LADDER_DATA at the shared data folder"
+        )
+    return path
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _wikitext_pages(path: Path) -> list[dict]:
+    """Split a raw WikiText file into articles exactly as EleutherAI/wikitext_document_level does:
+    a top-level heading ` = Title = ` starts a new page. Text mode turns the files' CRLF into LF."""
+    pages, lines = [], []
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    for line in text.split("\n"):
+        heading = line.replace("= = =", "===").replace("= =", "==").strip()
+        if heading.startswith("= ") and heading.endswith(" ="):
+            page = "\n".join(lines)
+            if page.strip():
+                pages.append({"page": page})
+            lines = []
+        lines.append(line)
+    pages.append({"page": "\n".join(lines)})
+    return pages
+
+
+def load_wikitext(data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+    # The 4,358-line test file has the blank separator lines of the original zip; the 2,891-line
+    # copy lacks them and would give other token counts (see the data README).
+    return datasets.DatasetDict(
+        {
+            "validation": datasets.Dataset.from_list(
+                _wikitext_pages(data_file("eval/wikitext2_raw/wiki.valid.raw", data_dir))
+            ),
+            "test": datasets.Dataset.from_list(
+                _wikitext_pages(data_file("eval/wikitext2_raw/alt_dragnlabs/wiki.test.raw", data_dir))
+            ),
+        }
+    )
+
+
+def load_lambada_openai(data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+    records = _read_jsonl(data_file("eval/lambada_openai/lambada_test.jsonl", data_dir))
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(records)})
+
+
+def load_piqa(data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+    records = _read_jsonl(data_file("eval/piqa/valid.jsonl", data_dir))
+    labels_path = data_file("eval/piqa/valid-labels.lst", data_dir)
+    labels = [int(line) for line in labels_path.read_text().split()]
+    if len(labels) != len(records):
+        raise ValueError(f"{labels_path} has {len(labels)} labels for {len(records)} PIQA items")
+    for record, label in zip(records, labels):
+        record["label"] = label
+    return datasets.DatasetDict({"validation": datasets.Dataset.from_list(records)})
+
+
+def load_arc(subset: str, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+    """`subset` is ARC-Easy or ARC-Challenge; all three splits, so few-shot works from train."""
+    return datasets.DatasetDict(
+        {
+            split: datasets.Dataset.from_list(_read_jsonl(data_file(f"eval/arc/{subset}-{split}.jsonl", data_dir)))
+            for split in ("train", "validation", "test")
+        }
+    )
+
+
+def load_hellaswag(data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+    """The llama.cpp text layout: six lines per item (`label: context`, gold index, four endings)."""
+    path = data_file("eval/hellaswag/hellaswag_val_full.txt.bz2", data_dir)
+    with bz2.open(path, "rt", encoding="utf-8") as handle:
+        lines = handle.read().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if len(lines) % 6:
+        raise ValueError(f"{path}: {len(lines)} lines is not a whole number of 6-line HellaSwag items")
+    records = [
+        {"context": lines[i], "label": int(lines[i + 1]), "endings": lines[i + 2 : i + 6]}
+        for i in range(0, len(lines), 6)
+    ]
+    return datasets.DatasetDict({"validation": datasets.Dataset.from_list(records)})
+
+
+# The last sentence of an ActivityNet context: a lowercase fragment with no closing punctuation.
+_UNFINISHED_SENTENCE = re.compile(r"(^|(?<=[.!?] ))([a-z][^.!?]*)$")
+
+
+def process_hellaswag_docs(dataset: datasets.Dataset) -> datasets.Dataset:
+    """The stock `hellaswag` process_docs, on the text layout. The layout keeps `ctx` whole, so the
+    stock `ctx_b.capitalize()` is redone on the unfinished last sentence, which is ctx_b."""
+
+    def process(doc: dict) -> dict:
+        context = _UNFINISHED_SENTENCE.sub(lambda match: match.group(2).capitalize(), doc["context"])
+        return {
+            "query": hellaswag_preprocess(context),
+            "choices": [hellaswag_preprocess(ending) for ending in doc["endings"]],
+            "gold": doc["label"],
+        }
+
+    return dataset.map(process)

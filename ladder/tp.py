@@ -1,0 +1,307 @@
+"""Tensor-parallel inference runtime for standard and ladder Llama checkpoints (gpt-fast's tp.py and
+generate.py, for the shard in `ladder.tp_model`).
+
+Launch one process per rank with torchrun (gloo on CPU, NCCL on GPU, one GPU per rank):
+
+    torchrun --nproc_per_node 2 my_script.py
+
+    rank, tp_size, device = init_distributed()
+    shard = load_shard(checkpoint_dir, rank, tp_size, device=device)  # reads only this rank's slices
+    install_communication(shard)  # all-reduce over the group
+    shard.setup_cache(batch, prompt_length + new_tokens)
+    tokens = generate(shard, prompt_ids.to(device), new_tokens)
+
+Fixed load order, as gpt-fast: build the shard on the meta device, read this rank's slices from the
+safetensors files (`safe_open(...).get_slice`: no rank ever holds the whole model), assign, move.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from transformers import AutoConfig, LlamaConfig
+
+from .errors import UsageError
+from .tp_model import LlamaShard, Ready, ShardShape, local_sum
+
+DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def init_distributed(cuda: bool | None = None) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and return
+    (rank, world size, device): NCCL and one GPU per rank when `cuda` (default: if there is a GPU),
+    else gloo on CPU. Without torchrun it is rank 0 of 1 and starts no process group."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return rank, world_size, device
+
+
+# --- Loading this rank's slices ------------------------------------------------------------------
+
+
+class SafetensorsSlices:
+    """Reads parts of the named tensors of a checkpoint directory (one model.safetensors or shards
+    listed in model.safetensors.index.json), each file opened once, nothing else read."""
+
+    def __init__(self, directory: Path):
+        index = directory / "model.safetensors.index.json"
+        single = directory / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: directory / file for name, file in weight_map.items()}
+        elif single.is_file():
+            with safe_open(single, framework="pt") as handle:
+                self.files = dict.fromkeys(handle.keys(), single)
+        else:
+            raise UsageError(f"{directory} has no model.safetensors (or index): the TP runtime reads safetensors only")
+        self.directory = directory
+        self._handles: dict[Path, object] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> SafetensorsSlices:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str, rows: range | None = None, columns: range | None = None) -> torch.Tensor:
+        """Tensor `name`, or only the given rows or columns of it (the slice is all that is read)."""
+        if name not in self.files:
+            raise UsageError(f"checkpoint {self.directory} has no tensor {name}")
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+        part = self._handles[file].get_slice(name)
+        if rows is not None:
+            return part[rows.start : rows.stop]
+        if columns is not None:
+            return part[:, columns.start : columns.stop]
+        return part[:]
+
+
+def read_config(path: str | Path) -> LlamaConfig:
+    """The Llama or ladder config of a checkpoint directory (a ladder config carries `ladder_layers`).
+    Importing this package registered the ladder model type with AutoConfig."""
+    path = Path(path)
+    if path.suffix == ".gguf" or not (path / "config.json").is_file():
+        raise UsageError(f"{path} is not a checkpoint directory with config.json and safetensors (convert a .gguf first)")
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in ("llama", "llamaLadder"):
+        raise UsageError(f"{path}: model_type {config.model_type!r} is not a Llama or ladder Llama")
+    return config
+
+
+def _scaled(heads: range, width: int) -> range:
+    return range(heads.start * width, heads.stop * width)
+
+
+def load_shard(
+    path: str | Path,
+    rank: int = 0,
+    tp_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaShard:
+    """This rank's shard of a checkpoint, Megatron-style: q/k/v and gate/up column-parallel (rows of
+    the HF weights), o/down row-parallel (columns), embeddings, norms and LM head replicated."""
+    path = Path(path)
+    config = read_config(path)
+    try:
+        shape = ShardShape.of(config, rank, tp_size)
+    except ValueError as error:
+        raise UsageError(f"{path}: {error}") from None
+    with torch.device("meta"):
+        shard = LlamaShard(config, shape)
+    q_rows, kv_rows = _scaled(shape.heads, shape.head_dim), _scaled(shape.kv_heads, shape.head_dim)
+    with SafetensorsSlices(path) as checkpoint:
+
+        def read(name: str, **part: range) -> torch.Tensor:
+            return checkpoint.read(name, **part).to(dtype)
+
+        embed = read("model.embed_tokens.weight")
+        state = {
+            "embed.weight": embed,
+            "norm.weight": read("model.norm.weight"),
+            "lm_head.weight": embed if config.tie_word_embeddings else read("lm_head.weight"),
+        }
+        for index in range(shape.num_layers):
+            source, target = f"model.layers.{index}.", f"layers.{index}."
+            attention, mlp = source + "self_attn.", source + "mlp."
+            state |= {
+                target + "attention.norm.weight": read(source + "input_layernorm.weight"),
+                target + "attention.wqkv.weight": torch.cat(
+                    [
+                        read(attention + "q_proj.weight", rows=q_rows),
+                        read(attention + "k_proj.weight", rows=kv_rows),
+                        read(attention + "v_proj.weight", rows=kv_rows),
+                    ]
+                ),
+                target + "attention.wo.weight": read(attention + "o_proj.weight", columns=q_rows),
+                target + "mlp.norm.weight": read(source + "post_attention_layernorm.weight"),
+                target + "mlp.w13.weight": torch.cat(
+                    [read(mlp + "gate_proj.weight", rows=shape.intermediate), read(mlp + "up_proj.weight", rows=shape.intermediate)]
+                ),
+                target + "mlp.w2.weight": read(mlp + "down_proj.weight", columns=shape.intermediate),
+            }
+    try:
+        shard.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as error:  # a shape that does not match config.json
+        raise UsageError(f"{path}: weights do not match config.json: {str(error).splitlines()[-1].strip()}") from None
+    return shard.to(device).eval()
+
+
+# --- Communication -------------------------------------------------------------------------------
+
+
+class InFlight:
+    """An asynchronous all-reduce: `wait()` blocks on its handle and returns the summed tensor."""
+
+    __slots__ = ("tensor", "work")
+
+    def __init__(self, tensor: torch.Tensor, work: dist.Work):
+        self.tensor, self.work = tensor, work
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.tensor
+
+
+class AllReduce:
+    """Sums branch outputs over the group in place: blocking for standard layers; for ladder layers
+    launched with `async_op=True`, its handle waited on where the layer loop needs the sum."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group
+
+    def __call__(self, partial: torch.Tensor, async_op: bool) -> InFlight | Ready:
+        work = dist.all_reduce(partial, group=self.group, async_op=async_op)
+        return InFlight(partial, work) if async_op else Ready(partial)
+
+
+COMMUNICATION = ("all-reduce", "none")
+
+
+def install_communication(shard: LlamaShard, mode: str = "all-reduce", group: dist.ProcessGroup | None = None) -> None:
+    """Install how the shard sums its partial outputs across ranks.
+
+    "all-reduce": the real thing (a no-op at TP=1). "none": the NO-COMMUNICATION BOUND: every rank
+    keeps its own partial sums, so above TP=1 the OUTPUTS ARE WRONG; it only times the model as if
+    the interconnect were free, an upper bound for any overlap of communication.
+    """
+    if mode not in COMMUNICATION:
+        raise ValueError(f"communication {mode!r} is not one of {COMMUNICATION}")
+    distributed = dist.is_initialized() and dist.get_world_size(group) > 1
+    shard.reduce = AllReduce(group) if mode == "all-reduce" and distributed else local_sum
+
+
+# --- Generation ----------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def prefill(shard: LlamaShard, prompt_ids: torch.Tensor) -> torch.Tensor:
+    """Run the prompts (batch, length; equal lengths) through the cache; the greedy next tokens (batch, 1)."""
+    positions = torch.arange(prompt_ids.shape[1], device=prompt_ids.device)
+    return shard(prompt_ids, positions)[:, -1:].argmax(-1)
+
+
+@torch.inference_mode()
+def decode(
+    shard: LlamaShard, tokens: torch.Tensor, position: int, steps: int, step: DecodeStep | None = None
+) -> torch.Tensor:
+    """Greedy decoding: feed `tokens` (batch, 1) at cache `position`, then each new token; returns the
+    `steps` tokens produced (batch, steps). `step` replaces the plain forward (e.g. a CUDA graph)."""
+    step = step or shard
+    produced = []
+    for offset in range(steps):
+        input_pos = torch.tensor([position + offset], device=tokens.device)
+        tokens = step(tokens, input_pos)[:, -1:].argmax(-1)
+        produced.append(tokens)
+    return torch.cat(produced, dim=1) if produced else tokens[:, :0]
+
+
+def generate(shard: LlamaShard, prompt_ids: torch.Tensor, max_new_tokens: int, step: DecodeStep | None = None) -> torch.Tensor:
+    """Greedy generation with the static cache (no early stop at EOS); the new tokens (batch, max_new_tokens)."""
+    length = prompt_ids.shape[1]
+    if max_new_tokens < 1 or length + max_new_tokens > shard.max_length:
+        raise ValueError(
+            f"{length} prompt + {max_new_tokens} new tokens do not fit the cache of {shard.max_length}; call setup_cache"
+        )
+    first = prefill(shard, prompt_ids)
+    return torch.cat([first, decode(shard, first, length, max_new_tokens - 1, step)], dim=1)
+
+
+# --- GPU speed options ---------------------------------------------------------------------------
+
+
+def compile_branches(shard: LlamaShard) -> None:
+    """torch.compile each attention and MLP branch; the layer loop and its collectives stay eager, so
+    the asynchronous all-reduces overlap exactly as without compile (the official code's
+    semi-compiled mode)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(shard.layers))
+    for block in shard.layers:
+        block.attention.compile()
+        block.mlp.compile()
+
+
+class CUDAGraphStep:
+    """One decode step (every layer and every all-reduce, NCCL included) captured as a CUDA graph and
+    replayed per token: the launch overhead gpt-fast removes with mode="reduce-overhead".
+
+    Build it right after `setup_cache` and before any prefill: its warm-up writes cache position 0.
+    """
+
+    def __init__(self, shard: LlamaShard, batch: int):
+        device = shard.lm_head.weight.device
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the capture: kernels, NCCL communicators, allocator
+                shard(self.tokens, self.position)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph):
+            self.logits = shard(self.tokens, self.position)
+
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.position.copy_(input_pos)
+        self.graph.replay()
+        return self.logits
+
+
+__all__ = [
+    "AllReduce",
+    "COMMUNICATION",
+    "CUDAGraphStep",
+    "InFlight",
+    "SafetensorsSlices",
+    "compile_branches",
+    "decode",
+    "generate",
+    "init_distributed",
+    "install_communication",
+    "load_shard",
+    "prefill",
+    "read_config",
+]

@@ -1,0 +1,406 @@
+"""adapt/: data packing and caching, the training loop, exact resume after SIGKILL, two processes
+against one, divergence, the final checkpoint, trainable modes and objectives, CLI errors.
+
+Runs the real loop on the tiny 4-layer checkpoint (SmolLM2's tokenizer) with generated prose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import ladder
+from adapt.cli import main as adapt_main
+from adapt.data import BlockOrder, load_blocks, prepare_data
+from adapt.recipe import DataSpec, SourceSpec, load_recipe
+from adapt.train import TrainingDiverged, train
+from ladder.cli import main as ladder_main
+from ladder.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ("the a house river lantern quiet walked under over she he they old new bright small letter "
+         "morning evening garden window road stone bird spoke answered slowly again never always").split()
+
+
+def prose(seed: int, paragraphs: int) -> str:
+    rng = random.Random(seed)
+    return "\n\n".join(
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))).capitalize() + "." for _ in range(paragraphs)
+    )
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "train").mkdir()
+    for i in range(3):
+        (folder / "train" / f"book{i}.txt").write_text(prose(i, 40))
+    (folder / "heldout.txt").write_text(prose(99, 30))
+    return folder
+
+
+def write_recipe(directory: Path, checkpoint: Path, corpus: Path, **overrides) -> Path:
+    recipe = {
+        "model": {"path": str(checkpoint), "ladder_layers": 2},
+        "data": {"train": [str(corpus / "train")], "eval": [str(corpus / "heldout.txt")], "seq_len": 64,
+                 "eval_blocks": 8, "cache_dir": str(directory / "cache")},
+        "budget": 8 * 4 * 64,
+        "batch": {"micro_batch": 4, "grad_accum": 1},
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"warmup_steps": 2, "decay": "cosine"},
+        "checkpoint_every": 3,
+        "eval_every": 4,
+        "output_dir": str(directory / "run"),
+        "logging": {"progress": False},
+    }
+    for key, value in overrides.items():
+        node = recipe
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [record["loss"] for record in metrics(run_dir) if "loss" in record]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_adapt(args: list[str], launcher: list[str] | None = None, **popen) -> subprocess.Popen:
+    command = (launcher or [sys.executable]) + ["-m", "adapt.cli", *args]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+# --- data -------------------------------------------------------------------------------------------
+
+
+def test_packing_puts_eos_after_every_document_and_caches(tmp_path, smollm2_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    documents = [prose(1, 3), prose(2, 2)]
+    (tmp_path / "a.txt").write_text(documents[0])
+    (tmp_path / "b.txt").write_text(documents[1])
+    sources = [SourceSpec(path=str(tmp_path / "*.txt"))]
+    blocks = load_blocks(sources, tokenizer, 16, tmp_path / "cache", "train")
+
+    stream = []
+    for text in documents:
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    whole = len(stream) // 16 * 16
+    assert blocks.shape == (whole // 16, 16)
+    assert blocks.ravel().tolist() == stream[:whole]
+
+    (cached,) = (tmp_path / "cache").iterdir()
+    written = (cached / "blocks.bin").stat().st_mtime_ns
+    again = load_blocks(sources, tokenizer, 16, tmp_path / "cache", "train")
+    assert (cached / "blocks.bin").stat().st_mtime_ns == written and np.array_equal(again, blocks)
+    load_blocks(sources, tokenizer, 32, tmp_path / "cache", "train")  # another seq_len: another entry
+    (tmp_path / "b.txt").write_text(documents[1] + " More.")  # changed bytes: another entry
+    load_blocks(sources, tokenizer, 16, tmp_path / "cache", "train")
+    assert len(list((tmp_path / "cache").iterdir())) == 3
+
+
+def test_blank_line_documents_jsonl_and_chat_records(tmp_path, smollm2_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    (tmp_path / "p.txt").write_text("First block.\n\nSecond block.\n\n\n")
+    texts = [{"text": "A record."}, {"text": "Another record."}]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(t) for t in texts) + "\n")
+    openai = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    sharegpt = {"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}
+    (tmp_path / "c.jsonl").write_text(json.dumps(openai) + "\n")
+    (tmp_path / "s.jsonl").write_text(json.dumps(sharegpt) + "\n")
+    sources = [
+        SourceSpec(path=str(tmp_path / "p.txt"), documents="blank_line"),
+        SourceSpec(path=str(tmp_path / "t.jsonl")),
+        SourceSpec(path=str(tmp_path / "c.jsonl")),
+        SourceSpec(path=str(tmp_path / "s.jsonl"), chat_field="conversations"),
+    ]
+    blocks = load_blocks(sources, tokenizer, 4, tmp_path / "cache", "train")
+    chat = tokenizer.apply_chat_template(openai["messages"], tokenize=False)
+    expected = []
+    for text in ["First block.", "Second block.", "A record.", "Another record.", chat, chat]:
+        expected += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert blocks.ravel().tolist() == expected[: len(expected) // 4 * 4]
+    assert "<|im_start|>assistant" in chat
+
+
+def test_hf_source_streams_a_dataset_and_renders_chats(tmp_path, smollm2_tokenizer_dir):
+    # `hf:` goes through datasets.load_dataset(streaming=True); a local dataset folder stands in
+    # for a Hub name here, as the tests run offline.
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    dataset = tmp_path / "instruct"
+    dataset.mkdir()
+    records = [{"conversations": [{"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": prose(i, 1)}]}
+               for i in range(20)]
+    (dataset / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    source = SourceSpec(path=f"hf:{dataset}", chat_field="conversations", max_tokens=300)
+    blocks = load_blocks([source], tokenizer, 32, tmp_path / "cache", "train")
+    assert blocks.shape == (300 // 32, 32)
+    first = tokenizer.apply_chat_template([{"role": "user", "content": "Question 0?"},
+                                           {"role": "assistant", "content": prose(0, 1)}], tokenize=False)
+    ids = tokenizer(first, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert blocks.ravel().tolist()[: len(ids)] == ids[: blocks.size]
+
+
+def test_heldout_blocks_come_off_the_end_of_training(tmp_path, smollm2_tokenizer_dir, corpus):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    all_blocks = load_blocks([SourceSpec(path=str(corpus / "train"))], tokenizer, 64, tmp_path / "cache", "train")
+    spec = DataSpec(train=[SourceSpec(path=str(corpus / "train"))], heldout_fraction=0.1, eval_blocks=1000,
+                    seq_len=64, cache_dir=str(tmp_path / "cache"))
+    splits = prepare_data(spec, tokenizer)
+    held = int(np.ceil(len(all_blocks) * 0.1))
+    assert len(splits.train) == len(all_blocks) - held and len(splits.eval) == held
+    assert np.array_equal(splits.eval, all_blocks[-held:])
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: SourceSpec(path=str(d / "missing.txt")), "does not exist"),
+        (lambda d: SourceSpec(path=str(d / "*.md")), "matches no file"),
+        (lambda d: (d / "x.jsonl").write_text('{"body": "x"}\n') and SourceSpec(path=str(d / "x.jsonl")),
+         r"x.jsonl:1: no text field 'text'"),
+        (lambda d: (d / "y.jsonl").write_text('{"text": "x"}\nnot json\n') and SourceSpec(path=str(d / "y.jsonl")),
+         r"y.jsonl:2 is not JSON"),
+    ],
+    ids=["missing", "empty-glob", "no-field", "bad-json"],
+)
+def test_bad_sources_are_named(tmp_path, smollm2_tokenizer_dir, make, message):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    with pytest.raises(UsageError, match=message):
+        load_blocks([make(tmp_path)], tokenizer, 8, tmp_path / "cache", "train")
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
+
+
+def test_each_step_reads_the_same_blocks_with_any_number_of_processes():
+    one = BlockOrder(blocks=10, seed=3, micro_batch=4, grad_accum=2, processes=1)
+    two = BlockOrder(blocks=10, seed=3, micro_batch=2, grad_accum=2, processes=2)
+    for step in range(5):  # crosses epochs: 8 blocks per step, 10 blocks
+        alone = np.concatenate([one.indices(step, a, 0) for a in range(2)])
+        shared = np.concatenate([two.indices(step, a, p) for a in range(2) for p in range(2)])
+        assert sorted(alone) == sorted(shared)
+    first_epoch = np.concatenate([one.indices(0, a, 0) for a in range(2)] + [one.indices(1, 0, 0)[:2]])
+    assert sorted(first_epoch) == list(range(10))  # each block once per epoch
+
+
+# --- training ---------------------------------------------------------------------------------------
+
+
+def test_training_lowers_the_loss_and_writes_a_normal_checkpoint(tmp_path, tiny_checkpoint, corpus):
+    recipe = load_recipe(write_recipe(tmp_path, tiny_checkpoint, corpus))
+    final = train(recipe)
+    records = metrics(tmp_path / "run")
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert [r["step"] for r in records if "eval_loss" in r] == [0, 4, 8]
+    assert evals[-1] < evals[0] - 0.1
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert [r["tokens"] for r in steps] == [256 * s for s in range(1, 9)]
+    assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in steps)
+    assert steps[0]["lr"] == pytest.approx(1.5e-3) and steps[1]["lr"] == pytest.approx(3e-3)  # warmup
+    assert steps[-1]["lr"] < steps[2]["lr"]  # then decay
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
+
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert isinstance(model, ladder.LadderLlamaForCausalLM) and model.config.ladder_layers == [2, 3]
+    assert AutoTokenizer.from_pretrained(final).eos_token_id is not None
+    assert load_recipe(final / "recipe.yaml").to_dict() == recipe.to_dict()
+    # The saved model is the trained one: its held-out loss is the last one logged.
+    heldout = prepare_data(recipe.data, AutoTokenizer.from_pretrained(final)).eval
+    ids = torch.from_numpy(heldout.astype(np.int64))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1]
+    loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1).mean()
+    assert float(loss) == pytest.approx(evals[-1], rel=1e-5)
+
+
+def test_a_run_killed_at_any_step_resumes_exactly(tmp_path, tiny_checkpoint, corpus):
+    straight = write_recipe(tmp_path / "straight", tiny_checkpoint, corpus, budget=10 * 256, checkpoint_every=3)
+    train(load_recipe(straight))
+
+    recipe = write_recipe(tmp_path / "killed", tiny_checkpoint, corpus, budget=10 * 256, checkpoint_every=3)
+    run_dir = tmp_path / "killed" / "run"
+    process = run_adapt([str(recipe)])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 5:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)  # somewhere after step 5: the checkpoint at step 3 (or 6) is the latest
+    process.wait()
+    assert not (run_dir / "model").exists(), "the run finished before it could be killed"
+    logged_before_resume = len(losses(run_dir))
+
+    assert adapt_main([str(recipe), "resume=true"]) == 0
+    assert losses(run_dir) == losses(tmp_path / "straight" / "run")
+    assert logged_before_resume >= 5
+    resumed = load_file(run_dir / "model" / "model.safetensors")
+    reference = load_file(tmp_path / "straight" / "run" / "model" / "model.safetensors")
+    assert resumed.keys() == reference.keys()
+    assert all(torch.equal(resumed[name], reference[name]) for name in reference)
+
+
+def test_two_processes_give_the_loss_curve_of_one(tmp_path, tiny_checkpoint, corpus):
+    single = write_recipe(tmp_path / "one", tiny_checkpoint, corpus, budget=6 * 256)
+    train(load_recipe(single))
+    double = write_recipe(tmp_path / "two", tiny_checkpoint, corpus, budget=6 * 256, **{"batch.micro_batch": 2})
+    # `--multi_gpu` is what makes accelerate start several processes (through torchrun); with no
+    # GPU, adapt runs them on CPU over gloo. (`--cpu --num_processes 2` starts only one.)
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port())]
+    process = run_adapt([str(double)], launcher=launcher)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    assert "2 process(es)" in output
+    one, two = metrics(tmp_path / "one" / "run"), metrics(tmp_path / "two" / "run")
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    for a, b in zip(one, two):
+        for key, tolerance in (("loss", 1e-5), ("eval_loss", 1e-5), ("grad_norm", 1e-4)):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=tolerance), (key, a, b)
+
+
+def test_a_diverging_run_stops_and_keeps_its_last_checkpoint(tmp_path, tiny_checkpoint, corpus, capsys):
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, checkpoint_every=1, keep_checkpoints=5,
+                          **{"schedule.warmup_steps": 0})
+    assert adapt_main([str(recipe), "optimizer.lr=1e30"]) == 1  # the first update overflows the weights
+    error = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar
+    assert error.startswith("ladder adapt: training stopped at step 2: loss nan")
+    assert str(tmp_path / "run" / "checkpoints" / "step-000001") in error
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000001"]
+    assert not (tmp_path / "run" / "model").exists()
+    assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1]
+
+
+def test_trainable_ladder_changes_only_the_ladder_layers(tmp_path, tiny_checkpoint, corpus):
+    final = train(load_recipe(write_recipe(tmp_path, tiny_checkpoint, corpus, budget=2 * 256,
+                                           **{"trainable.mode": "ladder"})))
+    before, after = load_file(tiny_checkpoint / "model.safetensors"), load_file(final / "model.safetensors")
+    for name, tensor in before.items():
+        in_ladder = name.startswith(("model.layers.2.", "model.layers.3."))
+        assert torch.equal(tensor, after[name]) != in_ladder, name
+
+
+def test_lora_adapters_are_merged_into_the_weights(tmp_path, tiny_checkpoint, corpus):
+    final = train(load_recipe(write_recipe(tmp_path, tiny_checkpoint, corpus, budget=3 * 256,
+                                           **{"trainable.mode": "lora", "trainable.lora.target_modules": ["q_proj", "v_proj"]})))
+    before, after = load_file(tiny_checkpoint / "model.safetensors"), load_file(final / "model.safetensors")
+    assert after.keys() == before.keys()  # no adapter tensors left
+    for name, tensor in before.items():
+        assert torch.equal(tensor, after[name]) != name.endswith(("q_proj.weight", "v_proj.weight")), name
+
+
+def test_distillation_from_an_identical_teacher_starts_at_zero(tmp_path, tiny_checkpoint, corpus):
+    # No ladder layer: the student is the teacher, so the KL of the first step is zero, and with
+    # mix the loss is (1 - w) times the next-token loss.
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=2 * 256,
+                          **{"model.ladder_layers": 0, "objective.name": "kd", "objective.temperature": 2.0})
+    train(load_recipe(recipe))
+    first = [r for r in metrics(tmp_path / "run") if "loss" in r][0]
+    assert abs(first["loss"]) < 1e-5 and first["lm_loss"] > 5
+    mixed = write_recipe(tmp_path / "mix", tiny_checkpoint, corpus, budget=256,
+                         **{"model.ladder_layers": 2, "objective.name": "mix", "objective.kd_weight": 0.25})
+    train(load_recipe(mixed))
+    first = [r for r in metrics(tmp_path / "mix" / "run") if "loss" in r][0]
+    assert first["loss"] > 0.75 * first["lm_loss"]  # plus a positive KL: the ladder student differs
+
+
+def test_gradient_checkpointing_computes_the_same_step(tmp_path, tiny_checkpoint, corpus):
+    plain = write_recipe(tmp_path / "plain", tiny_checkpoint, corpus, budget=2 * 256)
+    checkpointed = write_recipe(tmp_path / "ckpt", tiny_checkpoint, corpus, budget=2 * 256,
+                                **{"model.gradient_checkpointing": True})
+    train(load_recipe(plain))
+    train(load_recipe(checkpointed))
+    assert losses(tmp_path / "ckpt" / "run") == pytest.approx(losses(tmp_path / "plain" / "run"), rel=1e-6)
+
+
+def test_bf16_trains_under_autocast_and_saves_bf16(tmp_path, tiny_checkpoint, corpus):
+    # Its own process: accelerate fixes the precision once per process.
+    process = run_adapt([str(write_recipe(tmp_path, tiny_checkpoint, corpus, budget=256, precision="bf16"))])
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    final = tmp_path / "run" / "model"
+    assert json.loads((final / "config.json").read_text())["dtype"] == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for t in load_file(final / "model.safetensors").values())
+    assert all(np.isfinite(r["loss"]) for r in metrics(tmp_path / "run") if "loss" in r)
+
+
+# --- refusals ---------------------------------------------------------------------------------------
+
+
+def test_an_earlier_run_is_not_overwritten(tmp_path, tiny_checkpoint, corpus, capsys):
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=256)
+    assert ladder_main(["adapt", str(recipe)]) == 0
+    written = (tmp_path / "run" / "model" / "model.safetensors").read_bytes()
+    assert ladder_main(["adapt", str(recipe)]) == 2
+    assert "holds an earlier run: pass resume=true" in capsys.readouterr().err
+    assert ladder_main(["adapt", str(recipe), "resume=true"]) == 0  # complete: nothing to do
+    assert (tmp_path / "run" / "model" / "model.safetensors").read_bytes() == written
+
+
+def test_resume_refuses_a_changed_recipe(tmp_path, tiny_checkpoint, corpus, capsys):
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=4 * 256, checkpoint_every=2)
+    train(load_recipe(recipe))
+    (tmp_path / "run" / "model").rename(tmp_path / "done")  # as if killed after the checkpoint at step 2
+    assert ladder_main(["adapt", str(recipe), "resume=true", "optimizer.lr=0.1"]) == 2
+    error = capsys.readouterr().err
+    assert "the recipe differs" in error and "at optimizer.lr;" in error
+
+
+@pytest.mark.parametrize(
+    "overrides, message, before_loading",
+    [
+        (["model.teacher=/nonexistent", "objective.name=kd"], "model path /nonexistent does not exist", True),
+        (["model.ladder_layers=9"], "model.ladder_layers: ladder_layers=9", True),
+        (["model.ladder_layers=null"], "model.ladder_layers: model.path is an original Llama", True),
+        (["budget=100"], "less than one step", True),
+        (["data.train=/nonexistent/*.txt"], "matches no file", True),
+        (["trainable.mode=lora", "trainable.lora.target_modules=[nothing]"], "trainable.lora.target_modules", False),
+    ],
+)
+def test_bad_recipes_fail_with_one_line(tmp_path, tiny_checkpoint, corpus, capsys, overrides, message, before_loading):
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus)
+    assert ladder_main(["adapt", str(recipe), *overrides]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("ladder adapt: error: ") and message in lines[-1], lines
+    assert (len(lines) == 1) == before_loading, "refused before any weight loads (no loading bar)"
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_prints_the_resolved_recipe(tmp_path, tiny_checkpoint, corpus, capsys):
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus)
+    assert ladder_main(["adapt", str(recipe), "optimizer.lr=5e-4", "--print-recipe"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["optimizer"]["lr"] == 5e-4 and printed["name"] == "recipe"
+    assert ladder_main(["adapt"]) == 2
+    assert "a recipe is needed" in capsys.readouterr().err
+    assert ladder_main(["adapt", str(recipe), "--prepare-data"]) == 0  # tokenize only: no weights, no run
+    assert "training and 8 evaluation blocks" in capsys.readouterr().out
+    assert len(list((tmp_path / "cache").iterdir())) == 2 and not (tmp_path / "run").exists()

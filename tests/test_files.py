@@ -1,0 +1,78 @@
+"""Atomic outputs: a directory or file appears whole or not at all; existing outputs are kept."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ladder.errors import UsageError
+from ladder.files import atomic_directory, atomic_write, sha256_file
+
+
+def test_directory_appears_only_when_complete(tmp_path):
+    final = tmp_path / "out"
+    with atomic_directory(final) as temporary:
+        (temporary / "weights").write_text("w")
+        assert not final.exists()
+    assert (final / "weights").read_text() == "w"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_existing_output_is_refused_then_replaced_with_force(tmp_path):
+    final = tmp_path / "out"
+    final.mkdir()
+    (final / "old").write_text("old")
+    with pytest.raises(UsageError, match="--force"):
+        with atomic_directory(final):
+            pass
+    assert (final / "old").exists()
+    with atomic_directory(final, force=True) as temporary:
+        (temporary / "new").write_text("new")
+    assert sorted(p.name for p in final.iterdir()) == ["new"]
+
+
+def test_failure_keeps_the_old_output_and_leaves_no_temporary(tmp_path):
+    final = tmp_path / "out"
+    final.mkdir()
+    (final / "old").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_directory(final, force=True) as temporary:
+            (temporary / "half").write_text("x")
+            raise RuntimeError("interrupted")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (final / "old").read_text() == "old"
+
+
+def test_sigkill_leaves_no_output_and_the_next_run_clears_the_leftover(tmp_path):
+    final = tmp_path / "out"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from ladder.files import atomic_directory
+        with atomic_directory({str(final)!r}) as temporary:
+            (temporary / "half").write_text("x")
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    result = subprocess.run([sys.executable, "-c", script])
+    assert result.returncode == -signal.SIGKILL
+    leftovers = [p.name for p in tmp_path.iterdir()]
+    assert not final.exists() and len(leftovers) == 1 and leftovers[0].startswith(".out.tmp-")
+    with atomic_directory(final) as temporary:
+        (temporary / "whole").write_text("y")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_atomic_write_replaces_whole_file(tmp_path):
+    path = tmp_path / "report.json"
+    atomic_write(path, "first")
+    atomic_write(path, b"second")
+    assert path.read_text() == "second"
+    assert os.listdir(tmp_path) == ["report.json"]
+
+
+def test_sha256_file(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"abc")
+    assert sha256_file(path, chunk_size=2) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"

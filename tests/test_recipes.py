@@ -1,0 +1,104 @@
+"""Every shipped recipe (and accelerate config) loads and validates; recipe errors name the key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from accelerate.commands.config.config_args import load_config_from_file
+
+import ladder
+from adapt.data import local_files
+from adapt.recipe import load_recipe
+from ladder.errors import UsageError
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+SHIPPED = sorted(RECIPES.glob("*.yaml"))
+PAPER = {"llama31-8b-instruct-ladder16.yaml": 16, "llama31-8b-instruct-ladder20.yaml": 20}
+
+
+def test_the_expected_recipes_ship():
+    assert {p.name for p in SHIPPED} >= {"smollm2-135m-ladder-cpu.yaml", *PAPER}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_recipe_validates(path):
+    recipe = load_recipe(path)
+    assert recipe.name == path.stem
+    header = path.read_text().split("\nname:")[0]
+    assert path.name in header or f"RECIPE=recipes/{path.name}" in header, "the header gives the launch command"
+    for source in recipe.data.train + recipe.data.eval:
+        if not source.path.startswith("hf:"):
+            assert local_files(source, source.path)  # the shared data files exist
+
+
+def test_cpu_recipe_trains_on_other_books_than_it_evaluates():
+    recipe = load_recipe(RECIPES / "smollm2-135m-ladder-cpu.yaml")
+    assert recipe.model.path == "embedded" and recipe.precision == "fp32"
+    train = {f for s in recipe.data.train for f in local_files(s, s.path)}
+    heldout = {f for s in recipe.data.eval for f in local_files(s, s.path)}
+    assert train and heldout and not train & heldout
+    assert {f.parent for f in train}.isdisjoint({f.parent for f in heldout})
+    # Enough distinct text for the whole budget (no block is read twice).
+    assert sum(s.max_tokens for s in recipe.data.train) * 0.95 > recipe.budget
+
+
+@pytest.mark.parametrize("name, layers", PAPER.items())
+def test_paper_recipes_match_the_paper_setting(name, layers):
+    recipe = load_recipe(RECIPES / name)
+    assert recipe.model.ladder_layers == layers and recipe.precision == "bf16"
+    (source,) = recipe.data.train
+    assert source.path == "hf:BAAI/Infinity-Instruct" and source.chat_field == "conversations"
+    assert recipe.objective.name == "lm" and recipe.trainable.mode == "all"
+    gpus = 8
+    tokens_per_step = recipe.batch.micro_batch * recipe.batch.grad_accum * gpus * recipe.data.seq_len
+    assert 2.5e9 <= int(recipe.budget // tokens_per_step) * tokens_per_step <= 3.5e9
+    assert source.max_tokens > recipe.budget  # the held-out tail is taken out of max_tokens
+    header = (RECIPES / name).read_text()
+    launch = re.search(r"accelerate launch --config_file (\S+)", header)
+    assert launch and (RECIPES.parent / launch.group(1)).is_file()
+    assert "GPU-hours" in header
+
+
+def test_fsdp_config_is_one_accelerate_reads():
+    path = RECIPES / "accelerate" / "fsdp-8gpu.yaml"
+    config = load_config_from_file(str(path))
+    assert str(config.distributed_type).endswith("FSDP") and config.num_processes == 8
+    assert config.mixed_precision == "bf16"
+    layer_class = config.fsdp_config["fsdp_transformer_layer_cls_to_wrap"]
+    assert layer_class == ladder.LadderLlamaForCausalLM._no_split_modules[0] == "LadderLlamaDecoderLayer"
+    assert yaml.safe_load(path.read_text())["fsdp_config"]["fsdp_version"] == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optimzer.lr=1"], "unknown recipe key 'optimzer'"),
+        (["optimizer.learning_rate=1"], "unknown recipe key 'optimizer.learning_rate'"),
+        (["optimizer.lr=fast"], "optimizer.lr: expected a number, got 'fast'"),
+        (["optimizer.lr=-1"], "optimizer.lr must be positive"),
+        (["batch.micro_batch=1.5"], "batch.micro_batch: expected a whole number"),
+        (["objective.name=distill"], "objective.name: 'distill' is not one of lm, kd, mix"),
+        (["precision=fp16"], "precision: 'fp16' is not one of fp32, bf16"),
+        (["resume=yes please"], "resume: expected true or false"),
+        (["trainable.mode=layers"], "trainable.layers goes with trainable.mode=layers"),
+        (["data.train=[]"], "data.train must list at least one source"),
+        (["data.train[0].path=x"], "unknown recipe key 'data.train[0]'"),
+        (["budget"], "is not key=value"),
+        (["data.eval=${NO_SUCH_VARIABLE}/x.txt"], "environment variable NO_SUCH_VARIABLE"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        load_recipe(RECIPES / "smollm2-135m-ladder-cpu.yaml", overrides)
+
+
+def test_overrides_and_numbers_in_e_notation():
+    recipe = load_recipe(RECIPES / "smollm2-135m-ladder-cpu.yaml",
+                         ["budget=2e4", "optimizer.betas=[0.8, 0.9]", "data.train=a/b.txt", "model.ladder_layers=4-7"])
+    assert recipe.budget == 2e4 and recipe.optimizer.betas == [0.8, 0.9]
+    assert [s.path for s in recipe.data.train] == ["a/b.txt"] and recipe.model.ladder_layers == "4-7"
+    with pytest.raises(UsageError, match="recipe .*missing.yaml does not exist"):
+        load_recipe(RECIPES / "missing.yaml")

@@ -1,0 +1,190 @@
+"""The tensor-parallel runtime against single-process transformers: TP=2 over a real gloo process group
+on CPU (two spawned ranks), TP=1 in process, and the speed benchmark's command line."""
+
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from ladder import to_ladder
+from ladder.tp import generate, init_distributed, install_communication, load_shard
+from tiny import random_ids, tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH, PROMPT, NEW = 2, 10, 6
+SPLIT = 7  # prefill 7 prompt tokens, then feed the other 3 one at a time through the KV cache
+LADDER_LAYERS = [0, 2, 3]  # ladder first, ladder -> standard, standard -> ladder, ladder -> ladder
+
+
+def sharded_outputs(shard, ids):
+    """Logits at every prompt position (prefill, then incremental decoding) and greedy tokens."""
+    shard.setup_cache(BATCH, PROMPT + NEW)
+    with torch.inference_mode():
+        logits = [shard(ids[:, :SPLIT], torch.arange(SPLIT))]
+        logits += [shard(ids[:, i : i + 1], torch.tensor([i])) for i in range(SPLIT, PROMPT)]
+    return torch.cat(logits, dim=1), generate(shard, ids, NEW)
+
+
+def reference_outputs(path, ids):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)[:, PROMPT:]
+    assert tokens.shape == (BATCH, NEW)
+    layer_weights = sum(p.numel() for n, p in model.model.layers.named_parameters() if "norm" not in n)
+    return logits, tokens, layer_weights
+
+
+def _rank(rank, world_size, port, checkpoints, ids, out_dir):
+    """One TP rank, set up exactly as torchrun would set it up (environment variables, gloo)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    rank, tp_size, _ = init_distributed(cuda=False)
+    results = {}
+    for name, path in checkpoints.items():
+        shard = load_shard(path, rank, tp_size)
+        install_communication(shard)
+        logits, tokens = sharded_outputs(shard, ids)
+        install_communication(shard, "none")
+        bound_logits, _ = sharded_outputs(shard, ids)
+        layer_weights = sum(p.numel() for n, p in shard.layers.named_parameters() if "norm" not in n)
+        results[name] = dict(logits=logits, tokens=tokens, bound_logits=bound_logits, layer_weights=layer_weights)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_checkpoint, tmp_path_factory):
+    """A standard checkpoint, its ladder copy with mixed layers, and a SmolLM2-like one whose 3 KV
+    heads split unevenly over 2 ranks (tied embeddings, odd intermediate size, upper-2 ladder)."""
+    root = tmp_path_factory.mktemp("tp-checkpoints")
+    standard = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    to_ladder(standard, LADDER_LAYERS).save_pretrained(root / "ladder")
+    uneven = tiny_llama(hidden_size=96, intermediate_size=129, num_attention_heads=6, num_key_value_heads=3,
+                        num_hidden_layers=3, tie_word_embeddings=True)
+    to_ladder(uneven, 2).save_pretrained(root / "uneven")
+    return {"standard": tiny_checkpoint, "ladder": root / "ladder", "uneven": root / "uneven"}
+
+
+@pytest.fixture(scope="module")
+def tp2_results(checkpoints, tmp_path_factory):
+    ids = random_ids(BATCH, PROMPT, vocab_size=256)
+    out_dir = tmp_path_factory.mktemp("tp2")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_rank, args=(2, port, checkpoints, ids, out_dir), nprocs=2, join=True)
+    ranks = [torch.load(out_dir / f"rank{rank}.pt") for rank in range(2)]
+    references = {name: reference_outputs(path, ids) for name, path in checkpoints.items()}
+    return ranks, references
+
+
+@pytest.mark.parametrize("name", ["standard", "ladder", "uneven"])
+def test_tp2_logits_and_greedy_tokens_match_transformers(tp2_results, name):
+    ranks, references = tp2_results
+    logits, tokens, _ = references[name]
+    for rank in ranks:
+        torch.testing.assert_close(rank[name]["logits"], logits, atol=1e-4, rtol=0)
+        assert torch.equal(rank[name]["tokens"], tokens)
+
+
+def test_ladder_wiring_changes_the_function(tp2_results):
+    # Otherwise the ladder comparison above could not tell the two wirings apart.
+    _, references = tp2_results
+    assert (references["ladder"][0] - references["standard"][0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["standard", "ladder", "uneven"])
+def test_each_rank_holds_only_its_share_of_the_layers(tp2_results, name):
+    ranks, references = tp2_results
+    shares = [rank[name]["layer_weights"] for rank in ranks]
+    assert sum(shares) == references[name][2]
+    if name != "uneven":
+        assert shares[0] == shares[1]
+
+
+def test_no_communication_bound_really_skips_the_all_reduce(tp2_results):
+    ranks, references = tp2_results
+    for rank in ranks:
+        assert (rank["standard"]["bound_logits"] - references["standard"][0]).abs().max() > 1e-2
+
+
+def test_tp1_in_process_and_rewiring_in_place(checkpoints):
+    """No process group at TP=1; `set_ladder_layers` on standard weights gives the ladder model."""
+    ids = random_ids(BATCH, PROMPT, vocab_size=256)
+    shard = load_shard(checkpoints["standard"])
+    assert shard.ladder_layers == []
+    shard.set_ladder_layers(LADDER_LAYERS)
+    logits, tokens = sharded_outputs(shard, ids)
+    reference_logits, reference_tokens, _ = reference_outputs(checkpoints["ladder"], ids)
+    torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=0)
+    assert torch.equal(tokens, reference_tokens)
+    assert load_shard(checkpoints["ladder"]).ladder_layers == LADDER_LAYERS
+
+
+# --- The benchmark's command line ----------------------------------------------------------------
+
+
+@pytest.fixture
+def tp_speed(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    return importlib.import_module("tp_speed")
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--link", "20furlongs"], "is not 'loopback' or a rate"),
+        (["--tp", "3"], "needs at least one KV head per rank"),
+        (["--model", "/no/such/checkpoint"], "not a checkpoint directory"),
+        (["--new-tokens", "1"], "--new-tokens must be at least 2"),
+        (["--batch", "1,x"], "must be positive integers"),
+        (["--model", "synthetic:llama-9"], "unknown synthetic shape"),
+    ],
+)
+def test_benchmark_refuses_bad_options_in_one_line(tp_speed, tiny_checkpoint, tmp_path, capsys, arguments, message):
+    model = [] if "--model" in arguments else ["--model", str(tiny_checkpoint)]
+    assert tp_speed.main([*model, *arguments, "--out", str(tmp_path / "out.json")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and len(error.splitlines()) == 1
+    assert not (tmp_path / "out.json").exists()
+
+
+def run_benchmark(tiny_checkpoint, out, link):
+    command = [sys.executable, str(REPO / "benchmarks" / "tp_speed.py"), "--model", str(tiny_checkpoint),
+               "--batch", "1,2", "--prompt-length", "8", "--new-tokens", "3", "--repeats", "2", "--warmup", "0",
+               "--link", link, "--out", str(out)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout, json.loads(out.read_text())
+
+
+def test_benchmark_runs_all_variants_on_loopback(tiny_checkpoint, tmp_path):
+    stdout, report = run_benchmark(tiny_checkpoint, tmp_path / "bench.json", "loopback")
+    variants = ["standard", "ladder (all 4)", "ladder (upper 2)", "no-comm bound"]
+    assert [(row["batch"], row["variant"]) for row in report["rows"]] == [(b, v) for b in (1, 2) for v in variants]
+    for row in report["rows"]:
+        assert row["link"] == "loopback" and row["tp"] == 2 and len(row["decode_ms_samples"]) == 2
+        assert row["tokens_per_s"] == pytest.approx(1e3 * row["batch"] / row["decode_ms_per_token"])
+    assert [summary["batch"] for summary in report["summaries"]] == [1, 2]
+    assert "OUTPUTS ARE WRONG" in stdout and "communication share of standard decode" in stdout
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")), reason="needs root and iproute2"
+)
+def test_benchmark_on_an_emulated_link_removes_its_namespace(tiny_checkpoint, tmp_path):
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    stdout, report = run_benchmark(tiny_checkpoint, tmp_path / "bench.json", "1gbit")
+    assert {row["link"] for row in report["rows"]} == {"1gbit"}
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
