@@ -10,7 +10,7 @@ bound's gain that ladder captures, and the communication share of standard decod
 bound/standard); the results, with every sample, also go to a JSON file.
 
     make bench                                          # CPU: TP=2 gloo, plain loopback
-    make bench ARGS="--link loopback,100mbit"           # plus an emulated 100 Mbit/s link (root)
+    make bench ARGS="--link loopback,35mbit"           # plus an emulated 35 Mbit/s link (root)
     .venv/bin/python benchmarks/tp_speed.py --model runs/convert/SmolLM2-135M-Instruct-ladder15
     python benchmarks/tp_speed.py --tp 8 --model synthetic:llama-3.1-70b --compile --cuda-graphs  # 8 GPUs
 
@@ -40,11 +40,15 @@ from ladder.errors import UsageError
 from ladder.files import atomic_write
 from ladder.tp_model import LlamaShard, ShardShape
 
-# Synthetic shapes (random weights). "cpu" is sized so that a 2-core run takes a few minutes and a
-# module's compute is comparable with an all-reduce on a 100 Mbit/s emulated link; the others are the
-# published Llama shapes, for GPU machines.
+# Synthetic shapes (random weights). "cpu", the default, is a ~1B-parameter Llama-2-style model
+# (multi-head attention) cut to 8 layers, so a 2-core run takes a few minutes. Its width matters:
+# with one core per rank every all-reduce costs about 0.5-1 ms of CPU here, so a branch must compute
+# for several ms before hiding one pays. Ladder hides the MLP's all-reduce behind the next attention
+# branch, which grouped-query attention makes 3x cheaper: "cpu-gqa" (Llama-3 style) shows the
+# difference. The others are the published shapes, for GPU machines.
 SHAPES = {
-    "cpu": dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4, num_hidden_layers=8, vocab_size=8192),
+    "cpu": dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=24, num_hidden_layers=8, vocab_size=8192),
+    "cpu-gqa": dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=8, num_hidden_layers=8, vocab_size=8192),
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30, vocab_size=49152),
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=16, vocab_size=128256),
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256),
@@ -221,8 +225,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=SYNTHETIC + "cpu", help=f"a checkpoint directory (safetensors) or {SYNTHETIC}NAME, NAME in {', '.join(SHAPES)} (default {SYNTHETIC}cpu)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree: ranks launched (default 2)")
     parser.add_argument("--batch", default="1,4", help="batch sizes, comma-separated (default 1,4)")
-    parser.add_argument("--prompt-length", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per run; decode is timed over all but the first (default 32)")
+    parser.add_argument("--prompt-length", type=int, default=32, help="prompt tokens per sequence (default 32)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per run; decode is timed over all but the first (default 16)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds; medians are reported (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     parser.add_argument("--link", default=LOOPBACK, help=f"'{LOOPBACK}' and/or tbf-shaped rates, comma-separated, e.g. {LOOPBACK},100mbit (default {LOOPBACK})")

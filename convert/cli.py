@@ -25,11 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rewire a Llama checkpoint (a Hugging Face directory or a .gguf file) into Ladder Residual "
         "form. No weight changes; the output loads with transformers.",
     )
-    parser.add_argument("model", nargs="?", help="checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--layers", help="ladder layers: N (the upper N), a range 16-31, or a list 3,5,7 (default: the upper half)")
-    parser.add_argument("--out", type=Path, help="output directory (default: runs/convert/<model>-ladder<N>)")
+    parser.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--layers", metavar="SPEC", help="ladder layers: N (the upper N), a range 16-31, or a list 3,5,7 (default: the upper half)")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="output directory (default: runs/convert/<model>-ladder<N>)")
     parser.add_argument("--dtype", choices=list(DTYPES), help="cast floating weights (default: keep the source's; float32 for GGUF)")
-    parser.add_argument("--max-shard-size", help="reshard into files of at most this size, e.g. 5GB, 500MB, 2GiB (default: the source's shards)")
+    parser.add_argument("--max-shard-size", metavar="SIZE", help="reshard into files of at most this size, e.g. 5GB, 500MB, 2GiB (default: the source's shards)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                         help="measure the conversion damage on fixed prompts (default: when both models fit in memory)")
