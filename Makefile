@@ -68,7 +68,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/tp_speed.py $(ARGS)
 
 demo: $(STAMP)
-	$(BIN)/python -m demo $(ARGS)
+	$(BIN)/ladder demo $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

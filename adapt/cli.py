@@ -7,21 +7,15 @@ Several processes (DDP or FSDP, on GPUs or on CPU over gloo):
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from ladder.errors import UsageError
+from ladder.errors import ArgumentParser, UsageError
 
 from .recipe import dump_recipe, load_recipe
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line through UsageError, not argparse's exit
-        raise UsageError(message)
-
-
 def main(argv: list[str]) -> int:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog="ladder adapt",
         description="Retrain a ladder model from a YAML recipe; key=value arguments override recipe keys "
         "(e.g. optimizer.lr=1e-4 budget=2e5 resume=true).",

@@ -2,7 +2,7 @@
 
     flock /tmp/team/cpu.lock .venv/bin/python benchmarks/convert_speed.py [--repeats 2]
 
-The checkpoint (written once into runs/bench/convert-source and reused): Llama-3.1-8B shapes
+The checkpoint (written once into runs/bench/convert-source-<layers>l and reused): Llama-3.1-8B shapes
 (hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256) with 4 layers instead of 32 and
 tied embeddings, random float32 weights, 2 GB shards: 5.6 GB, largest tensor 2.1 GB.
 

@@ -8,19 +8,14 @@ from pathlib import Path
 
 from transformers.utils.hub import convert_file_size_to_int
 
-from ladder.errors import UsageError
+from ladder.errors import ArgumentParser, UsageError
 from ladder.loading import DTYPES
 
 from .convert import ConversionSummary, convert_checkpoint, format_layers
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog="ladder convert",
         description="Rewire a Llama checkpoint (a Hugging Face directory or a .gguf file) into Ladder Residual "
         "form. No weight changes; the output loads with transformers.",

@@ -2,8 +2,9 @@
 
 The first model (the `--baseline` when given) is the reference column; every other model gets its
 difference from it. A model is a checkpoint folder, a .gguf file, or `embedded` (the SmolLM2 GGUF
-that `make install` ships). Writes a results folder (default runs/eval/<time>-<suite>) holding
-lm-eval's JSON per model and report.md / report.json / report.png, and prints the table.
+that `make install` ships), optionally as LABEL=MODEL to name its column. Writes a results folder
+(default runs/eval/<time>-<suite>) holding lm-eval's JSON per model and report.md / report.json /
+report.png, and prints the table.
 """
 
 from __future__ import annotations
@@ -16,19 +17,12 @@ import shutil
 import time
 from pathlib import Path
 
-from ladder.errors import UsageError
+from ladder.errors import ArgumentParser, UsageError
 from ladder.files import atomic_directory, atomic_write, ladder_data_dir
 
 from .suite import SuiteTask, load_suite, suite_names
 
 DEFAULT_RUNS = Path("runs/eval")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports bad input as a UsageError (one line, exit 2) instead of usage + exit."""
-
-    def error(self, message: str):
-        raise UsageError(message)
 
 
 def _positive_int(text: str) -> int:
@@ -42,12 +36,15 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog="ladder eval",
         description="Score models side by side with lm-evaluation-harness. The first MODEL (or --baseline) is "
         "the reference column; each other model gets its difference from it, with a standard error.",
     )
-    parser.add_argument("models", nargs="+", metavar="MODEL", help="checkpoint folder, .gguf file or `embedded`")
+    parser.add_argument(
+        "models", nargs="+", metavar="MODEL",
+        help="checkpoint folder, .gguf file or `embedded`; LABEL=MODEL names its column (e.g. original=embedded)",
+    )
     parser.add_argument("--baseline", metavar="B", help="the reference model (first column); default: the first MODEL")
     parser.add_argument(
         "--suite", default="smoke", metavar="S",

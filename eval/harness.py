@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -37,6 +38,8 @@ EMBEDDED = "embedded"
 # lm-eval's default (100,000 bootstrap draws) takes minutes for LAMBADA's perplexity on a CPU;
 # 1,000 draws estimate a standard error to within a few percent.
 BOOTSTRAP_ITERS = 1000
+# What `ladder convert` and `ladder adapt` write beside a model to say how it was made (with times).
+PROVENANCE_FILES = ("conversion.json", "recipe.yaml")
 # Bump when the cached record's layout changes.
 CACHE_FORMAT = 1
 
@@ -59,13 +62,18 @@ class ModelResults:
 
 
 def resolve_models(specs: list[str]) -> list[ModelRef]:
-    """Resolve model names (a checkpoint folder, a .gguf file or `embedded`) with distinct labels."""
+    """Resolve model names (a checkpoint folder, a .gguf file or `embedded`, each optionally as
+    `LABEL=MODEL` to name its column) with distinct labels."""
     refs = []
     for spec in specs:
-        path = embedded_model_path() if spec == EMBEDDED else resolve_model_path(spec)
+        label, sep, model = spec.partition("=")
+        if not sep or Path(spec).exists():
+            label, model = "", spec
+        elif not label:
+            raise UsageError(f"model {spec!r}: the label before '=' is empty")
+        path = embedded_model_path() if model == EMBEDDED else resolve_model_path(model)
         path = path.resolve()
-        label = path.stem if path.is_file() else path.name
-        refs.append(ModelRef(spec, path, label))
+        refs.append(ModelRef(model, path, label or (path.stem if path.is_file() else path.name)))
     labels = [ref.label for ref in refs]
     return [
         ModelRef(ref.spec, ref.path, f"{ref.label} #{i + 1}") if labels.count(ref.label) > 1 else ref
@@ -75,9 +83,11 @@ def resolve_models(specs: list[str]) -> list[ModelRef]:
 
 def fingerprint(path: Path) -> str:
     """SHA-256 over the files that make the model: a GGUF file, or every top-level file of a
-    checkpoint folder but its docs (weights, config with the ladder layers, tokenizer)."""
+    checkpoint folder (weights, config with the ladder layers, tokenizer, modeling code) but its
+    docs and provenance records, so that converting the same weights again hits the cache."""
     files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.is_file() and not p.name.startswith(".") and p.suffix != ".md"
+        p for p in path.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix != ".md" and p.name not in PROVENANCE_FILES
     )
     digest = hashlib.sha256()
     for file in files:
@@ -175,7 +185,19 @@ def cache_key(model_fingerprint: str, suite_task: SuiteTask, prepared: dict) -> 
         "configs": configs,
         "lm_eval": lm_eval.__version__,
     }
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=_stable_repr).encode()).hexdigest()
+
+
+def _stable_repr(value) -> str:
+    """A config value as text that is the same in every process: a function (a task's
+    `process_docs`, say) by its name and source, not by its memory address as `str` gives it."""
+    if callable(value) and hasattr(value, "__qualname__"):
+        try:
+            source = hashlib.sha256(inspect.getsource(value).encode()).hexdigest()[:16]
+        except (OSError, TypeError):
+            source = "?"
+        return f"{value.__module__}.{value.__qualname__}:{source}"
+    return str(value)
 
 
 def _plain(value):

@@ -1,6 +1,6 @@
-"""`ladder <stage> ...`: one command for the three stages and the TP benchmark.
+"""`ladder <command> ...`: one command for the three stages (convert, adapt, eval) and the demo.
 
-Each stage owns its arguments (`convert.cli`, `adapt.cli`, `eval.cli`); this only dispatches,
+Each command owns its arguments (`convert.cli`, `adapt.cli`, `eval.cli`, `demo`); this only dispatches,
 and turns a `UsageError` into one line on stderr and exit status 2.
 """
 
@@ -15,6 +15,7 @@ STAGES = {
     "convert": ("convert.cli", "rewire a Llama checkpoint into ladder form"),
     "adapt": ("adapt.cli", "retrain a ladder model from a YAML recipe"),
     "eval": ("eval.cli", "score models side by side with lm-evaluation-harness"),
+    "demo": ("demo", "convert, retrain and evaluate the embedded SmolLM2 (make demo)"),
 }
 
 

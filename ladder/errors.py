@@ -1,5 +1,15 @@
 """The one exception type for bad user input: the CLI prints its message on one line and exits 2."""
 
+import argparse
+
 
 class UsageError(Exception):
     """Bad input (a path, a flag, a recipe key): the message says what is wrong and how to fix it."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports bad arguments as a UsageError (one line, exit 2) instead of printing
+    the usage and exiting itself: every command's parser."""
+
+    def error(self, message: str):
+        raise UsageError(message)

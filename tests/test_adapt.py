@@ -7,7 +7,6 @@ Runs the real loop on the tiny 4-layer checkpoint (SmolLM2's tokenizer) with gen
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import socket
@@ -27,7 +26,7 @@ import ladder
 from adapt.cli import main as adapt_main
 from adapt.data import BlockOrder, load_blocks, prepare_data
 from adapt.recipe import DataSpec, SourceSpec, load_recipe
-from adapt.train import TrainingDiverged, train
+from adapt.train import train
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 

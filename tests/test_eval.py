@@ -62,8 +62,8 @@ def _write_suite(path: Path, tasks: list[dict]) -> Path:
 
 
 def test_shipped_suites_load_and_name_known_tasks(our_tasks):
-    assert {"smoke", "offline", "offline-cpu", "paper"} <= set(suite_names())
-    for name in ("smoke", "offline", "offline-cpu"):
+    assert {"smoke", "offline", "offline-cpu", "demo", "paper"} <= set(suite_names())
+    for name in ("smoke", "offline", "offline-cpu", "demo"):
         suite = load_suite(name)
         assert suite.offline and {t.task for t in suite.tasks} == set(OFFLINE_TASKS)
         assert all(t.task in our_tasks.all_tasks for t in suite.tasks)
@@ -281,6 +281,10 @@ def test_model_names_and_fingerprints(tiny_checkpoint, ladder_checkpoints, tmp_p
     refs = harness.resolve_models(["embedded", str(tiny_checkpoint), str(tiny_checkpoint)])
     assert refs[0].path == embedded_model_path().resolve() and refs[0].label == "SmolLM2-135M-Instruct.Q4_1"
     assert [r.label for r in refs[1:]] == [f"{tiny_checkpoint.name} #2", f"{tiny_checkpoint.name} #3"]
+    named = harness.resolve_models(["original=embedded", f"ladder={tiny_checkpoint}"])
+    assert [(r.label, r.spec) for r in named] == [("original", "embedded"), ("ladder", str(tiny_checkpoint))]
+    with pytest.raises(UsageError, match="label"):
+        harness.resolve_models([f"={tiny_checkpoint}"])
     # Same weights, other wiring: the config is part of the key, so the cache cannot mix them up.
     upper2, _ = ladder_checkpoints
     assert harness.fingerprint(tiny_checkpoint) != harness.fingerprint(upper2)
@@ -289,7 +293,25 @@ def test_model_names_and_fingerprints(tiny_checkpoint, ladder_checkpoints, tmp_p
     for file in upper2.iterdir():
         (copy / file.name).write_bytes(file.read_bytes())
     (copy / "README.md").write_text("notes do not change the model")
+    (copy / "conversion.json").write_text('{"seconds": 1.5}')  # nor does a record of how it was made
     assert harness.fingerprint(copy) == harness.fingerprint(upper2)
+
+
+
+def test_cache_keys_are_the_same_in_every_process():
+    """Task configs hold functions (HellaSwag's process_docs, WikiText's detokenizer): the key must
+    not depend on where they sit in memory, or the cache would never hit in a new process."""
+    script = (
+        "from eval import harness; from eval.suite import load_suite\n"
+        "suite = load_suite('offline')\n"
+        "prepared = harness.task_configs(suite, harness.task_manager(suite))\n"
+        "print(*[harness.cache_key('model', task, prepared[task.task]) for task in suite.tasks])\n"
+    )
+    keys = [
+        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+        for _ in range(2)
+    ]
+    assert len(keys[0]) == len(OFFLINE_TASKS) and keys[0] == keys[1]
 
 
 # --- bad input ------------------------------------------------------------------------------

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 import ladder
 from ladder import LadderLlamaConfig, LadderLlamaForCausalLM, parse_ladder_layers, to_ladder
 from tiny import NUM_LAYERS, random_ids, tiny_llama
 
-# --- A deliberately naive reference, written from the formula in docs/ladder.md -----------------
+# --- A deliberately naive reference, written from the formula in ../shared/docs/ladder.md ------
 # Number the modules 1, 2, ... (attention of layer l is module 2l+1, its MLP 2l+2); r_0 is the
 # embedding and r_{-1} = r_0. Module m computes r_m = r_{m-1} + h_m(r_{m-2}) if its layer is a
 # ladder layer, else r_m = r_{m-1} + h_m(r_{m-1}).
@@ -239,6 +239,28 @@ def test_save_load_round_trip(tmp_path):
     ids = random_ids()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_peft_lora_adapters_save_and_load_on_a_ladder_model(tmp_path):
+    """The README's peft recipe: LoRA on a ladder checkpoint, adapter saved, reloaded on a fresh copy."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    to_ladder(tiny_llama(), 3).save_pretrained(tmp_path / "ladder")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "ladder"),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # LoRA's B starts at zero: give the adapter something to carry
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.1)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "ladder"), tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "ladder")
+    ids = random_ids()
+    with torch.no_grad():
+        adapted = reloaded.eval()(ids).logits
+        assert torch.allclose(adapted, peft_model.eval()(ids).logits, atol=1e-6)
+        assert not torch.allclose(adapted, base(ids).logits, atol=1e-3)
+    assert isinstance(reloaded.get_base_model(), LadderLlamaForCausalLM)
 
 
 def test_llama_checkpoint_loads_into_ladder_class_without_key_mapping(tmp_path):

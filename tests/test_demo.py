@@ -1,0 +1,66 @@
+"""`ladder demo` end to end on the tiny checkpoint: convert, tokenize, retrain, score three models, and
+on a second run reuse every finished stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+import demo
+from ladder.errors import UsageError
+from ladder.files import ladder_data_dir
+
+
+def _recipe(directory: Path, checkpoint: Path, **model) -> Path:
+    books = ladder_data_dir() / "train" / "gutenberg"
+    recipe = {
+        "name": "tiny-demo",
+        "model": {"path": str(checkpoint), "ladder_layers": 2, **model},
+        "data": {
+            "train": [{"path": str(books / "120_treasure_island" / "pg120.txt"), "max_tokens": 4096}],
+            "eval": [{"path": str(books / "84_frankenstein" / "84-0.txt"), "max_tokens": 1024}],
+            "seq_len": 64, "eval_blocks": 4,
+        },
+        "budget": 6 * 2 * 64,
+        "batch": {"micro_batch": 2},
+        "optimizer": {"lr": 1e-3},
+        "schedule": {"warmup_steps": 1},
+        "checkpoint_every": 3,
+        "eval_every": 3,
+        "logging": {"progress": False},
+    }
+    path = directory / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_demo_runs_the_pipeline_then_reuses_it(tmp_path, tiny_checkpoint, capsys):
+    out = tmp_path / "demo"
+    arguments = ["--recipe", str(_recipe(tmp_path, tiny_checkpoint)), "--suite", "smoke", "--out", str(out)]
+    assert demo.main(arguments) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "report" / "report.json").read_text())
+    assert [m["label"] for m in report["models"]] == list(demo.LABELS)
+    assert json.loads((out / "ladder" / "config.json").read_text())["ladder_layers"] == [2, 3]
+    assert (out / "adapt" / "model" / "model.safetensors").is_file()
+    assert set(report["pipeline"]["seconds"]) == {*demo.STAGES, "total"} and report["pipeline"]["reused"] == []
+    assert "Held-out WikiText-2 word perplexity" in printed and "## Pipeline" in (out / "report" / "report.md").read_text()
+
+    # Again: the conversion and the retrained model are reused and every score comes from the cache.
+    adapted = (out / "adapt" / "model" / "model.safetensors").stat().st_mtime_ns
+    assert demo.main(arguments) == 0
+    again = json.loads((out / "report" / "report.json").read_text())
+    assert again["pipeline"]["reused"] == ["convert", "adapt"]
+    assert all(len(m["cached_tasks"]) == 6 for m in again["models"])
+    assert (out / "adapt" / "model" / "model.safetensors").stat().st_mtime_ns == adapted
+    assert [r["scores"] for r in again["rows"]] == [r["scores"] for r in report["rows"]]
+
+
+def test_demo_needs_a_recipe_that_names_the_layers(tmp_path, tiny_checkpoint):
+    with pytest.raises(UsageError, match="ladder_layers"):
+        demo.main(["--recipe", str(_recipe(tmp_path, tiny_checkpoint, ladder_layers=None)), "--out", str(tmp_path)])
+    with pytest.raises(UsageError, match="invalid choice"):
+        demo.main(["--redo", "everything"])
