@@ -1,4 +1,5 @@
-"""The one exception type for bad user input: the CLI prints its message on one line and exits 2."""
+"""Bad user input: the one exception type for it (the CLI prints its message on one line and exits
+2), and the argparse parser every command uses, which raises it."""
 
 import argparse
 
