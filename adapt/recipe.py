@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ladder.errors import UsageError
+from ladder.errors import UsageError, first_line
 from ladder.files import ladder_data_dir
 
 @dataclass
@@ -172,7 +172,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | dict | No
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as error:
-            raise UsageError(f"recipe {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+            raise UsageError(f"recipe {path} is not valid YAML: {first_line(error)}") from None
         if not isinstance(raw, dict):
             raise UsageError(f"recipe {path} must be a mapping of keys to values")
         raw.setdefault("name", path.stem)

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 import ladder
-from ladder.errors import UsageError
+from ladder.errors import UsageError, first_line
 from ladder.files import atomic_directory, atomic_write
 from ladder.loading import load_model, read_config_dict, resolve_model_path
 
@@ -239,7 +239,7 @@ class AdaptRun:
             try:
                 model = get_peft_model(model, config)
             except ValueError as error:
-                raise UsageError(f"trainable.lora.target_modules: {str(error).splitlines()[0]}") from None
+                raise UsageError(f"trainable.lora.target_modules: {first_line(error)}") from None
         return model
 
     def lr_factor(self, step: int) -> float:

@@ -38,6 +38,7 @@ from transformers import LlamaConfig
 from emulated_link import LOOPBACK, check_rate, emulated_link
 from ladder.errors import UsageError
 from ladder.files import atomic_write
+from ladder.loading import DTYPES
 from ladder.tp_model import LlamaShard, ShardShape
 
 # Synthetic shapes (random weights). "cpu", the default, is a ~1B-parameter Llama-2-style model
@@ -55,7 +56,6 @@ SHAPES = {
     "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8, num_hidden_layers=80, vocab_size=128256),
 }
 SYNTHETIC = "synthetic:"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STANDARD, BOUND = "standard", "no-comm bound"
 
 

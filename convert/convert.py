@@ -43,7 +43,7 @@ from transformers.utils import logging as transformers_logging
 
 import ladder
 from ladder import LadderLlamaConfig, LadderLlamaForCausalLM, ladder_config, parse_ladder_layers
-from ladder.errors import UsageError
+from ladder.errors import UsageError, first_line
 from ladder.files import atomic_directory, sha256_file
 from ladder.loading import load_model, read_config_dict, resolve_model_path
 
@@ -120,11 +120,6 @@ def _say(progress: bool, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def format_layers(layers: list[int]) -> str:
     """[3, 4, 5, 9] -> '3-5, 9'."""
     runs: list[list[int]] = []
@@ -168,14 +163,14 @@ def _read_config(directory: Path) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(directory)
     except (OSError, ValueError, TypeError) as error:
-        raise UsageError(f"cannot read {directory / 'config.json'}: {_first_line(error)}") from None
+        raise UsageError(f"cannot read {directory / 'config.json'}: {first_line(error)}") from None
 
 
 def _read_weight_map(index: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"cannot read the weight map of {index}: {_first_line(error)}") from None
+        raise UsageError(f"cannot read the weight map of {index}: {first_line(error)}") from None
     for filename in sorted(set(weight_map.values())):
         if not (index.parent / filename).is_file():
             raise UsageError(f"shard {filename} named in {index.name} is missing from {index.parent}")
@@ -205,7 +200,7 @@ def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
-        raise UsageError(f"cannot read {path} with torch.load(weights_only=True): {_first_line(error)}") from None
+        raise UsageError(f"cannot read {path} with torch.load(weights_only=True): {first_line(error)}") from None
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise UsageError(f"{path} does not hold a state dict of tensors")
     return state

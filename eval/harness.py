@@ -27,7 +27,7 @@ import lm_eval
 from lm_eval.api.registry import AGGREGATION_REGISTRY
 from lm_eval.tasks import TaskManager
 
-from ladder.errors import UsageError
+from ladder.errors import UsageError, first_line
 from ladder.files import atomic_write, ladder_data_dir, sha256_file
 from ladder.loading import embedded_model_path, load_model, resolve_model_path
 
@@ -158,7 +158,7 @@ def task_configs(suite: Suite, manager: TaskManager) -> dict[str, dict]:
         try:
             loaded = manager.load([suite_task.task])
         except FileNotFoundError as error:
-            raise UsageError(str(error).strip().splitlines()[0]) from None
+            raise UsageError(first_line(error)) from None
         configs[suite_task.task] = {
             "configs": {name: task.dump_config() for name, task in loaded["tasks"].items()},
             "sizes": {name: len(task.eval_docs) for name, task in loaded["tasks"].items()},

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from ladder.errors import UsageError
+from ladder.errors import UsageError, first_line
 
 SUITES_DIR = Path(__file__).parent / "suites"
 
@@ -115,5 +115,5 @@ def load_suite(name_or_path: str) -> Suite:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
-        raise UsageError(f"suite file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+        raise UsageError(f"suite file {path} is not valid YAML: {first_line(error)}") from None
     return parse_suite(data, path.stem)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .errors import UsageError
+from .errors import UsageError, first_line
 
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -72,8 +72,7 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(location, **extra)
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **extra)
     except (OSError, ValueError, KeyError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UsageError(f"cannot load model {path}: {first_line}") from None
+        raise UsageError(f"cannot load model {path}: {first_line(error)}") from None
     if extra:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
