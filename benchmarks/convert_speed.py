@@ -1,6 +1,6 @@
 """Conversion time and memory against a plain recursive copy, on a synthetic checkpoint of a few GB.
 
-    flock /tmp/team/cpu.lock .venv/bin/python benchmarks/convert_speed.py [--repeats 2]
+    .venv/bin/python benchmarks/convert_speed.py [--repeats 2]
 
 The checkpoint (written once into runs/bench/convert-source-<layers>l and reused): Llama-3.1-8B shapes
 (hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256) with 4 layers instead of 32 and

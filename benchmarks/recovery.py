@@ -13,12 +13,12 @@ other authors than its training books) and `wikitext` (WikiText-2 validation, an
 The table reports each model's gap to the original (perplexity ratio); the rewiring's own cost after
 retraining is ladder+lm against original+lm, which saw the same tokens.
 
-Each condition's result is kept in OUT/<condition>.json and reused, so the experiment runs in chunks
-(keep each under the shared CPU lock):
+Each condition's result is kept in OUT/<condition>.json and reused, so the experiment can run in
+chunks (each trained condition is a few minutes on 2 CPU cores; a quiet machine times them fairly):
 
-    flock /tmp/team/cpu.lock .venv/bin/python benchmarks/recovery.py --conditions original ladder ladder+lm
-    flock /tmp/team/cpu.lock .venv/bin/python benchmarks/recovery.py --conditions ladder+kd
-    flock /tmp/team/cpu.lock .venv/bin/python benchmarks/recovery.py --conditions original+lm
+    .venv/bin/python benchmarks/recovery.py --conditions original ladder ladder+lm
+    .venv/bin/python benchmarks/recovery.py --conditions ladder+kd
+    .venv/bin/python benchmarks/recovery.py --conditions original+lm
     .venv/bin/python benchmarks/recovery.py --report        # the table from what is done
 
 Extra `key=value` arguments override the recipe for every trained condition (e.g. budget=2e4).

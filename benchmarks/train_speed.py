@@ -7,7 +7,7 @@ AdamW and schedule, each in its own process so that peak RSS is its own. The sid
 side's median step time over all its rounds, tokens/s and peak RSS, and the ratio adapt / Trainer
 (goal: at least 1.0).
 
-    flock /tmp/team/cpu.lock .venv/bin/python benchmarks/train_speed.py [--steps 8] [--rounds 2] [key=value ...]
+    .venv/bin/python benchmarks/train_speed.py [--steps 8] [--rounds 2] [key=value ...]
 """
 
 from __future__ import annotations
