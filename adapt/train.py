@@ -1,7 +1,8 @@
 """The adapt recipe script: one plain accelerate loop that retrains a ladder model.
 
-    setup()    accelerator, model (rewired in memory when it is an original), teacher for `kd`,
-               packed data, trainable parameters, AdamW, warmup + decay schedule, resume state
+    setup()    named steps: accelerator, budget, model (rewired in memory when it is an original)
+               and teacher for `kd`, packed data, trainable parameters, AdamW with warmup + decay,
+               resume state
     train()    per step: micro-batches (forward, loss, backward), clip, NaN check, optimizer
                step, metrics line; evaluation and atomic checkpoints on their schedules
     cleanup()  save the final model (LoRA merged), close the log
@@ -17,37 +18,32 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import datetime
 import importlib.util
 import json
 import math
 import os
-import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-import yaml
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 import ladder
 from ladder.errors import UsageError, first_line
 from ladder.files import atomic_directory, atomic_write
-from ladder.loading import load_model, read_config_dict, resolve_model_path
+from ladder.layers import LADDER_MODEL_TYPE, format_layers, parse_ladder_layers
+from ladder.loading import load_model, load_tokenizer, read_config_dict, resolve_model_path
 
+from .checkpoint import RECIPE_FILE, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import BlockOrder, Splits, local_files, prepare_data
-from .recipe import RESUME_FREE_KEYS, Recipe, dump_recipe, expand_path, recipe_from_dict
+from .losses import block_losses, kd_loss, lm_loss
+from .recipe import Recipe, dump_recipe, model_path
 
-STATE_FILE = "trainer_state.json"
-RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -55,24 +51,10 @@ class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm stopped being finite; the message names the step and what was kept."""
 
 
-@dataclass
-class TrainState:
-    """What a checkpoint holds beside accelerate's state. Rules on resume: `step` continues as is;
-    `data_position` must equal step * blocks_per_step (the batch shape cannot change mid-run);
-    `processes` must equal the new run's (RNG states are saved per process)."""
-
-    step: int = 0  # optimizer steps done
-    tokens_seen: int = 0  # step * tokens per step, all processes together
-    data_position: int = 0  # blocks consumed from the shuffled stream (see BlockOrder)
-    processes: int = 1
-
-
 def prepare(recipe: Recipe) -> Splits:
     """Tokenize and cache a recipe's data in this one process, loading no weights: run it before a
     multi-GPU launch, so that no GPU waits on the tokenizer."""
-    path = resolve_model_path(model_path(recipe.model.path))
-    location, extra = (str(path.parent), {"gguf_file": path.name}) if path.suffix == ".gguf" else (str(path), {})
-    return prepare_data(recipe.data, AutoTokenizer.from_pretrained(location, **extra))
+    return prepare_data(recipe.data, load_tokenizer(model_path(recipe.model.path)))
 
 
 def train(recipe: Recipe) -> Path:
@@ -97,18 +79,50 @@ class AdaptRun:
         self.state = TrainState()
         self.progress = None
         self.postfix: dict[str, str] = {}
+        self.teacher = None
 
-    # --- setup -----------------------------------------------------------------------------------
+    # --- setup: checks first, then model, teacher, trainable selection, data, optimizer, resume ---
 
     def setup(self) -> Path | None:
+        """Everything `train` needs; returns the final model instead when the run is already complete."""
+        tensorboard = self.setup_accelerator()
+        check_model(self.recipe)
+        self.setup_budget()
+        resume_from = self.find_resume_point()
+        if resume_from == self.final_dir:
+            self.accelerator.print(f"{self.final_dir} is already complete: nothing to resume")
+            return self.final_dir
+
+        set_seed(self.recipe.seed)
+        for i, source in enumerate(self.recipe.data.train + self.recipe.data.eval):
+            if not source.path.startswith("hf:"):
+                local_files(source, f"data source {i} ({source.path})")
+        model = self.setup_model()
+        self.setup_data()
+        model = self.select_trainable(model)
+        self.setup_optimizer(model)
+
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+        elif self.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.run_dir / METRICS_FILE, "")
+        if tensorboard:
+            self.accelerator.init_trackers(self.recipe.name)
+        self.describe(model, resumed=resume_from is not None)
+        return None
+
+    def setup_accelerator(self) -> bool:
+        """The accelerator (one process, DDP or FSDP, as `accelerate launch` says); returns whether
+        TensorBoard logging is on."""
         recipe = self.recipe
+        if recipe.logging.tensorboard == "on" and importlib.util.find_spec("tensorboard") is None:
+            raise UsageError("logging.tensorboard=on needs the tensorboard package (pip install tensorboard)")
         tensorboard = recipe.logging.tensorboard == "on" or (
             recipe.logging.tensorboard == "auto" and importlib.util.find_spec("tensorboard") is not None
         )
-        if recipe.logging.tensorboard == "on" and importlib.util.find_spec("tensorboard") is None:
-            raise UsageError("logging.tensorboard=on needs the tensorboard package (pip install tensorboard)")
         warn_single_cpu_launch()
-        self.accelerator = accelerator = Accelerator(
+        self.accelerator = Accelerator(
             # With no GPU, processes started by `accelerate launch --multi_gpu` train on CPU over gloo.
             cpu=not torch.accelerator.is_available(),
             mixed_precision="bf16" if recipe.precision == "bf16" else "no",
@@ -119,11 +133,15 @@ class AdaptRun:
             # while the others wait at a barrier.
             kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(hours=6))],
         )
-        self.main = accelerator.is_main_process
-        self.state = TrainState(processes=accelerator.num_processes)
-        self.fsdp = accelerator.distributed_type == DistributedType.FSDP
-        check_model(recipe)
-        blocks_per_step = recipe.batch.micro_batch * recipe.batch.grad_accum * accelerator.num_processes
+        self.main = self.accelerator.is_main_process
+        self.state = TrainState(processes=self.accelerator.num_processes)
+        self.fsdp = self.accelerator.distributed_type == DistributedType.FSDP
+        return tensorboard
+
+    def setup_budget(self) -> None:
+        """Steps and tokens per step from the budget and the batch shape; refuses what cannot run."""
+        recipe, processes = self.recipe, self.accelerator.num_processes
+        blocks_per_step = recipe.batch.micro_batch * recipe.batch.grad_accum * processes
         self.tokens_per_step = blocks_per_step * recipe.data.seq_len
         self.total_steps = int(recipe.budget // self.tokens_per_step)
         if self.total_steps < 1:
@@ -131,16 +149,10 @@ class AdaptRun:
         if recipe.trainable.mode == "lora" and self.fsdp:
             raise UsageError("trainable.mode=lora runs with DDP or one process, not FSDP (the merge needs whole weights)")
 
-        resume_from = self.find_resume_point()
-        if resume_from == self.final_dir:
-            accelerator.print(f"{self.final_dir} is already complete: nothing to resume")
-            return self.final_dir
-
-        set_seed(recipe.seed)
-        for i, source in enumerate(recipe.data.train + recipe.data.eval):
-            if not source.path.startswith("hf:"):
-                local_files(source, f"data source {i} ({source.path})")
-
+    def setup_model(self) -> torch.nn.Module:
+        """The student (rewired in memory when model.path is an original Llama) and, for `kd`, the
+        teacher: the original model, a copy taken before the rewiring."""
+        recipe = self.recipe
         model, self.tokenizer = load_model(model_path(recipe.model.path))
         teacher = None
         if recipe.objective.name != "lm":
@@ -149,58 +161,55 @@ class AdaptRun:
             else:
                 teacher = copy.deepcopy(model)  # the student below shares the original's tensors
         if recipe.model.ladder_layers is not None:
-            try:
-                model = ladder.to_ladder(model, recipe.model.ladder_layers)
-            except ValueError as error:
-                raise UsageError(f"model.ladder_layers: {error}") from None
+            layers = parse_ladder_layers(recipe.model.ladder_layers, model.config.num_hidden_layers, "model.ladder_layers")
+            model = ladder.to_ladder(model, layers)
         model.set_attn_implementation(recipe.model.attn_implementation)
         if recipe.model.gradient_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.ladder_layers = list(model.config.ladder_layers)
+        if teacher is not None:
+            teacher_dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
+            self.teacher = teacher.to(device=self.accelerator.device, dtype=teacher_dtype).eval().requires_grad_(False)
+        return model
 
-        with accelerator.main_process_first():
-            self.data = prepare_data(recipe.data, self.tokenizer)
-        batch = recipe.batch
-        self.order = BlockOrder(len(self.data.train), recipe.seed, batch.micro_batch, batch.grad_accum,
-                                accelerator.num_processes)
+    def setup_data(self) -> None:
+        """The tokenized blocks (the main process tokenizes, the others then read its cache) and
+        the order in which the steps read them."""
+        batch, processes = self.recipe.batch, self.accelerator.num_processes
+        with self.accelerator.main_process_first():
+            self.data = prepare_data(self.recipe.data, self.tokenizer)
+        self.order = BlockOrder(len(self.data.train), self.recipe.seed, batch.micro_batch, batch.grad_accum, processes)
         if len(self.data.train) < self.order.per_step:
             raise UsageError(f"data.train gives {len(self.data.train)} blocks; one step needs {self.order.per_step}")
 
-        model = self.select_trainable(model)
+    def setup_optimizer(self, model: torch.nn.Module) -> None:
+        """AdamW over the trainable parameters (no weight decay on norms, as usual) with the warmup
+        and decay schedule, everything handed to `accelerator.prepare`."""
+        spec = self.recipe.optimizer
         parameters = [p for p in model.parameters() if p.requires_grad]
-        decay = [p for p in parameters if p.ndim >= 2]  # no weight decay on norms, as usual
+        decay = [p for p in parameters if p.ndim >= 2]
         rest = [p for p in parameters if p.ndim < 2]
-        optimizer_spec = recipe.optimizer
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optimizer_spec.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=optimizer_spec.lr, betas=tuple(optimizer_spec.betas), eps=optimizer_spec.eps,
+            [{"params": decay, "weight_decay": spec.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
-        self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
-        if teacher is not None:
-            teacher_dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
-            self.teacher = teacher.to(device=accelerator.device, dtype=teacher_dtype).eval().requires_grad_(False)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
 
-        if resume_from is not None:
-            self.load_checkpoint(resume_from)
-        elif self.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.run_dir / METRICS_FILE, "")
-        if tensorboard:
-            accelerator.init_trackers(recipe.name)
-        trainable = sum(p.numel() for p in parameters)
+    def describe(self, model: torch.nn.Module, resumed: bool) -> None:
+        recipe = self.recipe
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
-        accelerator.print(
-            f"adapt {recipe.name}: ladder layers {compact(self.ladder_layers)} of {model.config.num_hidden_layers}, "
+        repeats = self.total_steps * self.order.per_step / len(self.data.train)
+        self.accelerator.print(
+            f"adapt {recipe.name}: ladder layers {format_layers(self.ladder_layers)} of {model.config.num_hidden_layers}, "
             f"trainable {recipe.trainable.mode} {trainable / 1e6:.1f}M of {total / 1e6:.1f}M parameters, "
-            f"objective {recipe.objective.name}, {accelerator.num_processes} process(es) on {accelerator.device}\n"
+            f"objective {recipe.objective.name}, {self.accelerator.num_processes} process(es) on {self.accelerator.device}\n"
             f"data: {len(self.data.train)} training blocks, {len(self.data.eval)} evaluation blocks of "
             f"{recipe.data.seq_len} tokens; {self.total_steps} steps of {self.tokens_per_step} tokens"
-            + (f" (the run repeats the data {self.total_steps * self.order.per_step / len(self.data.train):.1f} times)"
-               if self.total_steps * self.order.per_step > len(self.data.train) else "")
-            + (f"; resuming at step {self.state.step}" if resume_from is not None else "")
+            + (f" (the run repeats the data {repeats:.1f} times)" if repeats > 1 else "")
+            + (f"; resuming at step {self.state.step}" if resumed else "")
         )
-        return None
 
     def find_resume_point(self) -> Path | None:
         """The checkpoint to continue from (or the final model when the run is complete)."""
@@ -216,6 +225,8 @@ class AdaptRun:
         return latest_checkpoint(self.checkpoint_dir)
 
     def select_trainable(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Freeze all but the ladder layers (`ladder`), the named layers (`layers`), or wrap the model
+        in LoRA adapters (`lora`); `all` trains everything."""
         mode = self.recipe.trainable.mode
         if mode in ("ladder", "layers"):
             if mode == "ladder":
@@ -223,10 +234,7 @@ class AdaptRun:
                 if not layers:
                     raise UsageError("trainable.mode=ladder: the model has no ladder layer")
             else:
-                try:
-                    layers = ladder.parse_ladder_layers(self.recipe.trainable.layers, model.config.num_hidden_layers)
-                except ValueError as error:
-                    raise UsageError(f"trainable.layers: {error}") from None
+                layers = parse_ladder_layers(self.recipe.trainable.layers, model.config.num_hidden_layers, "trainable.layers")
             model.requires_grad_(False)
             for index in layers:
                 model.model.layers[index].requires_grad_(True)
@@ -324,16 +332,13 @@ class AdaptRun:
             if spec.name != "lm":
                 with torch.no_grad():
                     teacher_logits = self.teacher(input_ids=input_ids, use_cache=False).logits
-        lm_loss = F.cross_entropy(logits.flatten(0, 1).float(), next_token_labels(input_ids).flatten())
+        next_token = lm_loss(logits, input_ids)
         if spec.name == "lm":
-            return lm_loss, lm_loss
-        temperature = spec.temperature
-        student = F.log_softmax(logits.float() / temperature, dim=-1).flatten(0, 1)
-        teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1).flatten(0, 1)
-        kd_loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature**2
+            return next_token, next_token
+        distillation = kd_loss(logits, teacher_logits, spec.temperature)
         if spec.name == "kd":
-            return kd_loss, lm_loss
-        return (1 - spec.kd_weight) * lm_loss + spec.kd_weight * kd_loss, lm_loss
+            return distillation, next_token
+        return (1 - spec.kd_weight) * next_token + spec.kd_weight * distillation, next_token
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -379,42 +384,17 @@ class AdaptRun:
 
     def save_checkpoint(self) -> None:
         """An atomic `checkpoints/step-NNNNNN`; older ones beyond `keep_checkpoints` are removed."""
-        accelerator = self.accelerator
         final = self.checkpoint_dir / f"step-{self.state.step:06d}"
-        with contextlib.ExitStack() as stack:
-            temporary = stack.enter_context(atomic_directory(final, force=True)) if self.main else None
-            temporary = broadcast_object_list([str(temporary)])[0]
-            accelerator.save_state(temporary)
-            if self.main:
-                Path(temporary, STATE_FILE).write_text(json.dumps(dataclasses.asdict(self.state), indent=1))
-                Path(temporary, RECIPE_FILE).write_text(dump_recipe(self.recipe))
-            accelerator.wait_for_everyone()
-        accelerator.wait_for_everyone()
-        if self.main:
-            for old in checkpoints(self.checkpoint_dir)[: -self.recipe.keep_checkpoints]:
-                shutil.rmtree(old)
+        save_checkpoint(self.accelerator, final, self.state, self.recipe, self.recipe.keep_checkpoints)
 
     def load_checkpoint(self, path: Path) -> None:
-        saved = recipe_from_dict(yaml.safe_load((path / RECIPE_FILE).read_text()))
-        differences = differing_keys(saved.to_dict(), self.recipe.to_dict())
-        if differences:
-            raise UsageError(
-                f"resume: the recipe differs from the one {path} was trained with at {', '.join(differences)}; "
-                "resume with the same recipe, or start a new output_dir"
-            )
-        state = TrainState(**json.loads((path / STATE_FILE).read_text()))
-        assert state.data_position == state.step * self.order.per_step, "batch shape changed under an equal recipe"
-        if state.processes != self.accelerator.num_processes:
-            raise UsageError(f"resume: {path} was written by {state.processes} process(es); "
-                             f"launch {state.processes}, not {self.accelerator.num_processes}")
-        self.accelerator.load_state(str(path))
-        self.state = state
+        self.state = load_checkpoint(self.accelerator, path, self.recipe, self.order.per_step)
         if self.main:
             # Lines logged after this checkpoint by the interrupted run are computed again.
             kept = []
             for line in (self.run_dir / METRICS_FILE).read_text().splitlines(keepends=True):
                 try:
-                    if json.loads(line)["step"] <= state.step:
+                    if json.loads(line)["step"] <= self.state.step:
                         kept.append(line)
                 except json.JSONDecodeError:
                     pass  # a line cut short by the kill
@@ -454,74 +434,22 @@ class AdaptRun:
         self.accelerator.end_training()
 
 
-def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
-    """Each position's next token; the last position is ignored (-100). Shifting the labels rather
-    than slicing the logits spares a copy of the logits (batch x seq_len x vocab)."""
-    return F.pad(input_ids[:, 1:], (0, 1), value=-100)
-
-
-def block_losses(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """The mean next-token loss of each row of `input_ids`."""
-    logits = model(input_ids=input_ids, use_cache=False).logits
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), next_token_labels(input_ids).flatten(), reduction="none")
-    return losses.view(input_ids.shape).sum(dim=1) / (input_ids.shape[1] - 1)
-
-
 def check_model(recipe: Recipe) -> bool:
     """Whether model.path is already a ladder checkpoint; refuses recipes that cannot work, before any
     weight loads."""
     path = resolve_model_path(model_path(recipe.model.path))
     config = read_config_dict(path) if path.is_dir() else {}  # a .gguf file holds an original Llama
-    is_ladder = config.get("model_type") == ladder.LadderLlamaConfig.model_type
+    is_ladder = config.get("model_type") == LADDER_MODEL_TYPE
     if recipe.model.ladder_layers is None and not is_ladder:
         raise UsageError("model.ladder_layers: model.path is an original Llama, so name the layers to rewire")
     if recipe.model.ladder_layers is not None and "num_hidden_layers" in config:
-        try:
-            ladder.parse_ladder_layers(recipe.model.ladder_layers, config["num_hidden_layers"])
-        except ValueError as error:
-            raise UsageError(f"model.ladder_layers: {error}") from None
+        parse_ladder_layers(recipe.model.ladder_layers, config["num_hidden_layers"], "model.ladder_layers")
     if recipe.objective.name != "lm" and is_ladder and not recipe.model.teacher:
         raise UsageError(f"model.teacher: objective {recipe.objective.name} needs the original model as teacher, "
                          f"and model.path {path} is already a ladder checkpoint")
     if recipe.model.teacher:
         resolve_model_path(model_path(recipe.model.teacher))
     return is_ladder
-
-
-def model_path(text: str) -> str | None:
-    """A recipe's model path: "embedded" (or empty) is the default SmolLM2 model."""
-    return None if text in ("", "embedded") else expand_path(text, "model path")
-
-
-def checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporaries of interrupted saves are hidden `.step-...` names)."""
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.glob("step-*") if (p / STATE_FILE).is_file())
-
-
-def latest_checkpoint(directory: Path) -> Path | None:
-    found = checkpoints(directory)
-    return found[-1] if found else None
-
-
-def differing_keys(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    keys = []
-    for key in sorted(set(saved) | set(current)):
-        if not prefix and key in RESUME_FREE_KEYS:
-            continue
-        a, b = saved.get(key), current.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            keys += differing_keys(a, b, f"{prefix}{key}.")
-        elif a != b:
-            keys.append(f"{prefix}{key}")
-    return keys
-
-
-def compact(layers: list[int]) -> str:
-    if layers and layers == list(range(layers[0], layers[-1] + 1)):
-        return f"{layers[0]}-{layers[-1]}"
-    return ",".join(map(str, layers)) or "none"
 
 
 def warn_single_cpu_launch() -> None:
@@ -534,4 +462,4 @@ def warn_single_cpu_launch() -> None:
               "gloo when no GPU is present)", file=sys.stderr)
 
 
-__all__ = ["TrainState", "TrainingDiverged", "block_losses", "prepare", "train"]
+__all__ = ["AdaptRun", "TrainingDiverged", "prepare", "train"]

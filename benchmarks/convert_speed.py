@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from convert.tensor_io import ShardedWriter, TensorSpec, plan_shards, row_blocks
+from ladder.tensor_io import ShardedWriter, TensorSpec, plan_shards, row_blocks
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ LLAMA_31_8B_SHAPES = dict(hidden_size=4096, intermediate_size=14336, num_attenti
 CONVERT_IN_CHILD = """
 import json, os, sys, time
 import torch
-from convert.convert import convert_checkpoint
+from ladder.convert.convert import convert_checkpoint
 source, out, dtype = sys.argv[1:4]
 started = time.perf_counter()
 convert_checkpoint(source, out=out, dtype=getattr(torch, dtype) if dtype != "keep" else None, verify=False)

@@ -40,9 +40,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import ladder  # noqa: E402
-from adapt.data import load_blocks  # noqa: E402
-from adapt.recipe import SourceSpec, load_recipe  # noqa: E402
-from adapt.train import block_losses, model_path, train  # noqa: E402
+from ladder.adapt.data import load_blocks  # noqa: E402
+from ladder.adapt.losses import block_losses  # noqa: E402
+from ladder.adapt.recipe import (  # noqa: E402
+    SourceSpec,
+    load_recipe,
+    model_path,
+)
+from ladder.adapt.train import train  # noqa: E402
+from ladder.layers import parse_ladder_layers  # noqa: E402
 from ladder.loading import load_model  # noqa: E402
 
 RECIPE = REPO / "recipes" / "smollm2-135m-ladder-cpu.yaml"
@@ -87,7 +93,8 @@ def run_condition(name: str, recipe, overrides: list[str], out: Path) -> dict:
     else:
         model, tokenizer = load_model(model_path(recipe.model.path))
         if name == "ladder":
-            model = ladder.to_ladder(model, recipe.model.ladder_layers)
+            layers = parse_ladder_layers(recipe.model.ladder_layers, model.config.num_hidden_layers)
+            model = ladder.to_ladder(model, layers)
     for set_name, blocks in heldout_sets(recipe, tokenizer).items():
         result[f"{set_name}_loss"] = heldout_loss(model, blocks, recipe.batch.micro_batch)
         result[f"{set_name}_tokens"] = int(blocks.size)

@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from emulated_link import LOOPBACK, check_rate, emulated_link
 from transformers import LlamaConfig
 
-from emulated_link import LOOPBACK, check_rate, emulated_link
 from ladder.errors import UsageError
 from ladder.files import atomic_write
 from ladder.loading import DTYPES
@@ -150,7 +150,15 @@ def timed(function, device: torch.device) -> tuple[float, object]:
 def run_rank(plan: Plan, result_path: Path) -> None:
     import torch.distributed as dist
 
-    from ladder.tp import CUDAGraphStep, compile_branches, decode, init_distributed, install_communication, load_shard, prefill
+    from ladder.tp import (
+        CUDAGraphStep,
+        compile_branches,
+        decode,
+        init_distributed,
+        install_communication,
+        load_shard,
+        prefill,
+    )
 
     rank, tp_size, device = init_distributed(cuda=plan.device == "cuda")
     if plan.comm_priority == "realtime" and tp_size > 1 and prioritize_gloo_threads() == 0 and rank == 0:

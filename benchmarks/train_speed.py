@@ -28,7 +28,7 @@ RECIPE = REPO / "recipes" / "smollm2-135m-ladder-cpu.yaml"
 
 
 def recipe_for(steps: int, overrides: list[str], out: Path):
-    from adapt.recipe import load_recipe
+    from ladder.adapt.recipe import load_recipe
 
     base = load_recipe(RECIPE, overrides)
     tokens = steps * base.batch.micro_batch * base.batch.grad_accum * base.data.seq_len
@@ -37,7 +37,7 @@ def recipe_for(steps: int, overrides: list[str], out: Path):
 
 
 def run_adapt(steps: int, overrides: list[str], out: Path) -> list[float]:
-    from adapt.train import train
+    from ladder.adapt.train import train
 
     recipe = recipe_for(steps, overrides, out)
     train(recipe)
@@ -51,13 +51,15 @@ def run_trainer(steps: int, overrides: list[str], out: Path) -> list[float]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     import ladder
-    from adapt.data import prepare_data
-    from adapt.train import model_path
+    from ladder.adapt.data import prepare_data
+    from ladder.adapt.recipe import model_path
+    from ladder.layers import parse_ladder_layers
     from ladder.loading import load_model
 
     recipe = recipe_for(steps, overrides, out)
     model, tokenizer = load_model(model_path(recipe.model.path))
-    model = ladder.to_ladder(model, recipe.model.ladder_layers).train()
+    layers = parse_ladder_layers(recipe.model.ladder_layers, model.config.num_hidden_layers)
+    model = ladder.to_ladder(model, layers).train()
     if recipe.trainable.mode == "ladder":  # the same trainable parameters as the adapt run
         model.requires_grad_(False)
         for index in model.config.ladder_layers:

@@ -9,9 +9,10 @@ from pathlib import Path
 from transformers.utils.hub import convert_file_size_to_int
 
 from ladder.errors import ArgumentParser, UsageError
+from ladder.layers import format_layers
 from ladder.loading import DTYPES
 
-from .convert import ConversionSummary, convert_checkpoint, format_layers
+from .convert import ConversionSummary, convert_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:

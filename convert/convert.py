@@ -42,30 +42,33 @@ from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils import logging as transformers_logging
 
 import ladder
-from ladder import LadderLlamaConfig, LadderLlamaForCausalLM, ladder_config, parse_ladder_layers
+from ladder.auto import LadderLlamaConfig, LadderLlamaForCausalLM
 from ladder.errors import UsageError, first_line
 from ladder.files import atomic_directory, sha256_file
+from ladder.layers import check_llama_model_type, format_layers, parse_ladder_layers
 from ladder.loading import load_model, read_config_dict, resolve_model_path
-
-from .gguf import inspect_llama_gguf
-from .tensor_io import (
+from ladder.rewire import ladder_config
+from ladder.tensor_io import (
     INDEX_NAME,
     OutputShard,
     Shard,
+    ShardedTensorIndex,
     ShardedWriter,
     TensorSpec,
+    check_weight_map,
     copy_file,
     plan_shards,
     read_chunks,
-    read_shard,
     shard_filenames,
     split_rows,
+    weight_files,
     write_index,
 )
+
+from .gguf import inspect_llama_gguf
 from .verify import Damage, damage_problems, measure_damage, prompt_ids
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # what save_pretrained uses ("5GB")
-SUPPORTED_MODEL_TYPES = ("llama", LadderLlamaConfig.model_type)
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 # Weights in other formats or layouts (TF, Flax, ONNX, Meta's consolidated.pth): stale once the
 # wiring changes, so they are not copied.
@@ -120,17 +123,6 @@ def _say(progress: bool, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def format_layers(layers: list[int]) -> str:
-    """[3, 4, 5, 9] -> '3-5, 9'."""
-    runs: list[list[int]] = []
-    for layer in layers:
-        if runs and layer == runs[-1][-1] + 1:
-            runs[-1].append(layer)
-        else:
-            runs.append([layer])
-    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs) or "none"
-
-
 def default_output_dir(source: Path, num_ladder_layers: int) -> Path:
     """runs/convert/<source name>-ladder<N>, the name a GGUF file's quantization suffix removed."""
     name = GGUF_TYPE_SUFFIX.sub("", source.stem) if source.suffix == ".gguf" else source.resolve().name
@@ -145,55 +137,12 @@ def _check_output_location(source: Path, out: Path) -> None:
         raise UsageError(f"output {out} contains the source {source}; replacing it would delete the source")
 
 
-def _resolve_layers(spec: str | int | list[int] | None, num_hidden_layers: int) -> list[int]:
-    """The ladder layers asked for; by default the upper half, as in the paper's 16 of 32."""
-    try:
-        return parse_ladder_layers(num_hidden_layers // 2 if spec is None else spec, num_hidden_layers)
-    except ValueError as error:
-        raise UsageError(f"--layers: {error} (the model has {num_hidden_layers} layers)") from None
-
-
 def _read_config(directory: Path) -> PretrainedConfig:
-    model_type = read_config_dict(directory).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UsageError(
-            f"{directory / 'config.json'} has model_type {model_type!r}; supported: "
-            f"{' or '.join(map(repr, SUPPORTED_MODEL_TYPES))} (Llama-architecture checkpoints)"
-        )
+    check_llama_model_type(read_config_dict(directory).get("model_type"), str(directory / "config.json"))
     try:
         return AutoConfig.from_pretrained(directory)
     except (OSError, ValueError, TypeError) as error:
         raise UsageError(f"cannot read {directory / 'config.json'}: {first_line(error)}") from None
-
-
-def _read_weight_map(index: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"cannot read the weight map of {index}: {first_line(error)}") from None
-    for filename in sorted(set(weight_map.values())):
-        if not (index.parent / filename).is_file():
-            raise UsageError(f"shard {filename} named in {index.name} is missing from {index.parent}")
-    return weight_map
-
-
-def _files_of(directory: Path, index_name: str, single_name: str) -> tuple[list[Path], dict[str, str]] | None:
-    """The weight files of one format, with the index's weight map (empty for a single file)."""
-    if (directory / index_name).is_file():
-        weight_map = _read_weight_map(directory / index_name)
-        return [directory / name for name in sorted(set(weight_map.values()))], weight_map
-    if (directory / single_name).is_file():
-        return [directory / single_name], {}
-    return None
-
-
-def _check_weight_map(weight_map: dict[str, str], holder: dict[str, str], index_name: str) -> None:
-    """The index and the files must agree on where each tensor is."""
-    for name, filename in holder.items():
-        if weight_map and weight_map.get(name) != filename:
-            raise UsageError(f"{index_name} puts {name} in {weight_map.get(name)}, but {filename} holds it")
-    if missing := sorted(set(weight_map) - set(holder)):
-        raise UsageError(f"{index_name} names tensors that no shard holds: {', '.join(missing[:3])}")
 
 
 def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
@@ -207,16 +156,9 @@ def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _open_directory(directory: Path, config: PretrainedConfig, allow_pickle: bool) -> Source:
-    if found := _files_of(directory, INDEX_NAME, "model.safetensors"):
-        files, weight_map = found
-        shards = [read_shard(path) for path in files]
-        holder = {spec.name: shard.path.name for shard in shards for spec in shard.tensors}
-        if len(holder) != sum(len(shard.tensors) for shard in shards):
-            raise UsageError(f"{directory}: a tensor name appears in more than one shard")
-        _check_weight_map(weight_map, holder, INDEX_NAME)
-        tensors = {spec.name: spec for shard in shards for spec in shard.tensors}
-        source = Source(directory, "safetensors", config, tensors, files, shards)
-    elif found := _files_of(directory, PICKLE_INDEX_NAME, "pytorch_model.bin"):
+    if index := ShardedTensorIndex.from_directory(directory):
+        source = Source(directory, "safetensors", config, index.tensors, index.files, list(index.shards))
+    elif found := weight_files(directory, PICKLE_INDEX_NAME, "pytorch_model.bin"):
         files, weight_map = found
         if not allow_pickle:
             raise UsageError(
@@ -228,7 +170,7 @@ def _open_directory(directory: Path, config: PretrainedConfig, allow_pickle: boo
             for name, tensor in _load_pickle(path).items():
                 tensors[name] = TensorSpec(name, tensor.dtype, tuple(tensor.shape))
                 holder[name] = path.name
-        _check_weight_map(weight_map, holder, PICKLE_INDEX_NAME)
+        check_weight_map(weight_map, holder, PICKLE_INDEX_NAME)
         source = Source(directory, "pickle", config, tensors, files)
     else:
         raise UsageError(f"{directory} has no weights: expected model.safetensors, {INDEX_NAME} or pytorch_model.bin")
@@ -414,7 +356,7 @@ def _model_card(summary: ConversionSummary, kept_source_card: bool) -> str:
         "parallelism one module's all-reduce overlaps the next module's compute. Until it is retrained "
         "(`ladder adapt`) the model is less accurate than the original.", "",
         "## Loading", "", "```python",
-        "import ladder  # registers the ladder model with transformers",
+        "import ladder.auto  # registers the ladder model with transformers",
         "from transformers import AutoModelForCausalLM", "",
         "model = AutoModelForCausalLM.from_pretrained(PATH)", "```", "",
         "Without the `ladder` package, pass `trust_remote_code=True` to `AutoModelForCausalLM.from_pretrained` "
@@ -465,7 +407,9 @@ def convert_checkpoint(
     else:
         directory_config = _read_config(source_path)
         num_hidden_layers = directory_config.num_hidden_layers
-    layers = _resolve_layers(ladder_layers, num_hidden_layers)
+    # By default the upper half, as in the paper's 16 of 32.
+    layers = parse_ladder_layers(num_hidden_layers // 2 if ladder_layers is None else ladder_layers,
+                                 num_hidden_layers, "--layers")
     out = Path(out) if out is not None else default_output_dir(source_path, len(layers))
     _check_output_location(source_path, out)
     if out.exists() and not force:

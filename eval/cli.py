@@ -10,19 +10,13 @@ report.png, and prints the table.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import logging
-import shutil
-import time
 from pathlib import Path
 
 from ladder.errors import ArgumentParser, UsageError
-from ladder.files import atomic_directory, atomic_write, ladder_data_dir
+from ladder.files import ladder_data_dir
 
-from .suite import SuiteTask, load_suite, suite_names
-
-DEFAULT_RUNS = Path("runs/eval")
+from .evaluate import DEFAULT_RUNS, evaluate_models
+from .suite import load_suite, suite_names
 
 
 def _positive_int(text: str) -> int:
@@ -71,59 +65,14 @@ def main(argv: list[str]) -> int:
     suite = load_suite(args.suite).with_limit(args.limit)
     if args.data is not None and not args.data.is_dir():
         raise UsageError(f"data folder {args.data} does not exist")
-    data_dir = args.data or ladder_data_dir()
+    # A suite of local files needs the data folder; one of stock lm-eval tasks reads the Hub instead.
+    data_dir = args.data or (ladder_data_dir() if suite.offline else None)
 
-    # lm-eval is slow to import: only once the arguments are good.
-    import lm_eval
-
-    from . import harness, report
-
-    models = harness.resolve_models(([args.baseline] if args.baseline else []) + args.models)
-    out = args.out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}"
-    if not args.verbose:
-        logging.getLogger("lm_eval").setLevel(logging.ERROR)
-        import datasets
-
-        datasets.disable_progress_bars()
-
-    started = time.monotonic()
-    with atomic_directory(out, force=args.force) as staging:
-        datasets_cache = staging / ".datasets-cache"
-        offline = harness.hub_offline(datasets_cache) if suite.offline else contextlib.nullcontext()
-        with offline:
-            manager = harness.task_manager(suite, data_dir)
-            prepared = harness.task_configs(suite, manager)
-            results = harness.run_suite(
-                models, suite, manager, prepared,
-                batch_size=args.batch_size, cache_dir=None if args.no_cache else args.cache,
-            )
-        shutil.rmtree(datasets_cache, ignore_errors=True)
-        for model_results in results:
-            name = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_results.model.label)
-            atomic_write(staging / f"{name}.json", _json(harness.lm_eval_json(model_results)))
-        header = {
-            "suite": suite.name,
-            "tasks": ", ".join(_describe(task) for task in suite.tasks),
-            "lm_eval": lm_eval.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "wall_seconds": round(time.monotonic() - started, 1),
-        }
-        table = report.write_report(results, header, staging)
-    print(table)
-    print(f"\nresults in {out} ({header['wall_seconds']:.0f} s)")
+    evaluation = evaluate_models(
+        ([args.baseline] if args.baseline else []) + args.models, suite, out=args.out, force=args.force,
+        data_dir=data_dir, batch_size=args.batch_size, cache_dir=None if args.no_cache else args.cache,
+        verbose=args.verbose,
+    )
+    print(evaluation.table)
+    print(f"\nresults in {evaluation.out} ({evaluation.wall_seconds:.0f} s)")
     return 0
-
-
-def _describe(task: SuiteTask) -> str:
-    settings = []
-    if task.num_fewshot:
-        settings.append(f"{task.num_fewshot}-shot")
-    if task.every > 1:
-        settings.append(f"one item in {task.every}")
-    if task.limit:
-        settings.append(f"at most {task.limit}")
-    return f"{task.task} ({', '.join(settings)})" if settings else task.task
-
-
-def _json(data) -> str:
-    return json.dumps(data, indent=2, default=str, ensure_ascii=False) + "\n"

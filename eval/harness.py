@@ -28,13 +28,12 @@ from lm_eval.api.registry import AGGREGATION_REGISTRY
 from lm_eval.tasks import TaskManager
 
 from ladder.errors import UsageError, first_line
-from ladder.files import atomic_write, ladder_data_dir, sha256_file
-from ladder.loading import embedded_model_path, load_model, resolve_model_path
+from ladder.files import atomic_write, sha256_file
+from ladder.loading import load_model, resolve_model_path
 
 from .suite import Suite, SuiteTask
 
 TASKS_DIR = Path(__file__).parent / "tasks"
-EMBEDDED = "embedded"
 # lm-eval's default (100,000 bootstrap draws) takes minutes for LAMBADA's perplexity on a CPU;
 # 1,000 draws estimate a standard error to within a few percent.
 BOOTSTRAP_ITERS = 1000
@@ -71,7 +70,7 @@ def resolve_models(specs: list[str]) -> list[ModelRef]:
             label, model = "", spec
         elif not label:
             raise UsageError(f"model {spec!r}: the label before '=' is empty")
-        path = embedded_model_path() if model == EMBEDDED else resolve_model_path(model)
+        path = resolve_model_path(model)
         path = path.resolve()
         refs.append(ModelRef(model, path, label or (path.stem if path.is_file() else path.name)))
     labels = [ref.label for ref in refs]
@@ -131,7 +130,8 @@ def hub_offline(datasets_cache: Path) -> Iterator[None]:
 def task_manager(suite: Suite, data_dir: Path | None = None) -> TaskManager:
     """A TaskManager over our task folder; lm-eval's own ~15k task configs are indexed (about 10 s)
     only when the suite names a task that is not ours."""
-    metadata = {"data_dir": str((data_dir or ladder_data_dir()).resolve())}
+    # Our tasks read their files from here (eval/tasks/utils.py; without it, from `ladder_data_dir()`).
+    metadata = {"data_dir": str(data_dir.resolve())} if data_dir is not None else {}
     ours = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)
     if all(task.task in ours.all_tasks for task in suite.tasks):
         return ours

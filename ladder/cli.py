@@ -12,10 +12,10 @@ import sys
 from .errors import UsageError
 
 STAGES = {
-    "convert": ("convert.cli", "rewire a Llama checkpoint into ladder form"),
-    "adapt": ("adapt.cli", "retrain a ladder model from a YAML recipe"),
-    "eval": ("eval.cli", "score models side by side with lm-evaluation-harness"),
-    "demo": ("demo", "convert, retrain and evaluate the embedded SmolLM2 (make demo)"),
+    "convert": ("ladder.convert.cli", "rewire a Llama checkpoint into ladder form"),
+    "adapt": ("ladder.adapt.cli", "retrain a ladder model from a YAML recipe"),
+    "eval": ("ladder.eval.cli", "score models side by side with lm-evaluation-harness"),
+    "demo": ("ladder.demo", "convert, retrain and evaluate the embedded SmolLM2 (make demo)"),
 }
 
 

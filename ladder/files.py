@@ -118,11 +118,17 @@ def sha256_file(
 
 
 def ladder_data_dir() -> Path:
-    """The shared data folder: `$LADDER_DATA`, else `../shared/data` beside the repository."""
+    """The data folder (benchmark and training files): `$LADDER_DATA`, else, when the code runs from
+    a repository checkout, `../shared/data` beside it. An installed package has no such neighbour,
+    so without `$LADDER_DATA` it is a `UsageError` saying so."""
     configured = os.environ.get("LADDER_DATA")
     if configured:
         return Path(configured).expanduser()
-    return Path(__file__).resolve().parents[2] / "shared" / "data"
+    checkout = Path(__file__).resolve().parents[1]
+    beside = checkout.parent / "shared" / "data"
+    if (checkout / "setup.cfg").is_file() and beside.is_dir():
+        return beside
+    raise UsageError("no data folder: set LADDER_DATA to the folder that holds the benchmark and training files")
 
 
 __all__ = ["atomic_directory", "atomic_write", "ladder_data_dir", "sha256_file"]

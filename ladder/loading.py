@@ -31,9 +31,13 @@ def embedded_model_path() -> Path:
     return path
 
 
+EMBEDDED = "embedded"
+
+
 def resolve_model_path(path: str | Path | None) -> Path:
-    """The model a user named, or the embedded default when none; refuses paths that are neither kind."""
-    if path is None or str(path) == "":
+    """The model a user named: a checkpoint directory, a .gguf file, or `embedded` (also None or "")
+    for the default; refuses paths that are neither kind."""
+    if path is None or str(path) in ("", EMBEDDED):
         return embedded_model_path()
     path = Path(path).expanduser()
     if not path.exists():
@@ -53,6 +57,23 @@ def read_config_dict(path: Path) -> dict:
         raise UsageError(f"cannot read {path / 'config.json'}: {error}") from None
 
 
+def _from_pretrained_arguments(path: Path) -> tuple[str, dict]:
+    """transformers reads a GGUF file as (its folder, gguf_file=its name)."""
+    if path.suffix == ".gguf":
+        return str(path.parent), {"gguf_file": path.name}
+    return str(path), {}
+
+
+def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a checkpoint directory or a GGUF file (`resolve_model_path` names)."""
+    path = resolve_model_path(path)
+    location, extra = _from_pretrained_arguments(path)
+    try:
+        return AutoTokenizer.from_pretrained(location, **extra)
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"cannot load the tokenizer of {path}: {first_line(error)}") from None
+
+
 def load_model(
     path: str | Path | None, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -61,15 +82,12 @@ def load_model(
     A GGUF-loaded model is turned into a plain one (no quantizer attached), so it can be saved,
     trained and converted like any checkpoint.
     """
-    import ladder  # noqa: F401  (registers the ladder model with the Auto classes)
+    import ladder.auto  # noqa: F401  (registers the ladder model with the Auto classes)
 
     path = resolve_model_path(path)
-    if path.suffix == ".gguf":
-        location, extra = str(path.parent), {"gguf_file": path.name}
-    else:
-        location, extra = str(path), {}
+    tokenizer = load_tokenizer(path)
+    location, extra = _from_pretrained_arguments(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location, **extra)
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **extra)
     except (OSError, ValueError, KeyError) as error:
         raise UsageError(f"cannot load model {path}: {first_line(error)}") from None

@@ -17,18 +17,18 @@ safetensors files (`safe_open(...).get_slice`: no rank ever holds the whole mode
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from transformers import AutoConfig, LlamaConfig
 
+from . import auto  # noqa: F401  (read_config reads ladder configs through AutoConfig)
 from .errors import UsageError
+from .layers import check_llama_model_type
+from .tensor_io import LazyTensorLoader, ShardedTensorIndex
 from .tp_model import LlamaShard, Ready, ShardShape, local_sum
 
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -55,58 +55,13 @@ def init_distributed(cuda: bool | None = None) -> tuple[int, int, torch.device]:
 # --- Loading this rank's slices ------------------------------------------------------------------
 
 
-class SafetensorsSlices:
-    """Reads parts of the named tensors of a checkpoint directory (one model.safetensors or shards
-    listed in model.safetensors.index.json), each file opened once, nothing else read."""
-
-    def __init__(self, directory: Path):
-        index = directory / "model.safetensors.index.json"
-        single = directory / "model.safetensors"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: directory / file for name, file in weight_map.items()}
-        elif single.is_file():
-            with safe_open(single, framework="pt") as handle:
-                self.files = dict.fromkeys(handle.keys(), single)
-        else:
-            raise UsageError(f"{directory} has no model.safetensors (or index): the TP runtime reads safetensors only")
-        self.directory = directory
-        self._handles: dict[Path, object] = {}
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> SafetensorsSlices:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
-    def read(self, name: str, rows: range | None = None, columns: range | None = None) -> torch.Tensor:
-        """Tensor `name`, or only the given rows or columns of it (the slice is all that is read)."""
-        if name not in self.files:
-            raise UsageError(f"checkpoint {self.directory} has no tensor {name}")
-        file = self.files[name]
-        if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt"))
-        part = self._handles[file].get_slice(name)
-        if rows is not None:
-            return part[rows.start : rows.stop]
-        if columns is not None:
-            return part[:, columns.start : columns.stop]
-        return part[:]
-
-
 def read_config(path: str | Path) -> LlamaConfig:
-    """The Llama or ladder config of a checkpoint directory (a ladder config carries `ladder_layers`).
-    Importing this package registered the ladder model type with AutoConfig."""
+    """The Llama or ladder config of a checkpoint directory (a ladder config carries `ladder_layers`)."""
     path = Path(path)
     if path.suffix == ".gguf" or not (path / "config.json").is_file():
         raise UsageError(f"{path} is not a checkpoint directory with config.json and safetensors (convert a .gguf first)")
     config = AutoConfig.from_pretrained(path)
-    if config.model_type not in ("llama", "llamaLadder"):
-        raise UsageError(f"{path}: model_type {config.model_type!r} is not a Llama or ladder Llama")
+    check_llama_model_type(config.model_type, str(path))
     return config
 
 
@@ -132,7 +87,10 @@ def load_shard(
     with torch.device("meta"):
         shard = LlamaShard(config, shape)
     q_rows, kv_rows = _scaled(shape.heads, shape.head_dim), _scaled(shape.kv_heads, shape.head_dim)
-    with SafetensorsSlices(path) as checkpoint:
+    index = ShardedTensorIndex.from_directory(path)
+    if index is None:
+        raise UsageError(f"{path} has no model.safetensors (or index): the TP runtime reads safetensors only")
+    with LazyTensorLoader(index) as checkpoint:
 
         def read(name: str, **part: range) -> torch.Tensor:
             return checkpoint.read(name, **part).to(dtype)
@@ -291,11 +249,10 @@ class CUDAGraphStep:
 
 
 __all__ = [
-    "AllReduce",
     "COMMUNICATION",
+    "AllReduce",
     "CUDAGraphStep",
     "InFlight",
-    "SafetensorsSlices",
     "compile_branches",
     "decode",
     "generate",

@@ -217,7 +217,9 @@ class LlamaShard(nn.Module):
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """Logits for `input_ids` (batch, length) at cache positions `input_pos` (length,).
 
-        The residual `x` takes each branch's summed output one step late (Algorithm 1): a ladder
+        The two streams of ladder/modeling_ladder_llama.py are `x` plus what is pending: `x` with
+        the pending attention sum settled is its attn_stream, with the pending MLP sum settled too
+        its mlp_stream. The residual `x` takes each branch's summed output one step late (Algorithm 1): a ladder
         layer adds the previous attention output, launches its own attention, adds the previous
         MLP output, launches its MLP, and the sums travel while the next branch computes. A
         standard layer adds whatever is pending and sums its attention at once; its MLP output is

@@ -23,10 +23,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ladder
-from adapt.cli import main as adapt_main
-from adapt.data import BlockOrder, load_blocks, prepare_data
-from adapt.recipe import DataSpec, SourceSpec, load_recipe
-from adapt.train import train
+from ladder.adapt.cli import main as adapt_main
+from ladder.adapt.data import BlockOrder, load_blocks, prepare_data
+from ladder.adapt.recipe import DataSpec, SourceSpec, load_recipe
+from ladder.adapt.train import train
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 

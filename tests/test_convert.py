@@ -20,13 +20,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import ladder
-from convert.convert import default_output_dir
-from convert.tensor_io import SafetensorsWriter, TensorSpec, copy_file, read_chunks, read_shard
-from convert.verify import Damage, damage_problems
 from ladder import LadderLlamaForCausalLM, to_ladder
 from ladder.cli import main as ladder_main
+from ladder.convert.convert import default_output_dir
+from ladder.convert.verify import Damage, damage_problems
 from ladder.files import sha256_file
 from ladder.loading import embedded_model_path
+from ladder.tensor_io import SafetensorsWriter, TensorSpec, copy_file, read_chunks, read_shard
 from tiny import random_ids
 
 REPOSITORY = Path(__file__).resolve().parents[1]

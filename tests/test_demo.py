@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import demo
+from ladder import demo
 from ladder.errors import UsageError
 from ladder.files import ladder_data_dir
 

@@ -18,9 +18,9 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ladder
-from eval import cli, harness, report
-from eval.suite import Suite, SuiteTask, load_suite, parse_suite, suite_names
 from ladder.errors import UsageError
+from ladder.eval import cli, harness, report
+from ladder.eval.suite import Suite, SuiteTask, load_suite, parse_suite, suite_names
 from ladder.files import ladder_data_dir
 
 LM_EVAL_TASKS = Path(inspect.getfile(harness.lm_eval)).parent / "tasks"
@@ -302,7 +302,7 @@ def test_cache_keys_are_the_same_in_every_process():
     """Task configs hold functions (HellaSwag's process_docs, WikiText's detokenizer): the key must
     not depend on where they sit in memory, or the cache would never hit in a new process."""
     script = (
-        "from eval import harness; from eval.suite import load_suite\n"
+        "from ladder.eval import harness; from ladder.eval.suite import load_suite\n"
         "suite = load_suite('offline')\n"
         "prepared = harness.task_configs(suite, harness.task_manager(suite))\n"
         "print(*[harness.cache_key('model', task, prepared[task.task]) for task in suite.tasks])\n"

@@ -11,7 +11,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 import ladder
-from ladder import LadderLlamaConfig, LadderLlamaForCausalLM, parse_ladder_layers, to_ladder
+from ladder import LadderLlamaConfig, LadderLlamaForCausalLM, to_ladder
+from ladder.errors import UsageError
+from ladder.layers import LADDER_MODEL_TYPE, format_layers, parse_ladder_layers
 from tiny import NUM_LAYERS, random_ids, tiny_llama
 
 # --- A deliberately naive reference, written from the formula in ../shared/docs/ladder.md ------
@@ -98,13 +100,25 @@ def test_parse_ladder_layers_forms():
     assert parse_ladder_layers("16", 32) == list(range(16, 32))
     assert parse_ladder_layers("16-31", 32) == list(range(16, 32))
     assert parse_ladder_layers("3,5,7", 32) == [3, 5, 7]
-    for bad in ("x", "3-", "5-2", "1,,x"):
-        with pytest.raises(ValueError):
-            parse_ladder_layers(bad, 32)
+    assert parse_ladder_layers("3-5,9", 32) == [3, 4, 5, 9]
+    for bad in ("x", "3-", "5-2", "1,,x", "40", "2,2"):
+        with pytest.raises(UsageError, match="^--layers: "):
+            parse_ladder_layers(bad, 32, "--layers")
+
+
+def test_layer_sets_format_as_they_parse():
+    for layers in ([], [3, 4, 5, 9], list(range(16, 32)), [0, 2, 4]):
+        text = format_layers(layers)
+        assert text == "none" or parse_ladder_layers(text, 32) == layers
+    assert format_layers([3, 4, 5, 9]) == "3-5,9"
+
+
+def test_the_light_model_type_name_is_the_configs():
+    assert LADDER_MODEL_TYPE == LadderLlamaConfig.model_type
 
 
 def test_ladder_config_refuses_other_architectures():
-    with pytest.raises(ValueError, match="'mistral'"):
+    with pytest.raises(UsageError, match="'mistral'"):
         ladder.ladder_config(AutoConfig.for_model("mistral"), 1)
 
 

@@ -10,8 +10,8 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 import ladder
-from adapt.data import local_files
-from adapt.recipe import load_recipe
+from ladder.adapt.data import local_files
+from ladder.adapt.recipe import load_recipe
 from ladder.errors import UsageError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

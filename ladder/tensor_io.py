@@ -1,4 +1,7 @@
-"""Streaming checkpoint IO: safetensors headers, chunked reads, planned shard writes, file copies.
+"""Checkpoint IO, the one module that reads and writes weight files (mergekit's tensor IO is the
+model): `ShardedTensorIndex` (which shard holds which tensor, headers checked),
+`LazyTensorLoader` (whole tensors or row/column slices, for the tensor-parallel runtime), streamed
+chunked reads, planned shard writes and file copies (for convert).
 
 Memory stays bounded by one chunk (64 MiB), whatever the size of a tensor, a shard or the model.
 The `safetensors` library reads through mmap (every byte read stays in the RSS until the file is
@@ -10,8 +13,10 @@ here directly; the tests check that the `safetensors` library reads what this wr
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import functools
 import json
 import math
 import os
@@ -22,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ladder.errors import UsageError
+from .errors import UsageError, first_line
 
 CHUNK_BYTES = 64 << 20
 # Plain reads go through Python in pieces this big: the allocator reuses memory of this size,
@@ -31,6 +36,7 @@ BUFFER_BYTES = 4 << 20
 # The largest header the safetensors library accepts.
 MAX_HEADER_BYTES = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
 # Linux's FICLONE ioctl (fcntl.FICLONE from Python 3.12): share the blocks of a file on btrfs/XFS.
 FICLONE = getattr(fcntl, "FICLONE", 0x40049409)
 # Errors meaning "this way of copying is not available here": fall back to the next way.
@@ -119,6 +125,108 @@ def read_shard(path: Path) -> Shard:
     if position < available:
         raise invalid(f"{available - position} stray bytes after the last tensor")
     return Shard(path, 8 + header_size, tuple(spec for _, spec in placed))
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The tensor -> file map of a `*.index.json`; every file it names must exist beside it."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"cannot read the weight map of {index}: {first_line(error)}") from None
+    for filename in sorted(set(weight_map.values())):
+        if not (index.parent / filename).is_file():
+            raise UsageError(f"shard {filename} named in {index.name} is missing from {index.parent}")
+    return weight_map
+
+
+def weight_files(directory: Path, index_name: str, single_name: str) -> tuple[list[Path], dict[str, str]] | None:
+    """The weight files of one format in a checkpoint directory, with its index's weight map (empty
+    for a single file); None when the directory has neither."""
+    if (directory / index_name).is_file():
+        weight_map = read_weight_map(directory / index_name)
+        return [directory / name for name in sorted(set(weight_map.values()))], weight_map
+    if (directory / single_name).is_file():
+        return [directory / single_name], {}
+    return None
+
+
+def check_weight_map(weight_map: dict[str, str], holder: dict[str, str], index_name: str) -> None:
+    """The index (`weight_map`) and the files (`holder`: tensor -> file that holds it) must agree."""
+    for name, filename in holder.items():
+        if weight_map and weight_map.get(name) != filename:
+            raise UsageError(f"{index_name} puts {name} in {weight_map.get(name)}, but {filename} holds it")
+    if missing := sorted(set(weight_map) - set(holder)):
+        raise UsageError(f"{index_name} names tensors that no shard holds: {', '.join(missing[:3])}")
+
+
+@dataclass(frozen=True)
+class ShardedTensorIndex:
+    """A safetensors checkpoint directory (one `model.safetensors`, or shards listed in
+    `model.safetensors.index.json`): every shard's checked header, the index checked against them."""
+
+    directory: Path
+    shards: tuple[Shard, ...]
+
+    @classmethod
+    def from_directory(cls, directory: Path) -> ShardedTensorIndex | None:
+        """The index of `directory`, or None when it holds no safetensors weights."""
+        found = weight_files(directory, INDEX_NAME, SINGLE_NAME)
+        if found is None:
+            return None
+        files, weight_map = found
+        shards = tuple(read_shard(path) for path in files)
+        holder = {spec.name: shard.path.name for shard in shards for spec in shard.tensors}
+        if len(holder) != sum(len(shard.tensors) for shard in shards):
+            raise UsageError(f"{directory}: a tensor name appears in more than one shard")
+        check_weight_map(weight_map, holder, INDEX_NAME)
+        return cls(directory, shards)
+
+    @property
+    def files(self) -> list[Path]:
+        return [shard.path for shard in self.shards]
+
+    @functools.cached_property
+    def tensors(self) -> dict[str, TensorSpec]:
+        return {spec.name: spec for shard in self.shards for spec in shard.tensors}
+
+    @functools.cached_property
+    def _shard_by_name(self) -> dict[str, Shard]:
+        return {spec.name: shard for shard in self.shards for spec in shard.tensors}
+
+    def shard_of(self, name: str) -> Shard:
+        if name not in self._shard_by_name:
+            raise UsageError(f"checkpoint {self.directory} has no tensor {name}")
+        return self._shard_by_name[name]
+
+
+class LazyTensorLoader:
+    """Reads the tensors of a `ShardedTensorIndex`, or only some rows or columns of them (the slice
+    is all that is read: the safetensors library's `get_slice`), each shard opened once."""
+
+    def __init__(self, index: ShardedTensorIndex):
+        from safetensors import safe_open  # only readers of slices need it
+
+        self.index, self._safe_open = index, safe_open
+        self._handles: dict[Path, object] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> LazyTensorLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def read(self, name: str, rows: range | None = None, columns: range | None = None) -> torch.Tensor:
+        """Tensor `name`, or only the given rows or columns of it."""
+        path = self.index.shard_of(name).path
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(self._safe_open(path, framework="pt"))
+        part = self._handles[path].get_slice(name)
+        if rows is not None:
+            return part[rows.start : rows.stop]
+        if columns is not None:
+            return part[:, columns.start : columns.stop]
+        return part[:]
 
 
 def row_blocks(shape: Sequence[int], itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, int]]:

@@ -2,8 +2,8 @@
 
 Converts the recipe's upper layers into ladder form, retrains them with the recipe, and scores the
 original, the ladder model before retraining and the ladder model after it side by side on the
-`demo` eval suite. It drives the three stages' own command lines, so each step is one a user could
-type. Everything lands under runs/demo; a rerun reuses what is finished (the conversion, the
+`demo` eval suite. Each step is one a user could type: it calls the stages' library functions and prints the equivalent `ladder` command of each.
+Everything lands under runs/demo; a rerun reuses what is finished (the conversion, the
 tokenized data, the retrained model, every score in the demo's eval cache) unless `--redo` names it.
 """
 
@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import time
 from collections.abc import Iterator
@@ -55,9 +56,8 @@ def _stage(number: int, name: str, what: str, seconds: dict[str, float]) -> Iter
     print(f"=== {name} took {seconds[name]:.0f} s", flush=True)
 
 
-def _check(status: int, stage: str) -> None:
-    if status:
-        raise SystemExit(f"ladder demo: the {stage} stage failed (exit status {status}); see above")
+def _command(*words: object) -> None:
+    print("$ ladder " + " ".join(shlex.quote(str(word)) for word in words), flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -65,21 +65,26 @@ def main(argv: list[str]) -> int:
     redo = set(STAGES) if "all" in args.redo else set(args.redo)
 
     # The stages load torch, transformers and lm-eval: import them once the arguments are good.
-    from adapt import cli as adapt_cli
-    from adapt.recipe import load_recipe
-    from convert import cli as convert_cli
-    from eval import cli as eval_cli
+    from ladder.adapt.recipe import load_recipe
+    from ladder.adapt.train import TrainingDiverged, prepare, train
+    from ladder.convert.cli import format_summary
+    from ladder.convert.convert import convert_checkpoint
+    from ladder.eval.evaluate import evaluate_models
+    from ladder.eval.suite import load_suite
+    from ladder.layers import format_layers
 
     recipe = load_recipe(args.recipe)
     if recipe.model.ladder_layers is None:
         raise UsageError(f"recipe {args.recipe}: the demo converts model.path, so model.ladder_layers must name the layers")
+    suite = load_suite(args.suite)
     original = recipe.model.path or "embedded"
     ladder_dir, adapt_dir, report_dir = args.out / "ladder", args.out / "adapt", args.out / "report"
     data_cache, eval_cache = args.out / "data", args.out / "eval-cache"
-    adapt_args = [
-        str(args.recipe), f"model.path={ladder_dir}", "model.ladder_layers=null", f"output_dir={adapt_dir}",
+    adapt_overrides = [
+        f"model.path={ladder_dir}", "model.ladder_layers=null", f"output_dir={adapt_dir}",
         f"data.cache_dir={data_cache}", "resume=true",  # resume: a finished run returns its model, a killed one continues
     ]
+    adapt_recipe = load_recipe(args.recipe, adapt_overrides)
     seconds: dict[str, float] = {}
     reused = []
     started = time.monotonic()
@@ -89,29 +94,37 @@ def main(argv: list[str]) -> int:
             print(f"reusing {ladder_dir} (--redo convert converts again)")
             reused.append("convert")
         else:
-            source = [] if original == "embedded" else [original]
             layers = recipe.model.ladder_layers
-            layers = ",".join(map(str, layers)) if isinstance(layers, list) else str(layers)
-            _check(convert_cli.main([*source, "--layers", layers, "--out", str(ladder_dir), "--force"]), "convert")
+            layers = format_layers(sorted(layers)) if isinstance(layers, list) else layers
+            _command("convert", original, "--layers", layers, "--out", ladder_dir, "--force")
+            summary = convert_checkpoint(original, out=ladder_dir, ladder_layers=layers, force=True, progress=True)
+            print(format_summary(summary))
 
     with _stage(2, "data", f"tokenize the recipe's books into {data_cache}", seconds):
         if "data" in redo:
             shutil.rmtree(data_cache, ignore_errors=True)
-        _check(adapt_cli.main([*adapt_args, "--prepare-data"]), "data")
+        _command("adapt", args.recipe, *adapt_overrides, "--prepare-data")
+        splits = prepare(adapt_recipe)
+        print(f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks")
 
     with _stage(3, "adapt", f"retrain with {args.recipe} -> {adapt_dir}/model", seconds):
         if "adapt" in redo:
             shutil.rmtree(adapt_dir, ignore_errors=True)
         elif (adapt_dir / "model" / "config.json").is_file():
             reused.append("adapt")
-        _check(adapt_cli.main(adapt_args), "adapt")
+        _command("adapt", args.recipe, *adapt_overrides)
+        try:
+            train(adapt_recipe)
+        except TrainingDiverged as error:
+            raise SystemExit(f"ladder demo: the adapt stage failed: {error}") from None
 
     with _stage(4, "eval", f"score {', '.join(LABELS)} on the {args.suite} suite -> {report_dir}", seconds):
         if "eval" in redo:
             shutil.rmtree(eval_cache, ignore_errors=True)
         models = [f"{LABELS[0]}={original}", f"{LABELS[1]}={ladder_dir}", f"{LABELS[2]}={adapt_dir / 'model'}"]
-        _check(eval_cli.main([*models, "--suite", args.suite, "--out", str(report_dir), "--force",
-                              "--cache", str(eval_cache)]), "eval")
+        _command("eval", *models, "--suite", args.suite, "--out", report_dir, "--force", "--cache", eval_cache)
+        evaluation = evaluate_models(models, suite, out=report_dir, force=True, cache_dir=eval_cache)
+        print(evaluation.table)
 
     seconds["total"] = round(time.monotonic() - started, 1)
     report = json.loads((report_dir / "report.json").read_text())

@@ -1,0 +1,100 @@
+"""Training checkpoints: `accelerator.save_state` (model, optimizer, scheduler, every process's RNG)
+plus `TrainState` and the resolved recipe, in an atomic `checkpoints/step-NNNNNN` folder."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+
+from ladder.errors import UsageError
+from ladder.files import atomic_directory
+
+from .recipe import RESUME_FREE_KEYS, Recipe, dump_recipe, recipe_from_dict
+
+STATE_FILE = "trainer_state.json"
+RECIPE_FILE = "recipe.yaml"
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint holds beside accelerate's state. Rules on resume: `step` continues as is;
+    `data_position` must equal step * blocks_per_step (the batch shape cannot change mid-run);
+    `processes` must equal the new run's (RNG states are saved per process)."""
+
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0  # step * tokens per step, all processes together
+    data_position: int = 0  # blocks consumed from the shuffled stream (see BlockOrder)
+    processes: int = 1
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporaries of interrupted saves are hidden `.step-...` names)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.glob("step-*") if (p / STATE_FILE).is_file())
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    found = checkpoints(directory)
+    return found[-1] if found else None
+
+
+def differing_keys(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two recipe dicts (keys free to change on resume skipped)."""
+    keys = []
+    for key in sorted(set(saved) | set(current)):
+        if not prefix and key in RESUME_FREE_KEYS:
+            continue
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys += differing_keys(a, b, f"{prefix}{key}.")
+        elif a != b:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def save_checkpoint(accelerator: Accelerator, final: Path, state: TrainState, recipe: Recipe, keep: int) -> None:
+    """Write `final` atomically from every process; then keep only the newest `keep` checkpoints."""
+    main = accelerator.is_main_process
+    with contextlib.ExitStack() as stack:
+        temporary = stack.enter_context(atomic_directory(final, force=True)) if main else None
+        temporary = broadcast_object_list([str(temporary)])[0]
+        accelerator.save_state(temporary)
+        if main:
+            Path(temporary, STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=1))
+            Path(temporary, RECIPE_FILE).write_text(dump_recipe(recipe))
+        accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()
+    if main:
+        for old in checkpoints(final.parent)[:-keep]:
+            shutil.rmtree(old)
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path, recipe: Recipe, blocks_per_step: int) -> TrainState:
+    """Restore accelerate's state from `path` after checking it was written by the same recipe and
+    the same number of processes; returns its `TrainState`."""
+    saved = recipe_from_dict(yaml.safe_load((path / RECIPE_FILE).read_text()))
+    if differences := differing_keys(saved.to_dict(), recipe.to_dict()):
+        raise UsageError(
+            f"resume: the recipe differs from the one {path} was trained with at {', '.join(differences)}; "
+            "resume with the same recipe, or start a new output_dir"
+        )
+    state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+    assert state.data_position == state.step * blocks_per_step, "batch shape changed under an equal recipe"
+    if state.processes != accelerator.num_processes:
+        raise UsageError(f"resume: {path} was written by {state.processes} process(es); "
+                         f"launch {state.processes}, not {accelerator.num_processes}")
+    accelerator.load_state(str(path))
+    return state
+
+
+__all__ = ["RECIPE_FILE", "STATE_FILE", "TrainState", "checkpoints", "differing_keys", "latest_checkpoint",
+           "load_checkpoint", "save_checkpoint"]

@@ -1,0 +1,69 @@
+"""Ladder layer sets as users write them (`--layers`, recipe keys) and as the tools print them, and
+the one check that a config is a Llama the toolkit reads. Imports neither torch nor transformers,
+so command-line checks run before any heavy import."""
+
+from __future__ import annotations
+
+from .errors import UsageError
+
+# `LadderLlamaConfig.model_type`, the published checkpoints' name. The configuration file travels
+# inside checkpoints and cannot import this package, so the name is spelled in both places (a test
+# checks that they agree).
+LADDER_MODEL_TYPE = "llamaLadder"
+LLAMA_MODEL_TYPES = ("llama", LADDER_MODEL_TYPE)
+
+
+def check_llama_model_type(model_type: object, where: str) -> None:
+    """Refuse a config that is neither a Llama nor a ladder Llama; `where` names the file or model."""
+    if model_type not in LLAMA_MODEL_TYPES:
+        raise UsageError(
+            f"{where} has model_type {model_type!r}; supported: "
+            f"{' or '.join(map(repr, LLAMA_MODEL_TYPES))} (Llama-architecture checkpoints)"
+        )
+
+
+def parse_ladder_layers(spec: str | int | list[int], num_hidden_layers: int, key: str = "ladder layers") -> list[int]:
+    """A layer choice as a sorted list: `N` (the upper N layers), a range `16-31`, or a list of
+    indices and ranges `3,5,7` / `3-5,9` (as text, an int or a list). Bad input raises `UsageError` naming `key`."""
+    # The resolver that travels inside checkpoints; imported here so that parsing text stays light.
+    from .configuration_ladder_llama import resolve_ladder_layers
+
+    if isinstance(spec, str):
+        text = spec.strip()
+        try:
+            if "," in text or "-" in text.lstrip("-"):
+                spec = [layer for part in text.split(",") if part.strip() for layer in _layer_range(part.strip(), key)]
+            else:
+                spec = int(text)
+        except ValueError:
+            raise UsageError(
+                f"{key}: {spec!r} is not a number, a range like 16-31 or a list like 3,5,7 or 3-5,9"
+            ) from None
+    try:
+        return resolve_ladder_layers(spec, num_hidden_layers)
+    except ValueError as error:
+        raise UsageError(f"{key}: {error} (the model has {num_hidden_layers} layers)") from None
+
+
+def _layer_range(part: str, key: str) -> list[int]:
+    """One item of a layer list: an index `7` or an inclusive range `3-5`."""
+    if "-" not in part.lstrip("-"):
+        return [int(part)]
+    first, last = (int(bound) for bound in part.split("-"))
+    if first > last:
+        raise UsageError(f"{key}: layer range {part!r} runs backwards")
+    return list(range(first, last + 1))
+
+
+def format_layers(layers: list[int]) -> str:
+    """[3, 4, 5, 9] -> '3-5,9' (also a valid `--layers` value); [] -> 'none'."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs) or "none"
+
+
+__all__ = ["LADDER_MODEL_TYPE", "LLAMA_MODEL_TYPES", "check_llama_model_type", "format_layers", "parse_ladder_layers"]
