@@ -6,7 +6,8 @@ what each is) is a byte-for-byte copy of a file in a public GitHub repository at
 `data_manifest.tsv` lists each file's place in the folder, size, SHA-256 and the raw URL at that
 commit. pooch downloads a file to a temporary name beside its place, checks the SHA-256 and only
 then renames it into place: a file that fails the check is deleted, never kept. Files already
-present with the right checksum are not fetched again; one with a wrong checksum is replaced.
+present with the right checksum are not fetched again; one with a wrong checksum is deleted
+and fetched again.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pooch
-import requests
+import requests  # pooch's HTTP client: its errors are what a failed download raises
 
 from .errors import ArgumentParser, UsageError, first_line
 from .files import ladder_data_dir, sha256_file
@@ -37,9 +38,13 @@ class DataFile:
 
 def read_manifest(manifest: str | Path = MANIFEST) -> list[DataFile]:
     """The files a data folder holds, from a tab-separated manifest (`#` lines are comments)."""
-    with open(manifest, newline="") as handle:
-        rows = csv.DictReader((line for line in handle if not line.startswith("#")), delimiter="\t")
-        return [DataFile(row["path"], int(row["size"]), row["sha256"], row["url"]) for row in rows]
+    try:
+        with open(manifest, newline="") as handle:
+            rows = csv.DictReader((line for line in handle if not line.startswith("#")), delimiter="\t")
+            return [DataFile(row["path"], int(row["size"]), row["sha256"], row["url"]) for row in rows]
+    except (OSError, KeyError, TypeError, ValueError) as error:
+        raise UsageError(f"cannot read the manifest {manifest}: {first_line(error)} "
+                         "(expected tab-separated columns path, size, sha256, url)") from None
 
 
 @dataclass

@@ -174,3 +174,12 @@ def test_the_manifest_lists_the_data_folder():
     for item in manifest:
         assert (folder / item.path).stat().st_size == item.size, item.path
         assert re.fullmatch(r"https://raw\.githubusercontent\.com/[\w.-]+/[\w.-]+/[0-9a-f]{40}/\S+", item.url), item.url
+
+
+def test_a_bad_manifest_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("path\tsha256\neval/x\tabc\n")
+    for manifest in (bad, tmp_path / "missing.tsv"):
+        assert ladder_main(["data", "--dest", str(tmp_path / "data"), "--manifest", str(manifest)]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and f"cannot read the manifest {manifest}" in error
