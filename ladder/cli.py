@@ -16,6 +16,7 @@ STAGES = {
     "adapt": ("ladder.adapt.cli", "retrain a ladder model from a YAML recipe"),
     "eval": ("ladder.eval.cli", "score models side by side with lm-evaluation-harness"),
     "demo": ("ladder.demo", "convert, retrain and evaluate the embedded SmolLM2 (make demo)"),
+    "data": ("ladder.data_fetch", "fetch the data folder from its public sources and verify it (make data)"),
 }
 
 

@@ -51,5 +51,17 @@ class LadderLlamaConfig(LlamaConfig):
         super().__post_init__(**kwargs)
         self.ladder_layers = resolve_ladder_layers(self.ladder_layers, self.num_hidden_layers)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Differs from Llama: RoPE is also written the transformers 4.x way, `rope_theta` and
+        `rope_scaling`, as the published ladder configs have it. A 4.x reader (the official ladder
+        code targets 4.47) ignores `rope_parameters` and would silently use rope_theta 10000;
+        transformers 5 reads the legacy keys to the same `rope_parameters`."""
+        values = super().to_dict()
+        rope = dict(values.get("rope_parameters") or {})
+        if "rope_theta" in rope:  # a per-layer-type mapping has no 4.x form: Llama never has one
+            values["rope_theta"] = rope.pop("rope_theta")
+            values["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+        return values
+
 
 __all__ = ["LadderLlamaConfig", "resolve_ladder_layers"]

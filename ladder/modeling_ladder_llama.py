@@ -16,8 +16,13 @@ carries two streams, the stream after its attention and the stream after its MLP
     mlp_stream_i  = attn_stream_i    + MLP_i (norm2(ladder ? mlp_stream_{i-1}  : attn_stream_i))
 
 Both streams start as the token embeddings; the model's output is the last mlp_stream.
-This file depends only on torch and transformers so that it can travel inside a checkpoint.
+This file depends only on torch and transformers so that it can travel inside a checkpoint, where
+it runs on whatever transformers the reader has: it works on 5.16.1 to 5.25 (tests/test_portability.py
+loads a checkpoint with each end).
 """
+
+import functools
+import inspect
 
 import torch
 from torch import nn
@@ -37,6 +42,26 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_ladder_llama import LadderLlamaConfig
+
+# transformers 5.24 renamed Llama's cache argument and output field from `past_key_values` to
+# `cache`. This file speaks whichever name the installed Llama uses.
+CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(LlamaAttention.forward).parameters else "past_key_values"
+
+
+def _takes_cache_argument(forward):
+    """Let `forward(cache=...)` also be called the installed transformers' way: from 5.24 on, a
+    `past_key_values=` is renamed with transformers' own deprecation warning, as Llama does; before
+    5.24 it is the name Llama's own callers (generate, the causal-LM head) use, renamed silently."""
+    if CACHE_ARGUMENT == "cache":
+        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+    @functools.wraps(forward)
+    def renamed(self, *args, past_key_values: Cache | None = None, **kwargs):
+        if past_key_values is not None:
+            kwargs["cache"] = past_key_values
+        return forward(self, *args, **kwargs)
+
+    return renamed
 
 
 class LadderLlamaDecoderLayer(LlamaDecoderLayer):
@@ -64,9 +89,9 @@ class LadderLlamaDecoderLayer(LlamaDecoderLayer):
             hidden_states=self.input_layernorm(attn_input),
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
+            **{CACHE_ARGUMENT: cache},
             **kwargs,
         )
         new_attn_stream = mlp_stream + attn_output
@@ -108,7 +133,7 @@ class LadderLlamaModel(LadderLlamaPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @_takes_cache_argument
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -136,8 +161,8 @@ class LadderLlamaModel(LadderLlamaPreTrainedModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            cache=cache,
             position_ids=position_ids,
+            **{CACHE_ARGUMENT: cache},
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
@@ -154,7 +179,7 @@ class LadderLlamaModel(LadderLlamaPreTrainedModel):
                 **kwargs,
             )
 
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(mlp_stream), cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(mlp_stream), **{CACHE_ARGUMENT: cache})
 
 
 class LadderLlamaForCausalLM(LadderLlamaPreTrainedModel, LlamaForCausalLM):

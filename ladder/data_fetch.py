@@ -1,0 +1,136 @@
+"""`ladder data` (`make data`): fill a data folder from the files' public sources, for a clone
+that has no `../shared/data` beside it.
+
+Every file of the shared data folder (evaluation sets and public-domain books; its README says
+what each is) is a byte-for-byte copy of a file in a public GitHub repository at a fixed commit.
+`data_manifest.tsv` lists each file's place in the folder, size, SHA-256 and the raw URL at that
+commit. pooch downloads a file to a temporary name beside its place, checks the SHA-256 and only
+then renames it into place: a file that fails the check is deleted, never kept. Files already
+present with the right checksum are not fetched again; one with a wrong checksum is deleted
+and fetched again.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pooch
+import requests  # pooch's HTTP client: its errors are what a failed download raises
+
+from .errors import ArgumentParser, UsageError, first_line
+from .files import ladder_data_dir, sha256_file
+
+MANIFEST = Path(__file__).with_name("data_manifest.tsv")
+TIMEOUT_SECONDS = 60
+
+
+@dataclass(frozen=True)
+class DataFile:
+    path: str  # relative to the data folder
+    size: int
+    sha256: str
+    url: str
+
+
+def read_manifest(manifest: str | Path = MANIFEST) -> list[DataFile]:
+    """The files a data folder holds, from a tab-separated manifest (`#` lines are comments)."""
+    try:
+        with open(manifest, newline="") as handle:
+            rows = csv.DictReader((line for line in handle if not line.startswith("#")), delimiter="\t")
+            return [DataFile(row["path"], int(row["size"]), row["sha256"], row["url"]) for row in rows]
+    except (OSError, KeyError, TypeError, ValueError) as error:
+        raise UsageError(f"cannot read the manifest {manifest}: {first_line(error)} "
+                         "(expected tab-separated columns path, size, sha256, url)") from None
+
+
+@dataclass
+class FetchReport:
+    fetched: list[str]  # downloaded (or replaced) and verified
+    present: list[str]  # already there with the right checksum
+    refused: list[str]  # downloaded but failed the checksum: deleted
+
+    def summary(self, destination: Path) -> str:
+        parts = [f"{len(self.fetched)} fetched", f"{len(self.present)} already present"]
+        if self.refused:
+            parts.append(f"{len(self.refused)} refused (wrong checksum, not kept): {', '.join(self.refused)}")
+        return f"data folder {destination}: " + ", ".join(parts)
+
+
+def _offline_message(files: list[DataFile], destination: Path, manifest: Path, error: Exception) -> str:
+    hosts = sorted({urlsplit(item.url).netloc for item in files})
+    return (
+        f"cannot download from {', '.join(hosts)} ({type(error).__name__}): fetch the {len(files)} files listed "
+        f"in {manifest} (URL and SHA-256 each) into {destination}, each at its `path`, or set LADDER_DATA "
+        "to a folder that has them"
+    )
+
+
+def fetch_data(
+    destination: str | Path, files: list[DataFile] | None = None, manifest: str | Path = MANIFEST,
+    progress: bool = False,
+) -> FetchReport:
+    """Fetch every file of `files` (default: the manifest's) missing or wrong in `destination`.
+
+    Afterwards each listed file in `destination` is either verified or absent: a present file with
+    a wrong checksum is deleted before its download, and a download that fails its checksum is
+    deleted and reported in `refused` (the other files are still fetched). The first network
+    failure raises a one-line `UsageError` that says what to fetch and where to put it; files
+    verified before it stay.
+    """
+    destination = Path(destination).expanduser().absolute()
+    files = read_manifest(manifest) if files is None else files
+    downloader = pooch.HTTPDownloader(timeout=TIMEOUT_SECONDS, progressbar=False)
+    pooch.get_logger().setLevel(logging.WARNING)  # pooch logs every file; the caller prints a summary
+    report = FetchReport([], [], [])
+    for item in files:
+        target = destination / item.path
+        try:
+            if target.is_file():
+                if sha256_file(target) == item.sha256:
+                    report.present.append(item.path)
+                    continue
+                target.unlink()
+            pooch.retrieve(item.url, known_hash=f"sha256:{item.sha256}", fname=target.name,
+                           path=target.parent, downloader=downloader)
+        except ValueError as error:
+            if "hash" not in str(error).lower():
+                raise
+            report.refused.append(item.path)  # pooch deleted the download before raising
+            continue
+        except requests.exceptions.HTTPError as error:
+            raise UsageError(f"cannot fetch {item.path}: {item.url} answered {first_line(error)}; the source may "
+                             "have moved (the data folder's README names each file's repository)") from None
+        except requests.exceptions.RequestException as error:
+            raise UsageError(_offline_message(files, destination, Path(manifest), error)) from None
+        except OSError as error:
+            raise UsageError(f"cannot write {target}: {first_line(error)}") from None
+        report.fetched.append(item.path)
+        if progress:
+            print(f"  fetched {item.path}", flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(
+        prog="ladder data",
+        description="Fetch the data folder (evaluation sets, training books) from the files' public sources "
+        "and verify each file's SHA-256; files already present and correct are kept.",
+    )
+    parser.add_argument("--dest", type=Path, default=None,
+                        help="the data folder to fill (default: $LADDER_DATA, else ../shared/data beside the repository)")
+    parser.add_argument("--manifest", type=Path, default=MANIFEST, help="the list of files (default: %(default)s)")
+    args = parser.parse_args(argv)
+    destination = args.dest if args.dest is not None else ladder_data_dir()
+    report = fetch_data(destination, manifest=args.manifest, progress=True)
+    print(report.summary(Path(destination).absolute()))
+    if report.refused:
+        raise UsageError(f"{len(report.refused)} file(s) failed their SHA-256 check and were not kept; "
+                         "the source may have changed: see the data folder's README for where each file comes from")
+    return 0
+
+
+__all__ = ["MANIFEST", "DataFile", "FetchReport", "fetch_data", "main", "read_manifest"]

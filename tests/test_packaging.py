@@ -1,0 +1,103 @@
+"""The package: metadata (setup.cfg asks for ranges, so `pip install .` keeps an environment's own
+torch and transformers; constraints.txt pins one tested version of each, inside those ranges), one
+installed namespace (no top-level `convert`, `adapt`, `eval`), light commands."""
+
+from __future__ import annotations
+
+import configparser
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from ladder.files import ladder_data_dir
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+# The ends of the ranges that were tested (README, "Two commands"): the lower ends are what
+# `make install` pins, the upper ends a throwaway venv with that torch installed first.
+TESTED_ENDS = {"torch": ("2.13.0", "2.14.1"), "transformers": ("5.16.1", "5.25.0")}
+
+
+def requirements() -> list[Requirement]:
+    setup = configparser.ConfigParser()
+    setup.read(REPOSITORY / "setup.cfg")
+    lines = setup["options"]["install_requires"].splitlines() + setup["options.extras_require"]["test"].splitlines()
+    return [Requirement(line) for line in (line.strip() for line in lines) if line and not line.startswith("#")]
+
+
+def constraints() -> dict[str, Version]:
+    pins = {}
+    for line in (REPOSITORY / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name)] = Version(version)
+    return pins
+
+
+def test_requirements_are_ranges_that_admit_the_tested_ends():
+    by_name = {canonicalize_name(r.name): r for r in requirements()}
+    for name, ends in TESTED_ENDS.items():
+        specifier = by_name[name].specifier
+        assert not any(spec.operator == "==" for spec in specifier), f"{name} is pinned in setup.cfg: {specifier}"
+        for version in ends:
+            assert specifier.contains(version), f"{name} {version} is outside setup.cfg's {specifier}"
+
+
+def test_constraints_pin_every_requirement_inside_its_range():
+    pins = constraints()
+    for requirement in requirements():
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"constraints.txt does not pin {requirement.name}"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (
+            f"constraints.txt pins {requirement.name}=={pins[name]}, outside setup.cfg's {requirement.specifier}")
+    assert pins["torch"] == Version("2.13.0")  # the CPU wheel on the project's machines
+
+
+def test_the_wheel_installs_everything_under_ladder(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(tmp_path), str(REPOSITORY)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("ladder_llama-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
+    assert top_level == {"ladder"}
+    for module in ("ladder/convert/convert.py", "ladder/adapt/train.py", "ladder/eval/harness.py",
+                   "ladder/eval/tasks/ladder_wikitext.yaml", "ladder/eval/suites/smoke.yaml", "ladder/demo.py"):
+        assert module in names
+
+
+def _imports_after(code: str) -> set[str]:
+    done = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
+                          check=True, capture_output=True, text=True, cwd=REPOSITORY)
+    return set(done.stdout.split())
+
+
+def test_ladder_help_and_the_light_modules_do_not_import_torch():
+    assert "torch" not in _imports_after("from ladder.cli import main; main(['--help'])")
+    assert "torch" not in _imports_after("import ladder, ladder.errors, ladder.layers, ladder.files")
+    assert "transformers" not in _imports_after("import ladder.layers")
+    # Touching a model class loads the model and registers it with the Auto classes.
+    assert "ladder.auto" in _imports_after("import ladder; ladder.LadderLlamaForCausalLM")
+
+
+def test_data_folder_needs_ladder_data_outside_a_checkout(monkeypatch, tmp_path):
+    monkeypatch.setenv("LADDER_DATA", str(tmp_path))
+    assert ladder_data_dir() == tmp_path
+    monkeypatch.delenv("LADDER_DATA")
+    # In a checkout with ../shared/data beside it (as CI has it), that folder; else a clear error.
+    beside = REPOSITORY.parent / "shared" / "data"
+    if beside.is_dir():
+        assert ladder_data_dir() == beside
+    # The package as pip installs it: no setup.cfg above it, no ../shared beside it.
+    site = tmp_path / "site-packages"
+    shutil.copytree(REPOSITORY / "ladder", site / "ladder", ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("from ladder.files import ladder_data_dir\n"
+            "try:\n    ladder_data_dir()\nexcept Exception as error:\n    print(type(error).__name__, error)")
+    done = subprocess.run([sys.executable, "-S", "-c", code], check=True, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(site)}, cwd=tmp_path)
+    assert done.stdout.startswith("UsageError no data folder: set LADDER_DATA")
