@@ -330,15 +330,27 @@ def _fits_in_memory(tensors: list[TensorSpec]) -> str | None:
             f"{available / 1e9:.1f} GB is available (--verify runs it anyway)")
 
 
+def _safetensors_reader(directory: Path) -> Callable[[str], torch.Tensor]:
+    """A function from tensor name to a copy of that tensor, opening its file for each read: a file
+    kept open stays memory-mapped, and every page read once would count in the process's memory
+    until it closes (a whole checkpoint, by the end of a verification)."""
+    index = ShardedTensorIndex.from_directory(directory)
+
+    def read(name: str) -> torch.Tensor:
+        with LazyTensorLoader(index) as loader:
+            return loader.read(name)
+
+    return read
+
+
 @contextlib.contextmanager
 def _source_reader(source: Source) -> Iterator[Callable[[str], torch.Tensor]]:
-    """A function from tensor name to the source's tensor that reads only what is asked (safetensors
-    slices; for pickle weights one memory-mapped file at a time)."""
+    """A function from tensor name to the source's tensor that reads only what is asked (one
+    safetensors tensor at a time; for pickle weights one memory-mapped file at a time)."""
     if source.model is not None:  # gguf: dequantized in memory already
         yield source.model.state_dict().__getitem__
     elif source.format == "safetensors":
-        with LazyTensorLoader(ShardedTensorIndex.from_directory(source.path)) as loader:
-            yield loader.read
+        yield _safetensors_reader(source.path)
     else:
         holder = {name: path for path in source.weight_files for name in _load_pickle(path)}
         opened: dict[Path, dict[str, torch.Tensor]] = {}
@@ -368,8 +380,8 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
     except (OSError, ValueError, TypeError):
         tokenizer = None
     prompts = prompt_ids(tokenizer, config.vocab_size)
-    with LazyTensorLoader(ShardedTensorIndex.from_directory(converted)) as written, _source_reader(source) as read:
-        return measure_damage_layerwise(original, ladder_model, read, written.read, dtypes, prompts)
+    with _source_reader(source) as read:
+        return measure_damage_layerwise(original, ladder_model, read, _safetensors_reader(converted), dtypes, prompts)
 
 
 def _model_card(summary: ConversionSummary, kept_source_card: bool) -> str:

@@ -218,6 +218,7 @@ def test_resume_refuses_a_run_made_with_other_settings(tmp_path, tiny_checkpoint
     if state == "partial":  # as if killed after the checkpoint at step 1
         (run_dir / "model").rename(tmp_path / "done")
     kept = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    capsys.readouterr()
     changes = {
         "model.ladder_layers": "model.ladder_layers=1",
         "model.path": "model.path=embedded",
