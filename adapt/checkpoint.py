@@ -78,15 +78,24 @@ def save_checkpoint(accelerator: Accelerator, final: Path, state: TrainState, re
             shutil.rmtree(old)
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, recipe: Recipe, blocks_per_step: int) -> TrainState:
-    """Restore accelerate's state from `path` after checking it was written by the same recipe and
-    the same number of processes; returns its `TrainState`."""
+def check_same_recipe(path: Path, recipe: Recipe) -> None:
+    """Refuse to continue from (or return) the checkpoint or final model at `path` unless the recipe
+    it was trained with equals `recipe` in every key but those free to change on resume."""
+    if not (path / RECIPE_FILE).is_file():
+        raise UsageError(f"resume: {path} has no {RECIPE_FILE}, so which recipe made it is unknown; "
+                         "start a new output_dir (or delete that folder)")
     saved = recipe_from_dict(yaml.safe_load((path / RECIPE_FILE).read_text()))
     if differences := differing_keys(saved.to_dict(), recipe.to_dict()):
         raise UsageError(
             f"resume: the recipe differs from the one {path} was trained with at {', '.join(differences)}; "
-            "resume with the same recipe, or start a new output_dir"
+            "resume with the same recipe, or start a new output_dir (or delete that folder)"
         )
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path, recipe: Recipe, blocks_per_step: int) -> TrainState:
+    """Restore accelerate's state from `path` after checking it was written by the same recipe and
+    the same number of processes; returns its `TrainState`."""
+    check_same_recipe(path, recipe)
     state = TrainState(**json.loads((path / STATE_FILE).read_text()))
     assert state.data_position == state.step * blocks_per_step, "batch shape changed under an equal recipe"
     if state.processes != accelerator.num_processes:
@@ -96,5 +105,5 @@ def load_checkpoint(accelerator: Accelerator, path: Path, recipe: Recipe, blocks
     return state
 
 
-__all__ = ["RECIPE_FILE", "STATE_FILE", "TrainState", "checkpoints", "differing_keys", "latest_checkpoint",
+__all__ = ["RECIPE_FILE", "STATE_FILE", "TrainState", "check_same_recipe", "checkpoints", "differing_keys", "latest_checkpoint",
            "load_checkpoint", "save_checkpoint"]

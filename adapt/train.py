@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, parse_flag_from_env, set_seed
 from tqdm.auto import tqdm
 
 import ladder
@@ -39,7 +39,14 @@ from ladder.files import atomic_directory, atomic_write
 from ladder.layers import LADDER_MODEL_TYPE, format_layers, parse_ladder_layers
 from ladder.loading import load_model, load_tokenizer, read_config_dict, resolve_model_path
 
-from .checkpoint import RECIPE_FILE, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    RECIPE_FILE,
+    TrainState,
+    check_same_recipe,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .data import BlockOrder, Splits, local_files, prepare_data
 from .losses import block_losses, kd_loss, lm_loss
 from .recipe import Recipe, dump_recipe, model_path
@@ -122,16 +129,20 @@ class AdaptRun:
             recipe.logging.tensorboard == "auto" and importlib.util.find_spec("tensorboard") is not None
         )
         warn_single_cpu_launch()
+        # The main process may tokenize for a long while (when --prepare-data was not run first)
+        # while the others wait at a barrier.
+        process_group = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=6))
+        # With no GPU, processes started by `accelerate launch --multi_gpu` (or an FSDP config) train on CPU over gloo.
+        cpu = not torch.accelerator.is_available()
+        if cpu and parse_flag_from_env("ACCELERATE_USE_FSDP"):
+            enable_fsdp_on_cpu(process_group)
         self.accelerator = Accelerator(
-            # With no GPU, processes started by `accelerate launch --multi_gpu` train on CPU over gloo.
-            cpu=not torch.accelerator.is_available(),
+            cpu=cpu,
             mixed_precision="bf16" if recipe.precision == "bf16" else "no",
             step_scheduler_with_optimizer=False,
             log_with="tensorboard" if tensorboard else None,
             project_dir=str(self.run_dir),
-            # The main process may tokenize for a long while (when --prepare-data was not run first)
-            # while the others wait at a barrier.
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(hours=6))],
+            kwargs_handlers=[process_group],
         )
         self.main = self.accelerator.is_main_process
         self.state = TrainState(processes=self.accelerator.num_processes)
@@ -213,16 +224,7 @@ class AdaptRun:
 
     def find_resume_point(self) -> Path | None:
         """The checkpoint to continue from (or the final model when the run is complete)."""
-        if not self.recipe.resume:
-            if self.final_dir.exists() or self.checkpoint_dir.exists() or (self.run_dir / METRICS_FILE).exists():
-                raise UsageError(
-                    f"{self.run_dir} holds an earlier run: pass resume=true to continue it, "
-                    "or choose another output_dir (or delete that folder)"
-                )
-            return None
-        if self.final_dir.exists():
-            return self.final_dir
-        return latest_checkpoint(self.checkpoint_dir)
+        return resume_point(self.recipe)
 
     def select_trainable(self, model: torch.nn.Module) -> torch.nn.Module:
         """Freeze all but the ladder layers (`ladder`), the named layers (`layers`), or wrap the model
@@ -434,6 +436,26 @@ class AdaptRun:
         self.accelerator.end_training()
 
 
+def resume_point(recipe: Recipe) -> Path | None:
+    """Where a run of `recipe` continues: its final model when complete, else its latest checkpoint,
+    else None (a fresh start). Either is refused, before any weight loads, when it was made with a
+    recipe that differs from `recipe` (the UsageError names the keys), and so is an earlier run
+    without `resume`."""
+    run_dir = recipe.run_dir()
+    final_dir, checkpoint_dir = run_dir / "model", run_dir / "checkpoints"
+    if not recipe.resume:
+        if final_dir.exists() or checkpoint_dir.exists() or (run_dir / METRICS_FILE).exists():
+            raise UsageError(
+                f"{run_dir} holds an earlier run: pass resume=true to continue it, "
+                "or choose another output_dir (or delete that folder)"
+            )
+        return None
+    found = final_dir if final_dir.exists() else latest_checkpoint(checkpoint_dir)
+    if found is not None:
+        check_same_recipe(found, recipe)
+    return found
+
+
 def check_model(recipe: Recipe) -> bool:
     """Whether model.path is already a ladder checkpoint; refuses recipes that cannot work, before any
     weight loads."""
@@ -452,6 +474,21 @@ def check_model(recipe: Recipe) -> bool:
     return is_ladder
 
 
+def enable_fsdp_on_cpu(process_group: InitProcessGroupKwargs) -> None:
+    """Let an FSDP launch (`accelerate launch --config_file recipes/accelerate/fsdp-cpu-2proc.yaml`)
+    run FSDP2 on CPU processes over gloo instead of silently falling back to DDP.
+
+    accelerate 1.16 applies FSDP only to GPU-type process groups: `AcceleratorState.__init__`
+    (accelerate/state.py:947, `elif self.distributed_type in [DistributedType.MULTI_GPU, ...]`)
+    leaves a CPU group as MULTI_CPU, which `prepare` wraps in DDP. FSDP2 itself (`fully_shard`,
+    DTensor parameters, the sharded checkpoints) runs over gloo, so the CPU process group is
+    started here and marked MULTI_GPU: the Accelerator built next takes that FSDP branch, and its
+    device stays the CPU. This is how the tests run the FSDP code path without GPUs."""
+    state = PartialState(cpu=True, **process_group.to_kwargs())
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+
+
 def warn_single_cpu_launch() -> None:
     """`accelerate launch --cpu --num_processes N` starts one process unless mpirun is set up
     (accelerate issue #2741); say so instead of silently training alone."""
@@ -462,4 +499,4 @@ def warn_single_cpu_launch() -> None:
               "gloo when no GPU is present)", file=sys.stderr)
 
 
-__all__ = ["AdaptRun", "TrainingDiverged", "prepare", "train"]
+__all__ = ["AdaptRun", "TrainingDiverged", "prepare", "resume_point", "train"]

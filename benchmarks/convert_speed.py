@@ -9,7 +9,8 @@ tied embeddings, random float32 weights, 2 GB shards: 5.6 GB, largest tensor 2.1
 In one run, for each mode (`copy`: same dtype, the files are copied; `bfloat16`: every tensor is
 read, cast and written) and each page-cache state, it times `cp -r SRC DST && sync` and
 `ladder convert SRC --out DST --no-verify` (the conversion flushes its files; a `sync` follows it
-too), best of --repeats, and reports the ratio. "cold": the source is evicted from the page cache
+too), best of --repeats, and reports the ratio. `--verify` converts with verification on instead
+(both models compared one module at a time), to measure its peak memory. "cold": the source is evicted from the page cache
 first, as for a checkpoint larger than RAM; "warm": it was just read. The conversion's time is
 measured inside its process (`convert`), and also with the interpreter and library start-up
 (`+start`, about constant per run). Peak RSS is the conversion process's own (wait4's ru_maxrss).
@@ -40,9 +41,9 @@ CONVERT_IN_CHILD = """
 import json, os, sys, time
 import torch
 from ladder.convert.convert import convert_checkpoint
-source, out, dtype = sys.argv[1:4]
+source, out, dtype, verify = sys.argv[1:5]
 started = time.perf_counter()
-convert_checkpoint(source, out=out, dtype=getattr(torch, dtype) if dtype != "keep" else None, verify=False)
+convert_checkpoint(source, out=out, dtype=getattr(torch, dtype) if dtype != "keep" else None, verify=verify == "verify")
 os.sync()
 print(json.dumps({"seconds": time.perf_counter() - started}))
 """
@@ -100,9 +101,9 @@ def time_copy(source: Path, out: Path) -> float:
     return time.perf_counter() - started
 
 
-def time_conversion(source: Path, out: Path, dtype: str) -> tuple[float, float, int]:
+def time_conversion(source: Path, out: Path, dtype: str, verify: bool = False) -> tuple[float, float, int]:
     """(seconds inside the process, seconds with start-up, peak RSS in bytes) of one conversion."""
-    command = [sys.executable, "-c", CONVERT_IN_CHILD, str(source), str(out), dtype]
+    command = [sys.executable, "-c", CONVERT_IN_CHILD, str(source), str(out), dtype, "verify" if verify else "no-verify"]
     started = time.perf_counter()
     child = subprocess.Popen(command, cwd=REPOSITORY, stdout=subprocess.PIPE, text=True)
     stdout = child.stdout.read()
@@ -120,6 +121,8 @@ def main() -> None:
     parser.add_argument("--cache", choices=["cold", "warm"], nargs="+", default=["cold", "warm"])
     parser.add_argument("--mode", choices=["copy", "bfloat16"], nargs="+", default=["copy", "bfloat16"])
     parser.add_argument("--workdir", type=Path, default=REPOSITORY / "runs" / "bench")
+    parser.add_argument("--verify", action="store_true",
+                        help="convert with verification on (layer by layer; goal: peak RSS within 2 shards)")
     args = parser.parse_args()
 
     source = args.workdir / f"convert-source-{args.layers}l"
@@ -142,7 +145,7 @@ def main() -> None:
                 prepare(source, out, cache)
                 copies.append(time_copy(source, out))
                 prepare(source, out, cache)
-                conversions.append(time_conversion(source, out, dtype))
+                conversions.append(time_conversion(source, out, dtype, args.verify))
             shutil.rmtree(out, ignore_errors=True)
             copy_seconds = min(copies)
             seconds, wall, _ = min(conversions)

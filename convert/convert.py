@@ -11,6 +11,7 @@ every source weight file, and the output directory appears only once it is compl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -21,7 +22,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -39,7 +40,6 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.dynamic_module_utils import custom_object_save
-from transformers.utils import logging as transformers_logging
 
 import ladder
 from ladder.auto import LadderLlamaConfig, LadderLlamaForCausalLM
@@ -50,6 +50,7 @@ from ladder.loading import load_model, read_config_dict, resolve_model_path
 from ladder.rewire import ladder_config
 from ladder.tensor_io import (
     INDEX_NAME,
+    LazyTensorLoader,
     OutputShard,
     Shard,
     ShardedTensorIndex,
@@ -66,7 +67,7 @@ from ladder.tensor_io import (
 )
 
 from .gguf import inspect_llama_gguf
-from .verify import Damage, damage_problems, measure_damage, prompt_ids
+from .verify import Damage, damage_problems, measure_damage_layerwise, prompt_ids
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # what save_pretrained uses ("5GB")
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -314,34 +315,73 @@ def _dtype_name(tensors: list[TensorSpec]) -> str:
 
 
 def _fits_in_memory(tensors: list[TensorSpec]) -> str | None:
-    """Why verification would not fit in memory, or None when it does."""
-    needed = 2 * 4 * sum(math.prod(spec.shape) for spec in tensors)  # both models, in float32
+    """Why verification would not fit in memory, or None when it does. It runs layer by layer, so it
+    holds one module of each model at a time in float32 (a decoder layer, or the embedding or LM head)."""
+    module_sizes: dict[str, int] = {}
+    for spec in tensors:
+        layer = re.match(r"model\.layers\.\d+\.", spec.name)
+        module = layer.group(0) if layer else spec.name
+        module_sizes[module] = module_sizes.get(module, 0) + math.prod(spec.shape)
+    needed = 2 * 4 * max(module_sizes.values())
     available = psutil.virtual_memory().available
     if needed < 0.8 * available:
         return None
-    return (f"skipped: both models need about {needed / 1e9:.1f} GB in float32, {available / 1e9:.1f} GB "
-            "is available (--verify runs it anyway)")
+    return (f"skipped: one module of each model needs about {needed / 1e9:.1f} GB in float32, "
+            f"{available / 1e9:.1f} GB is available (--verify runs it anyway)")
 
 
-def _verify(source: Source, converted: Path, dtype: torch.dtype | str) -> Damage:
-    """Load the written checkpoint as transformers will, and the original the same way, and
-    compare them in float32 (same weights, so only the wiring differs)."""
-    bars_were_on = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()  # two "Loading weights" bars say nothing here
-    try:
-        ladder_model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).float().eval()
-        if source.model is not None:
-            original = source.model.float().eval()
-        else:
-            original = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).float().eval()
-    finally:
-        if bars_were_on:
-            transformers_logging.enable_progress_bar()
+def _safetensors_reader(directory: Path) -> Callable[[str], torch.Tensor]:
+    """A function from tensor name to a copy of that tensor, opening its file for each read: a file
+    kept open stays memory-mapped, and every page read once would count in the process's memory
+    until it closes (a whole checkpoint, by the end of a verification)."""
+    index = ShardedTensorIndex.from_directory(directory)
+
+    def read(name: str) -> torch.Tensor:
+        with LazyTensorLoader(index) as loader:
+            return loader.read(name)
+
+    return read
+
+
+@contextlib.contextmanager
+def _source_reader(source: Source) -> Iterator[Callable[[str], torch.Tensor]]:
+    """A function from tensor name to the source's tensor that reads only what is asked (one
+    safetensors tensor at a time; for pickle weights one memory-mapped file at a time)."""
+    if source.model is not None:  # gguf: dequantized in memory already
+        yield source.model.state_dict().__getitem__
+    elif source.format == "safetensors":
+        yield _safetensors_reader(source.path)
+    else:
+        holder = {name: path for path in source.weight_files for name in _load_pickle(path)}
+        opened: dict[Path, dict[str, torch.Tensor]] = {}
+
+        def read(name: str) -> torch.Tensor:
+            if holder[name] not in opened:
+                opened.clear()
+                opened[holder[name]] = _load_pickle(holder[name])
+            return opened[holder[name]][name]
+
+        yield read
+
+
+def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
+    """Compare the written checkpoint with the original in float32, both rounded to the written
+    dtype (same weights, so only the wiring differs): the configs load as transformers loads them,
+    the weights one module at a time (`measure_damage_layerwise`), so that memory stays bounded."""
+    config = AutoConfig.from_pretrained(converted)
+    with torch.device("meta"):
+        ladder_model = AutoModelForCausalLM.from_config(config).eval()
+        original = AutoModelForCausalLM.from_config(source.config).eval()
+    dtypes = {spec.name: spec.dtype for spec in kept}
+    if "lm_head.weight" not in dtypes:  # tied, or dropped as tied
+        dtypes["lm_head.weight"] = dtypes["model.embed_tokens.weight"]
     try:
         tokenizer = AutoTokenizer.from_pretrained(converted)
     except (OSError, ValueError, TypeError):
         tokenizer = None
-    return measure_damage(original, ladder_model, prompt_ids(tokenizer, ladder_model.config.vocab_size))
+    prompts = prompt_ids(tokenizer, config.vocab_size)
+    with _source_reader(source) as read:
+        return measure_damage_layerwise(original, ladder_model, read, _safetensors_reader(converted), dtypes, prompts)
 
 
 def _model_card(summary: ConversionSummary, kept_source_card: bool) -> str:
@@ -378,6 +418,24 @@ def _model_card(summary: ConversionSummary, kept_source_card: bool) -> str:
     if kept_source_card:
         lines.append("The source's own model card is kept as `README.source.md`.")
     return "\n".join(lines) + "\n"
+
+
+def conversion_differences(out: str | Path, source: str | Path | None,
+                           ladder_layers: str | int | list[int] | None = None) -> list[str]:
+    """The settings that `out`'s conversion.json records differently from these (`source` and
+    `ladder_layers` as `convert_checkpoint` takes them): what makes an existing conversion stale.
+    Lists `conversion.json` itself when `out` has none (nothing says how it was made)."""
+    manifest = Path(out) / "conversion.json"
+    if not manifest.is_file():
+        return ["conversion.json (missing)"]
+    recorded = json.loads(manifest.read_text())
+    num_hidden_layers = recorded["num_hidden_layers"]
+    asked = {
+        "source": str(resolve_model_path(source).resolve()),
+        "ladder_layers": parse_ladder_layers(num_hidden_layers // 2 if ladder_layers is None else ladder_layers,
+                                             num_hidden_layers, "ladder_layers"),
+    }
+    return [key for key, value in asked.items() if recorded.get(key) != value]
 
 
 def convert_checkpoint(
@@ -462,7 +520,7 @@ def convert_checkpoint(
 
         if verify_skipped is None:
             _say(progress, "verifying: both models on fixed prompts ...")
-            summary.damage = _verify(opened, staging, dtype or (torch.float32 if is_gguf else "auto"))
+            summary.damage = _verify(opened, staging, kept)
             if problems := damage_problems(summary.damage):
                 raise RuntimeError(f"verification failed, nothing written: {'; '.join(problems)}")
         summary.verify_skipped = verify_skipped

@@ -8,11 +8,13 @@ mean KL(original || ladder) over every prompt position.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.masking_utils import create_causal_mask
 
 PROMPTS = (
     "The capital of France is",
@@ -72,3 +74,79 @@ def damage_problems(damage: Damage) -> list[str]:
     if damage.first_ladder_layer is None and damage.logits_max_abs_diff != 0:
         problems.append(f"with no ladder layer the logits differ by {damage.logits_max_abs_diff:.3g}")
     return problems
+
+
+TensorReader = Callable[[str], torch.Tensor]
+
+
+def _load_module(module: torch.nn.Module, prefix: str, read: TensorReader, dtypes: dict[str, torch.dtype]) -> None:
+    """Give a meta-device submodule its real weights in float32, rounded first to the converted
+    checkpoint's dtype (`dtypes`), so that both models compute from the same values."""
+    state = {name: read(prefix + name).to(dtypes[prefix + name]).float() for name in module.state_dict()}
+    module.load_state_dict(state, strict=True, assign=True)
+
+
+@torch.no_grad()
+def measure_damage_layerwise(original: PreTrainedModel, ladder_model: PreTrainedModel, read_original: TensorReader,
+                             read_ladder: TensorReader, dtypes: dict[str, torch.dtype],
+                             prompts: list[torch.Tensor]) -> Damage:
+    """What `measure_damage` measures, with both models on the meta device and run one module at a
+    time: the embeddings, each decoder layer, then the final norm and LM head are loaded (float32),
+    applied to every prompt, and released (`.to("meta")`). Peak memory is about two of the largest
+    modules (an 8B model's embedding: 2.1 GB in float32) whatever the model's size, against two whole
+    models for `measure_damage`. `dtypes`: the converted checkpoint's dtype of every tensor."""
+    first = min(ladder_model.config.ladder_layers, default=None)
+
+    def embed(model: PreTrainedModel, read: TensorReader) -> list[torch.Tensor]:
+        table = model.model.embed_tokens
+        _load_module(table, "model.embed_tokens.", read, dtypes)
+        states = [table(ids[None]) for ids in prompts]
+        table.to("meta")
+        return states
+
+    reference = embed(original, read_original)
+    attn_streams = mlp_streams = embed(ladder_model, read_ladder)
+    hidden_diff = max((a - b).abs().max().item() for a, b in zip(reference, mlp_streams))
+    rotary = type(ladder_model.model.rotary_emb)(config=ladder_model.config)  # inv_freq is computed, not stored
+    extras = []
+    for states in reference:
+        position_ids = torch.arange(states.shape[1])[None]
+        mask = create_causal_mask(config=ladder_model.config, inputs_embeds=states, attention_mask=None,
+                                  cache=None, position_ids=position_ids)
+        extras.append(dict(position_ids=position_ids, attention_mask=mask,
+                           position_embeddings=rotary(states, position_ids=position_ids)))
+    for index in range(ladder_model.config.num_hidden_layers):
+        prefix = f"model.layers.{index}."
+        plain, rewired = original.model.layers[index], ladder_model.model.layers[index]
+        _load_module(plain, prefix, read_original, dtypes)
+        _load_module(rewired, prefix, read_ladder, dtypes)
+        reference = [_hidden(plain(state, **extra)) for state, extra in zip(reference, extras)]
+        streams = [rewired(a, m, **extra) for a, m, extra in zip(attn_streams, mlp_streams, extras)]
+        attn_streams, mlp_streams = [s[0] for s in streams], [s[1] for s in streams]
+        plain.to("meta")
+        rewired.to("meta")
+        if first is None or index < first:  # the stream entering layer index + 1
+            hidden_diff = max(hidden_diff, *((a - b).abs().max().item() for a, b in zip(reference, mlp_streams)))
+
+    def logits(model: PreTrainedModel, read: TensorReader, states: list[torch.Tensor]) -> list[torch.Tensor]:
+        _load_module(model.model.norm, "model.norm.", read, dtypes)
+        head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+        weight = read(head).to(dtypes[head]).float()
+        result = [F.linear(model.model.norm(state), weight)[0] for state in states]
+        model.model.norm.to("meta")
+        return result
+
+    logits_diff = kl_sum = 0.0
+    agreements = tokens = 0
+    for expected, actual in zip(logits(original, read_original, reference), logits(ladder_model, read_ladder, mlp_streams)):
+        logits_diff = max(logits_diff, (expected - actual).abs().max().item())
+        log_p, log_q = F.log_softmax(expected, dim=-1), F.log_softmax(actual, dim=-1)
+        kl_sum += F.kl_div(log_q, log_p, log_target=True, reduction="sum").item()
+        agreements += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
+        tokens += expected.shape[0]
+    return Damage(len(prompts), tokens, first, hidden_diff, logits_diff, agreements / tokens, kl_sum / tokens)
+
+
+def _hidden(output: torch.Tensor | tuple) -> torch.Tensor:
+    """A Llama decoder layer returns its hidden state (a tuple starting with it in older transformers)."""
+    return output[0] if isinstance(output, tuple) else output

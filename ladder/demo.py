@@ -66,9 +66,9 @@ def main(argv: list[str]) -> int:
 
     # The stages load torch, transformers and lm-eval: import them once the arguments are good.
     from ladder.adapt.recipe import load_recipe
-    from ladder.adapt.train import TrainingDiverged, prepare, train
+    from ladder.adapt.train import TrainingDiverged, prepare, resume_point, train
     from ladder.convert.cli import format_summary
-    from ladder.convert.convert import convert_checkpoint
+    from ladder.convert.convert import conversion_differences, convert_checkpoint
     from ladder.eval.evaluate import evaluate_models
     from ladder.eval.suite import load_suite
     from ladder.layers import format_layers
@@ -85,12 +85,26 @@ def main(argv: list[str]) -> int:
         f"data.cache_dir={data_cache}", "resume=true",  # resume: a finished run returns its model, a killed one continues
     ]
     adapt_recipe = load_recipe(args.recipe, adapt_overrides)
+    # A result made under other settings is never reused: it is refused here, before any stage runs,
+    # naming what differs, unless --redo asks for it again. A new conversion makes the retrained
+    # model stale too (its recipe names the same folder, so only this order can tell).
+    reuse_conversion = "convert" not in redo and (ladder_dir / "config.json").is_file()
+    if reuse_conversion and (differences := conversion_differences(ladder_dir, original, recipe.model.ladder_layers)):
+        raise UsageError(f"{ladder_dir} was converted with other settings ({', '.join(differences)} differ from "
+                         f"{args.recipe}'s model.path and model.ladder_layers); --redo convert converts again")
+    if not reuse_conversion:
+        redo.add("adapt")
+    if "adapt" not in redo:
+        try:
+            resume_point(adapt_recipe)
+        except UsageError as error:
+            raise UsageError(f"{error}; for the demo: --redo adapt retrains") from None
     seconds: dict[str, float] = {}
     reused = []
     started = time.monotonic()
 
     with _stage(1, "convert", f"{original} -> {ladder_dir}, ladder layers: {recipe.model.ladder_layers}", seconds):
-        if "convert" not in redo and (ladder_dir / "config.json").is_file():
+        if reuse_conversion:
             print(f"reusing {ladder_dir} (--redo convert converts again)")
             reused.append("convert")
         else:

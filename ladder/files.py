@@ -18,6 +18,7 @@ from pathlib import Path
 from .errors import UsageError
 
 _TEMPORARY_MARK = ".tmp-"
+_RETIRED_SUFFIX = "-old"  # an existing output set aside while its replacement moves in
 
 
 def _pid_alive(pid: int) -> bool:
@@ -31,11 +32,18 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _remove_stale_temporaries(final: Path) -> None:
-    """Temporary siblings left by runs that were killed (their process is gone)."""
+    """Temporary siblings left by runs that were killed (their process is gone). A retired output
+    (`..-old`) with no `final` beside it means the run died between its two renames: the old
+    output goes back into place rather than being deleted with the half-installed new one."""
     prefix = f".{final.name}{_TEMPORARY_MARK}"
-    for leftover in final.parent.glob(prefix + "*"):
-        pid_text = leftover.name[len(prefix):].split("-", 1)[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+    stale = [leftover for leftover in final.parent.glob(prefix + "*")
+             if (pid_text := leftover.name[len(prefix):].split("-", 1)[0]).isdigit() and not _pid_alive(int(pid_text))]
+    for leftover in stale:
+        if leftover.name.endswith(_RETIRED_SUFFIX) and not final.exists():
+            os.replace(leftover, final)
+            _fsync_directory(final.parent)
+    for leftover in stale:
+        if leftover.exists():
             shutil.rmtree(leftover, ignore_errors=True)
 
 
@@ -53,7 +61,8 @@ def atomic_directory(final: str | Path, force: bool = False) -> Iterator[Path]:
 
     An existing `final` is refused unless `force`, and is replaced only once the new one is
     complete. On an exception the temporary directory is removed; after SIGKILL it is left under
-    a hidden name (`.NAME.tmp-PID-...`) and cleared by the next run. A full disk becomes a
+    a hidden name (`.NAME.tmp-PID-...`) and cleared by the next run, which first puts back an
+    old output that a kill left set aside (so no point of the replacement loses both). A full disk becomes a
     `UsageError` that says so.
     """
     final = Path(final).absolute()
@@ -68,7 +77,8 @@ def atomic_directory(final: str | Path, force: bool = False) -> Iterator[Path]:
         _fsync_directory(temporary)
         if final.exists():
             # Keep the old output until the new one is in place, so a failure here loses neither.
-            retired = final.parent / f".{final.name}{_TEMPORARY_MARK}{os.getpid()}-old"
+            # A kill between the two renames leaves only `retired`: the next run's cleanup puts it back.
+            retired = final.parent / f".{final.name}{_TEMPORARY_MARK}{os.getpid()}{_RETIRED_SUFFIX}"
             os.replace(final, retired)
             os.replace(temporary, final)
             shutil.rmtree(retired, ignore_errors=True)

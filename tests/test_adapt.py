@@ -403,3 +403,51 @@ def test_cli_prints_the_resolved_recipe(tmp_path, tiny_checkpoint, corpus, capsy
     assert ladder_main(["adapt", str(recipe), "--prepare-data"]) == 0  # tokenize only: no weights, no run
     assert "training and 8 evaluation blocks" in capsys.readouterr().out
     assert len(list((tmp_path / "cache").iterdir())) == 2 and not (tmp_path / "run").exists()
+
+
+# --- the objectives and LoRA against independent computations --------------------------------------
+
+
+def test_kd_loss_is_the_forward_kl_at_temperature_times_t_squared(tiny_checkpoint):
+    # Teacher: the tiny original; student: its ladder rewiring (different logits). The reference
+    # is written out from the definition, in float64: mean over positions of
+    # T² · Σ_v p_T(v) (log p_T(v) - log q_T(v)), with p the teacher's and q the student's softmax at T.
+    from ladder.adapt.losses import kd_loss
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    student = ladder.to_ladder(AutoModelForCausalLM.from_pretrained(tiny_checkpoint), 2).eval()
+    ids = torch.randint(0, teacher.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # A random tiny model's distributions are nearly uniform, where forward and reverse KL agree
+        # to second order; sharpened logits (x100) make the direction, and T, matter.
+        teacher_logits, student_logits = 100 * teacher(input_ids=ids).logits, 100 * student(input_ids=ids).logits
+    for temperature in (1.0, 2.0):
+        p = (teacher_logits.double() / temperature).log_softmax(-1)
+        q = (student_logits.double() / temperature).log_softmax(-1)
+        expected = temperature**2 * (p.exp() * (p - q)).sum(-1).mean()
+        reverse = temperature**2 * (q.exp() * (q - p)).sum(-1).mean()
+        assert expected > 0.05 and abs(reverse / expected - 1) > 1e-3  # 10x the tolerance: the directions differ
+        assert float(kd_loss(student_logits, teacher_logits, temperature)) == pytest.approx(float(expected), rel=1e-4)
+
+
+def test_merged_lora_model_gives_the_logits_of_the_peft_model(tmp_path, tiny_checkpoint, corpus):
+    from ladder.adapt.train import AdaptRun
+
+    recipe = load_recipe(write_recipe(tmp_path, tiny_checkpoint, corpus, budget=3 * 256,
+                                      **{"trainable.mode": "lora", "trainable.lora.target_modules": ["q_proj", "v_proj"]}))
+    run = AdaptRun(recipe)
+    assert run.setup() is None
+    run.train()
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    peft_model = run.accelerator.unwrap_model(run.model).eval()
+    with torch.no_grad():
+        before_merge = peft_model(input_ids=ids).logits
+        with peft_model.disable_adapter():
+            without_adapters = peft_model(input_ids=ids).logits
+    final = run.save_final()
+    run.cleanup()
+    merged = AutoModelForCausalLM.from_pretrained(final).eval()
+    with torch.no_grad():
+        after_merge = merged(input_ids=ids).logits
+    assert (before_merge - without_adapters).abs().max() > 1e-3  # the adapters learned something
+    torch.testing.assert_close(after_merge, before_merge, atol=1e-4, rtol=0)

@@ -23,7 +23,7 @@ import ladder
 from ladder import LadderLlamaForCausalLM, to_ladder
 from ladder.cli import main as ladder_main
 from ladder.convert.convert import default_output_dir
-from ladder.convert.verify import Damage, damage_problems
+from ladder.convert.verify import Damage, damage_problems, measure_damage, prompt_ids
 from ladder.files import sha256_file
 from ladder.loading import embedded_model_path
 from ladder.tensor_io import SafetensorsWriter, TensorSpec, copy_file, read_chunks, read_shard
@@ -425,6 +425,22 @@ def test_copy_file_falls_back_when_the_kernel_cannot_copy(tmp_path, monkeypatch)
     copy_file(source, tmp_path / "slow", progress.append)
     assert (tmp_path / "fast").read_bytes() == (tmp_path / "slow").read_bytes() == source.read_bytes()
     assert sum(progress) == source.stat().st_size
+
+
+@pytest.mark.parametrize("extra", [[], ["--dtype", "bfloat16"]], ids=["as-is", "bf16"])
+def test_layerwise_verification_measures_what_the_whole_models_measure(tiny_checkpoint, tmp_path, capsys, extra):
+    # convert verifies one module at a time (bounded memory); the figures must be those of the two
+    # whole models run through transformers, and a cast output is compared in its own rounding.
+    out = tmp_path / "out"
+    assert run_convert(capsys, tiny_checkpoint, "--out", out, "--layers", "2", *extra)[0] == 0
+    recorded = json.loads((out / "conversion.json").read_text())["damage"]
+    dtype = torch.bfloat16 if extra else torch.float32
+    original = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=dtype).float().eval()
+    ladder_model = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    whole = measure_damage(original, ladder_model, prompt_ids(AutoTokenizer.from_pretrained(out), 49152))
+    assert whole.hidden_max_abs_diff == 0 and whole.mean_kl > 0 and whole.first_ladder_layer == 2
+    for key, value in whole.__dict__.items():
+        assert recorded[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 def test_damage_problems_catch_differences_where_the_wiring_is_unchanged():

@@ -58,6 +58,22 @@ def test_demo_runs_the_pipeline_then_reuses_it(tmp_path, tiny_checkpoint, capsys
     assert (out / "adapt" / "model" / "model.safetensors").stat().st_mtime_ns == adapted
     assert [r["scores"] for r in again["rows"]] == [r["scores"] for r in report["rows"]]
 
+    # Other settings are never served from the old results: refused before any stage, naming
+    # what differs, and redone on --redo.
+    other_layers = ["--recipe", str(_recipe(tmp_path, tiny_checkpoint, ladder_layers=1)), "--suite", "smoke", "--out", str(out)]
+    with pytest.raises(UsageError, match=r"converted with other settings \(ladder_layers differ.*--redo convert"):
+        demo.main(other_layers)
+    (tmp_path / "lr").mkdir()
+    other_lr = _recipe(tmp_path / "lr", tiny_checkpoint)
+    other_lr.write_text(other_lr.read_text().replace("lr: 0.001", "lr: 0.002"))
+    with pytest.raises(UsageError, match=r"at optimizer.lr;.*--redo adapt retrains"):
+        demo.main(["--recipe", str(other_lr), "--suite", "smoke", "--out", str(out)])
+    assert (out / "adapt" / "model" / "model.safetensors").stat().st_mtime_ns == adapted
+    assert demo.main(other_layers + ["--redo", "convert"]) == 0  # a new conversion retrains too
+    assert json.loads((out / "ladder" / "config.json").read_text())["ladder_layers"] == [3]
+    assert (out / "adapt" / "model" / "model.safetensors").stat().st_mtime_ns != adapted
+    assert json.loads((out / "report" / "report.json").read_text())["pipeline"]["reused"] == []
+
 
 def test_demo_needs_a_recipe_that_names_the_layers(tmp_path, tiny_checkpoint):
     with pytest.raises(UsageError, match="ladder_layers"):

@@ -191,6 +191,31 @@ def test_perplexity_stderr_is_bootstrapped_when_lm_eval_gives_none():
     assert identical.method == "paired" and identical.stderr == 0.0
 
 
+def test_paired_bootstrap_of_two_models_matches_the_delta_method():
+    # Word perplexity of two different, correlated models on the same 300 documents: the report's
+    # paired bootstrap standard error of the difference against the delta method (linearizing
+    # exp(-sum(ll) / sum(words)) per document), an independent computation of the same quantity.
+    rng = np.random.default_rng(2)
+    words = rng.integers(50, 150, 300)
+    ll_a = -words * rng.normal(3.0, 0.3, 300)
+    ll_b = ll_a - words * rng.normal(0.2, 0.1, 300)  # the second model: worse, and not uniformly
+    pairs_a = [[float(ll), int(w)] for ll, w in zip(ll_a, words)]
+    pairs_b = [[float(ll), int(w)] for ll, w in zip(ll_b, words)]
+    ppl_a, ppl_b = math.exp(-ll_a.sum() / words.sum()), math.exp(-ll_b.sum() / words.sum())
+    ref = _record("w", "word_perplexity,none", range(300), pairs_a, "weighted_perplexity", ppl_a, "N/A")
+    other = _record("w", "word_perplexity,none", range(300), pairs_b, "weighted_perplexity", ppl_b, "N/A")
+    score_ref, score = report._score(ref, "w", "word_perplexity,none"), report._score(other, "w", "word_perplexity,none")
+    difference = report._difference(ref, other, "w", "word_perplexity,none", score_ref, score)
+    assert difference.method == "paired" and difference.value == pytest.approx(ppl_b - ppl_a)
+
+    total = words.sum()
+    influence = (-ppl_b * (ll_b / total + words / total * math.log(ppl_b))
+                 + ppl_a * (ll_a / total + words / total * math.log(ppl_a)))
+    delta_method = math.sqrt((influence**2).sum())
+    assert difference.stderr == pytest.approx(delta_method, rel=0.1)
+    assert difference.stderr < 0.5 * math.hypot(score_ref.stderr, score.stderr)  # pairing matters here
+
+
 # --- ladder eval end to end -----------------------------------------------------------------
 
 

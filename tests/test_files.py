@@ -64,6 +64,40 @@ def test_sigkill_leaves_no_output_and_the_next_run_clears_the_leftover(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_sigkill_between_the_two_renames_of_a_replacement_loses_neither(tmp_path):
+    # The forced replace renames the old output aside, then the new one into place. The script
+    # kills itself right after the first rename: the old output is then only under its retired
+    # name, and the next run must put it back rather than clear it as a stale temporary.
+    final = tmp_path / "out"
+    final.mkdir()
+    (final / "old").write_text("old")
+    script = textwrap.dedent(f"""
+        import os, signal
+        from ladder.files import atomic_directory
+        real_replace = os.replace
+        def replace_then_die(source, target):
+            real_replace(source, target)
+            if str(source) == {str(final)!r}:
+                os.kill(os.getpid(), signal.SIGKILL)
+        os.replace = replace_then_die
+        with atomic_directory({str(final)!r}, force=True) as temporary:
+            (temporary / "new").write_text("new")
+    """)
+    result = subprocess.run([sys.executable, "-c", script])
+    assert result.returncode == -signal.SIGKILL
+    assert not final.exists()
+    leftovers = sorted(p.name for p in tmp_path.iterdir())
+    assert len(leftovers) == 2 and any(name.endswith("-old") for name in leftovers), leftovers
+
+    # The next run that writes `out` recovers the old output first; a failure keeps it.
+    with pytest.raises(RuntimeError):
+        with atomic_directory(final, force=True):
+            assert (final / "old").read_text() == "old"
+            raise RuntimeError("interrupted")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (final / "old").read_text() == "old"
+
+
 def test_atomic_write_replaces_whole_file(tmp_path):
     path = tmp_path / "report.json"
     atomic_write(path, "first")

@@ -193,3 +193,41 @@ def test_benchmark_on_an_emulated_link_removes_its_namespace(tiny_checkpoint, tm
     assert {row["link"] for row in report["rows"]} == {"1gbit"}
     # Nothing new is left (stale namespaces of killed runs may have gone: they are cleaned up first).
     assert namespaces() <= before
+
+
+def test_ladder_all_reduces_are_waited_on_only_after_the_next_branch_launches(checkpoints):
+    """The overlap itself: each all-reduce of a ladder layer's branch is launched asynchronously and
+    waited on only after the next branch (when that one is ladder too) has been launched. Fails if
+    a ladder all-reduce is made blocking (async_op=False) or waited on at once."""
+    shard = load_shard(checkpoints["ladder"])
+    events = []
+
+    class Recorded:
+        def __init__(self, branch, pending):
+            self.branch, self.pending = branch, pending
+
+        def wait(self):
+            events.append(("wait", self.branch))
+            return self.pending.wait()
+
+    def recording_reduce(partial, async_op):
+        branch = sum(event[0] == "launch" for event in events)
+        events.append(("launch", branch, async_op))
+        return Recorded(branch, shard_reduce(partial, async_op))
+
+    shard_reduce, shard.reduce = shard.reduce, recording_reduce
+    shard.setup_cache(1, PROMPT)
+    with torch.inference_mode():
+        shard(random_ids(1, 4, vocab_size=256), torch.arange(4))
+    launched = {event[1]: (position, event[2]) for position, event in enumerate(events) if event[0] == "launch"}
+    waited = {event[1]: position for position, event in enumerate(events) if event[0] == "wait"}
+    layers = len(launched) // 2
+    assert layers == 4 and LADDER_LAYERS == [0, 2, 3]
+    overlapped = []
+    for branch in range(2 * layers - 1):
+        layer, next_layer = branch // 2, (branch + 1) // 2
+        if layer in LADDER_LAYERS and next_layer in LADDER_LAYERS:
+            assert launched[branch][1] is True, f"branch {branch} of ladder layer {layer} all-reduces blocking"
+            assert waited[branch] > launched[branch + 1][0], f"branch {branch} is waited on before the next launches"
+            overlapped.append(branch)
+    assert overlapped == [0, 4, 5, 6]

@@ -1,0 +1,238 @@
+"""adapt/ beyond one plain process: FSDP2 on 2 CPU processes over gloo (the path the 8-GPU recipes
+take), gradient accumulation (with DDP's no_sync), SIGKILLs of the launcher and of a checkpoint
+save, and the refusal to reuse a run made under another recipe.
+
+Each multi-process run is a real `accelerate launch` of `ladder adapt` on the tiny checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_adapt import corpus, free_port, losses, metrics, run_adapt, write_recipe  # noqa: F401 (corpus: a fixture)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ladder.adapt.data import prepare_data
+from ladder.adapt.losses import block_losses
+from ladder.adapt.recipe import load_recipe
+from ladder.adapt.train import train
+from ladder.cli import main as ladder_main
+
+REPO = Path(__file__).resolve().parents[1]
+FSDP_CONFIG = REPO / "recipes" / "accelerate" / "fsdp-cpu-2proc.yaml"
+STEPS = 8  # 256 tokens each; checkpoints at steps 3 and 6
+
+
+def fsdp_launcher() -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG),
+            "--main_process_port", str(free_port())]
+
+
+def ddp_launcher() -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port())]
+
+
+def launch(recipe: Path, launcher: list[str], *overrides: str) -> str:
+    process = run_adapt([str(recipe), *overrides], launcher=launcher)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    return output
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+def assert_same_curve(reference: list[dict], other: list[dict], tolerance: float, grad_tolerance: float) -> None:
+    assert [r["step"] for r in reference] == [r["step"] for r in other]
+    for a, b in zip(reference, other):
+        for key in ("loss", "eval_loss", "grad_norm"):
+            if key in a:
+                rel = grad_tolerance if key == "grad_norm" else tolerance
+                assert b[key] == pytest.approx(a[key], rel=rel), (key, a, b)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory, tiny_checkpoint, corpus) -> Path:  # noqa: F811
+    """The reference: one process, micro_batch 4."""
+    directory = tmp_path_factory.mktemp("one")
+    train(load_recipe(write_recipe(directory, tiny_checkpoint, corpus, budget=STEPS * 256)))
+    return directory / "run"
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory, tiny_checkpoint, corpus) -> Path:  # noqa: F811
+    """The same recipe on 2 FSDP2 processes of micro_batch 2: the same blocks per step."""
+    directory = tmp_path_factory.mktemp("fsdp")
+    recipe = write_recipe(directory, tiny_checkpoint, corpus, budget=STEPS * 256, **{"batch.micro_batch": 2})
+    output = launch(recipe, fsdp_launcher())
+    assert "2 process(es)" in output
+    return directory / "run"
+
+
+# --- FSDP -------------------------------------------------------------------------------------------
+
+
+def test_fsdp_on_two_processes_gives_the_loss_curve_of_one(one_process_run, fsdp_run):
+    # Parameters are sharded DTensors and gradients reduce-scattered: only the summation order
+    # differs from one process, so the curves agree to float32 rounding, which grows over the steps
+    # (measured: losses within 1e-6 relative, gradient norms within 1.1e-4 by step 4).
+    assert_same_curve(metrics(one_process_run), metrics(fsdp_run), tolerance=1e-5, grad_tolerance=1e-3)
+    # The checkpoints are FSDP's sharded form (one DCP folder, a shard per rank), not DDP's.
+    checkpoint = fsdp_run / "checkpoints" / "step-000006"
+    assert (checkpoint / "pytorch_model_fsdp_0").is_dir() and not (checkpoint / "model.safetensors").exists()
+    assert sorted(p.name for p in checkpoint.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
+
+
+def test_fsdp_final_model_is_the_gathered_trained_model(one_process_run, fsdp_run, tiny_checkpoint):
+    # The final model is gathered from the shards (get_state_dict) into one plain checkpoint that
+    # transformers loads; its held-out loss is the one the sharded model logged last, and its
+    # weights are the one-process run's (to float32 rounding through 8 AdamW steps).
+    final = fsdp_run / "model"
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    gathered, reference = weights(fsdp_run), weights(one_process_run)
+    original = load_file(tiny_checkpoint / "model.safetensors")
+    assert gathered.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.allclose(gathered[name], tensor, rtol=0, atol=1e-4), name
+        assert not torch.equal(gathered[name], original[name]), f"{name} did not train"
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[name], gathered[name]) for name in gathered)
+
+    heldout = prepare_data(load_recipe(final / "recipe.yaml").data, AutoTokenizer.from_pretrained(final)).eval
+    with torch.no_grad():
+        logged = block_losses(model, torch.from_numpy(heldout.astype(np.int64))).mean()
+    assert float(logged) == pytest.approx([r["eval_loss"] for r in metrics(fsdp_run) if "eval_loss" in r][-1], rel=1e-5)
+
+
+def wait_for_losses(process: subprocess.Popen, run_dir: Path, count: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= count:
+            return
+        time.sleep(0.05)
+
+
+def test_fsdp_launcher_killed_mid_run_resumes_exactly(tmp_path, tiny_checkpoint, corpus, fsdp_run):  # noqa: F811
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256, **{"batch.micro_batch": 2})
+    run_dir = tmp_path / "run"
+    # Its own session, so the SIGKILL takes the launcher and both ranks at once, as a lost node would.
+    process = run_adapt([str(recipe)], launcher=fsdp_launcher(), start_new_session=True)
+    wait_for_losses(process, run_dir, 4)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (run_dir / "model").exists(), "the run finished before it could be killed"
+    assert (run_dir / "checkpoints" / "step-000003").is_dir()
+
+    launch(recipe, fsdp_launcher(), "resume=true")
+    # The resumed run loads the sharded checkpoint (model, optimizer, scheduler, both ranks' RNG)
+    # and computes exactly what the uninterrupted run computed.
+    assert losses(run_dir) == losses(fsdp_run)
+    resumed, straight = weights(run_dir), weights(fsdp_run)
+    assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[name], straight[name]) for name in straight)
+
+
+# --- gradient accumulation --------------------------------------------------------------------------
+
+
+def test_gradient_accumulation_makes_the_update_of_one_large_batch(tmp_path, tiny_checkpoint, corpus):  # noqa: F811
+    # micro_batch 4 x grad_accum 1 against 2 x 2 in one process and 1 x 2 on two DDP processes,
+    # whose first micro-step runs under no_sync: the same blocks per step, so the same loss and
+    # gradient norm (a missing 1/grad_accum doubles the norm; a skipped sync changes it).
+    budget = 3 * 256
+    large = write_recipe(tmp_path / "large", tiny_checkpoint, corpus, budget=budget)
+    accumulated = write_recipe(tmp_path / "accumulated", tiny_checkpoint, corpus, budget=budget,
+                               **{"batch.micro_batch": 2, "batch.grad_accum": 2})
+    shared = write_recipe(tmp_path / "shared", tiny_checkpoint, corpus, budget=budget,
+                          **{"batch.micro_batch": 1, "batch.grad_accum": 2})
+    train(load_recipe(large))
+    train(load_recipe(accumulated))
+    launch(shared, ddp_launcher())
+    reference = metrics(tmp_path / "large" / "run")
+    for other in ("accumulated", "shared"):
+        assert_same_curve(reference, metrics(tmp_path / other / "run"), tolerance=1e-5, grad_tolerance=1e-4)
+    # (The two-process weights are not compared element-wise: AdamW's first steps move a weight
+    # whose gradient is near zero by about lr either way, so rounding-level gradient differences
+    # can show there; the loss and gradient-norm curves above are the sensitive check.)
+    final, expected = weights(tmp_path / "accumulated" / "run"), weights(tmp_path / "large" / "run")
+    assert all(torch.allclose(final[name], expected[name], rtol=0, atol=1e-5) for name in expected)
+
+
+# --- a kill while a checkpoint is written -----------------------------------------------------------
+
+
+def test_a_kill_while_a_checkpoint_is_written_keeps_the_previous_one(tmp_path, tiny_checkpoint, corpus,  # noqa: F811
+                                                                      one_process_run):
+    # The script dies inside the second checkpoint's save, after accelerate wrote the model,
+    # optimizer and RNG states and before the step file and the rename: the checkpoint at step 3
+    # must stay the latest, and resuming from it must give the uninterrupted run's losses and weights.
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256)
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from accelerate import Accelerator
+        from ladder.cli import main
+        real_save_state = Accelerator.save_state
+        def save_state_then_die(self, output_dir=None, **kwargs):
+            result = real_save_state(self, output_dir, **kwargs)
+            if "step-000006" in str(output_dir):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+        Accelerator.save_state = save_state_then_die
+        sys.exit(main(["adapt", {str(recipe)!r}]))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir() if p.name.startswith("step-")] == ["step-000003"]
+    half_written = [p for p in checkpoints.iterdir() if p.name.startswith(".step-000006")]
+    assert len(half_written) == 1 and (half_written[0] / "optimizer.bin").is_file()
+
+    assert ladder_main(["adapt", str(recipe), "resume=true"]) == 0
+    assert losses(tmp_path / "run") == losses(one_process_run)
+    resumed, straight = weights(tmp_path / "run"), weights(one_process_run)
+    assert all(torch.equal(resumed[name], straight[name]) for name in straight)
+    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".")], "the half-written save was cleared"
+
+
+# --- no silent reuse --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", ["finished", "partial"])
+def test_resume_refuses_a_run_made_with_other_settings(tmp_path, tiny_checkpoint, corpus, capsys, state):  # noqa: F811
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=2 * 256, checkpoint_every=1)
+    train(load_recipe(recipe))
+    run_dir = tmp_path / "run"
+    if state == "partial":  # as if killed after the checkpoint at step 1
+        (run_dir / "model").rename(tmp_path / "done")
+    kept = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    changes = {
+        "model.ladder_layers": "model.ladder_layers=1",
+        "model.path": "model.path=embedded",
+        "data.train": f"data.train=[{corpus / 'heldout.txt'}]",
+        "objective.name": "objective.name=kd",
+        "optimizer.lr": "optimizer.lr=0.1",
+        "budget": "budget=1024",
+        "seed": "seed=7",
+    }
+    for key, override in changes.items():
+        assert ladder_main(["adapt", str(recipe), "resume=true", override]) == 2, key
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "the recipe differs" in lines[0] and f" at {key};" in lines[0], (key, lines)
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == kept
+    # The same recipe is still accepted: a finished run returns its model, a partial one continues.
+    assert ladder_main(["adapt", str(recipe), "resume=true"]) == 0
+    assert (run_dir / "model" / "model.safetensors").is_file()
