@@ -1,6 +1,7 @@
 """Configuration of a Llama whose chosen layers use Ladder Residual wiring (arXiv 2501.06589).
 
-Depends only on transformers, so it can travel inside a checkpoint (see `auto_map`).
+Depends only on transformers (and `layer_resolution.py`, which travels with it), so it can travel
+inside a checkpoint (see `auto_map`).
 """
 
 from typing import Any
@@ -8,32 +9,7 @@ from typing import Any
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
-
-def resolve_ladder_layers(ladder_layers: Any, num_hidden_layers: int) -> list[int]:
-    """Normalise `ladder_layers` to a sorted list of distinct layer indices.
-
-    An int N means the upper N layers, `range(L - N, L)`, as in the published configs;
-    a list names the layers; `None` means no ladder layer.
-    """
-    if ladder_layers is None:
-        return []
-    if isinstance(ladder_layers, int) and not isinstance(ladder_layers, bool):
-        if not 0 <= ladder_layers <= num_hidden_layers:
-            raise ValueError(
-                f"ladder_layers={ladder_layers}: the upper N layers needs 0 <= N <= {num_hidden_layers}"
-            )
-        return list(range(num_hidden_layers - ladder_layers, num_hidden_layers))
-    if not isinstance(ladder_layers, (list, tuple)):
-        raise ValueError(f"ladder_layers must be an int or a list of layer indices, got {ladder_layers!r}")
-    for index in ladder_layers:
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise ValueError(f"ladder_layers entries must be integers, got {index!r}")
-        if not 0 <= index < num_hidden_layers:
-            raise ValueError(f"ladder_layers entry {index} is out of range for {num_hidden_layers} layers")
-    if len(set(ladder_layers)) != len(ladder_layers):
-        duplicates = sorted({i for i in ladder_layers if list(ladder_layers).count(i) > 1})
-        raise ValueError(f"ladder_layers has duplicate entries: {duplicates}")
-    return sorted(ladder_layers)
+from .layer_resolution import resolve_ladder_layers
 
 
 @strict
