@@ -23,6 +23,7 @@ import fcntl
 import functools
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
@@ -38,17 +39,15 @@ if TYPE_CHECKING:
     import torch
 
 CHUNK_BYTES = 64 << 20
-# A copy goes through Python (to be hashed on the way) in this many reused buffers of this size:
-# one being read into, one being written while it is hashed, one spare for the slower of the two.
-COPY_BUFFERS = 3
-COPY_BUFFER_BYTES = 8 << 20
+# A copy proceeds (and is hashed) in chunks of this size.
+COPY_CHUNK_BYTES = 16 << 20
 # The largest header the safetensors library accepts.
 MAX_HEADER_BYTES = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Linux's FICLONE ioctl (fcntl.FICLONE from Python 3.12): share the blocks of a file on btrfs/XFS.
 FICLONE = getattr(fcntl, "FICLONE", 0x40049409)
-# Errors meaning "this filesystem cannot link or reflink here".
+# Errors meaning "this filesystem cannot link, reflink or copy_file_range here".
 UNSUPPORTED_LINK_ERRNOS = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EBADF,
                            errno.EPERM}
 
@@ -417,36 +416,51 @@ def write_index(directory: Path, shards: Sequence[OutputShard]) -> None:
 
 
 def copy_file(source: Path, destination: Path, on_chunk: Callable[[int], None],
-              buffer_bytes: int = COPY_BUFFER_BYTES) -> str:
-    """Copy a file and return its SHA-256, reading each byte once: the main thread reads a buffer
-    and writes it while a worker thread hashes the same buffer (`StreamingSha256`); a few buffers
-    take turns, so reading, writing and hashing overlap. `on_chunk(nbytes)` reports progress."""
-    buffers = [bytearray(buffer_bytes) for _ in range(COPY_BUFFERS)]
-    hashed: list[Future | None] = [None] * COPY_BUFFERS
+              chunk_bytes: int = COPY_CHUNK_BYTES) -> str:
+    """Copy a file and return its SHA-256, each byte read from the disk once and never copied
+    through Python: the kernel copies a chunk (`copy_file_range`, page cache to page cache) while a
+    worker thread hashes the same chunk through a read-only memory map of the source
+    (`StreamingSha256`), so the two read the same cached pages and overlap on two cores. The hash
+    may lag at most two chunks, so its pages are still cached when it reads them. `on_chunk(nbytes)`
+    reports progress."""
     digest = StreamingSha256()
-    copied = turn = 0
+    with open(source, "rb") as reader, open(destination, "wb") as writer:
+        size = os.fstat(reader.fileno()).st_size
+        if size == 0:
+            return digest.hexdigest()
+        with mmap.mmap(reader.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+            chunks = [memoryview(mapped)[offset : offset + chunk_bytes] for offset in range(0, size, chunk_bytes)]
+            hashed: list[Future] = []
+            try:
+                for index, chunk in enumerate(chunks):
+                    hashed.append(digest.update(chunk))
+                    _write_range(reader, writer, index * chunk_bytes, chunk)
+                    on_chunk(len(chunk))
+                    if len(hashed) > 2:
+                        hashed[-3].result()
+                return digest.hexdigest()
+            finally:
+                digest.close()  # the worker is done with the map before it closes
+                for chunk in chunks:
+                    chunk.release()
+
+
+def _write_range(reader, writer, offset: int, chunk: memoryview) -> None:
+    """Bytes [offset, offset + len(chunk)) of `reader` into `writer` at the same offset: the kernel
+    copies them where it can, else they are written from the map."""
+    done = 0
     try:
-        with open(source, "rb") as reader, open(destination, "wb") as writer:
-            size = os.fstat(reader.fileno()).st_size
-            os.posix_fadvise(reader.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            while True:
-                slot = turn % COPY_BUFFERS
-                if hashed[slot] is not None:
-                    hashed[slot].result()  # the worker is done with this buffer
-                view = memoryview(buffers[slot])
-                nbytes = reader.readinto(view)
-                if not nbytes:
-                    break
-                hashed[slot] = digest.update(view[:nbytes])
-                writer.write(view[:nbytes])
-                copied += nbytes
-                turn += 1
-                on_chunk(nbytes)
-        if copied != size:
-            raise UsageError(f"{source} changed size while it was being copied")
-        return digest.hexdigest()
-    finally:
-        digest.close()
+        while done < len(chunk):
+            step = os.copy_file_range(reader.fileno(), writer.fileno(), len(chunk) - done,
+                                      offset + done, offset + done)
+            if step == 0:
+                raise UsageError(f"{reader.name} became shorter while it was being copied")
+            done += step
+    except OSError as error:
+        if error.errno not in UNSUPPORTED_LINK_ERRNOS:
+            raise
+        os.pwrite(writer.fileno(), chunk[done:], offset + done)
 
 
 def link_file(source: Path, destination: Path, kind: str) -> None:

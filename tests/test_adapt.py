@@ -403,3 +403,58 @@ def test_cli_prints_the_resolved_recipe(tmp_path, tiny_checkpoint, corpus, capsy
     assert ladder_main(["adapt", str(recipe), "--prepare-data"]) == 0  # tokenize only: no weights, no run
     assert "training and 8 evaluation blocks" in capsys.readouterr().out
     assert len(list((tmp_path / "cache").iterdir())) == 2 and not (tmp_path / "run").exists()
+
+
+# --- Chunked losses: equal to the full-logits computation ----------------------------------------
+
+
+@pytest.mark.parametrize("kd_weight", [0.0, 0.3, 1.0])
+def test_chunked_losses_equal_the_full_logits_computation(kd_weight):
+    from ladder.adapt.losses import head_losses, kd_loss, lm_loss, next_token_labels
+
+    generator = torch.Generator().manual_seed(0)
+    batch, seq, width, vocab, temperature = 2, 37, 16, 50, 2.0
+    hidden = torch.randn(batch, seq, width, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, width, generator=generator, dtype=torch.float64, requires_grad=True)
+    teacher_hidden = torch.randn(batch, seq, width, generator=generator, dtype=torch.float64)
+    teacher_weight = torch.randn(vocab, width, generator=generator, dtype=torch.float64)
+    labels = next_token_labels(torch.randint(0, vocab, (batch, seq), generator=generator))
+    labels[0, 5:12] = -100  # masked positions (chat masking) count for nothing
+
+    logits = hidden @ weight.T
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    student = (logits / temperature).log_softmax(-1).flatten(0, 1)
+    teacher = ((teacher_hidden @ teacher_weight.T) / temperature).log_softmax(-1).flatten(0, 1)
+    kd = torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature**2
+    expected = (1 - kd_weight) * ce + kd_weight * kd
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+
+    loss, next_token = head_losses(hidden, weight, labels, teacher_hidden, teacher_weight, kd_weight, temperature,
+                                   chunk_tokens=10)  # 74 positions: 8 chunks, the last one short
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(next_token, ce, rtol=1e-10, atol=1e-12)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(lm_loss(hidden, weight, labels, chunk_tokens=7), ce, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(kd_loss(hidden, weight, teacher_hidden, teacher_weight, temperature, chunk_tokens=7), kd,
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_losses_in_lm_head_computes_no_logits_and_trains_like_the_plain_loss(tiny_checkpoint):
+    from ladder.adapt.losses import head_losses, losses_in_lm_head, next_token_labels
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = next_token_labels(ids)
+    plain = torch.nn.functional.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), labels.flatten())
+    plain_grads = torch.autograd.grad(plain, list(model.parameters()))
+    with losses_in_lm_head(model, lambda hidden, weight: head_losses(hidden, weight, labels, chunk_tokens=16)) as out:
+        logits = model(input_ids=ids).logits
+    assert logits.shape == (2, 0, model.config.vocab_size)
+    loss, _ = out[0]
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, plain, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert model(input_ids=ids).logits.shape == (2, 24, model.config.vocab_size)  # the hook is gone

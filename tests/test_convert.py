@@ -417,9 +417,17 @@ def test_copy_file_hashes_what_it_copies_in_one_pass(tmp_path):
     source = tmp_path / "source"
     source.write_bytes(os.urandom((3 << 20) + 12345))
     progress = []
-    digest = copy_file(source, tmp_path / "copy", progress.append, buffer_bytes=1 << 18)  # 13 buffers' turns
+    digest = copy_file(source, tmp_path / "copy", progress.append, chunk_bytes=1 << 18)  # 13 chunks
     assert (tmp_path / "copy").read_bytes() == source.read_bytes()
     assert digest == sha256_file(source) and sum(progress) == source.stat().st_size and len(progress) == 13
+    # Where the kernel cannot copy between the two files (EXDEV, as between some filesystems), the
+    # bytes are written from the map.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "copy_file_range", lambda *args: (_ for _ in ()).throw(OSError(18, "cross-device")))
+        assert copy_file(source, tmp_path / "written", progress.append, chunk_bytes=1 << 20) == digest
+    assert (tmp_path / "written").read_bytes() == source.read_bytes()
+    (tmp_path / "empty").write_bytes(b"")
+    assert copy_file(tmp_path / "empty", tmp_path / "empty-copy", progress.append) == sha256_file(tmp_path / "empty")
 
 
 @pytest.mark.parametrize("overrides", [
