@@ -422,7 +422,7 @@ def copy_file(source: Path, destination: Path, on_chunk: Callable[[int], None],
     worker thread hashes the same chunk through a read-only memory map of the source
     (`StreamingSha256`), so the two read the same cached pages and overlap on two cores. The hash
     may lag at most two chunks, so its pages are still cached when it reads them. `on_chunk(nbytes)`
-    reports progress."""
+    reports progress; `chunk_bytes` must be a multiple of the page size."""
     digest = StreamingSha256()
     with open(source, "rb") as reader, open(destination, "wb") as writer:
         size = os.fstat(reader.fileno()).st_size
@@ -439,6 +439,9 @@ def copy_file(source: Path, destination: Path, on_chunk: Callable[[int], None],
                     on_chunk(len(chunk))
                     if len(hashed) > 2:
                         hashed[-3].result()
+                        # Unmap what was hashed (the pages stay in the page cache): a mapped page
+                        # counts in the process's RSS, which would grow to the file's size.
+                        mapped.madvise(mmap.MADV_DONTNEED, (index - 2) * chunk_bytes, chunk_bytes)
                 return digest.hexdigest()
             finally:
                 digest.close()  # the worker is done with the map before it closes
