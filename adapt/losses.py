@@ -1,29 +1,154 @@
 """The training objectives' arithmetic, apart from the loop: next-token labels, per-block losses
-(adapt's held-out evaluation, and the recovery benchmark), and the logit distillation term."""
+(adapt's held-out evaluation, and the recovery benchmark), and the training losses computed from
+the final hidden states and the LM head chunk by chunk, so that full logits never exist.
+
+Full logits are tokens x vocabulary in float32: for Llama-3.1's 128k vocabulary about 4 GB per
+8k-token micro-batch, and as much again for their gradient. `head_losses` instead computes the
+logits of `CHUNK_TOKENS` positions at a time, takes the loss and its gradient with respect to those
+logits at once (the softmax is needed for both), turns it into the gradients of the hidden states
+and of the head's weight, and drops the chunk: the same FLOPs as the plain computation, the memory
+of one chunk. `lm_loss` and `kd_loss` are its two terms; `losses_in_lm_head` runs it inside a
+model's own forward (where FSDP has the head's weight gathered).
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.nn.functional as F
+
+# Positions per chunk: 1024 x 128k vocab x 4 bytes = 0.5 GB of float32 logits (and as much gradient).
+CHUNK_TOKENS = 1024
+IGNORE_INDEX = -100
 
 
 def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
     """Each position's next token; the last position is ignored (-100). Shifting the labels rather
     than slicing the logits spares a copy of the logits (batch x seq_len x vocab)."""
-    return F.pad(input_ids[:, 1:], (0, 1), value=-100)
+    return F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), next_token_labels(input_ids).flatten())
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """(lm_weight * next-token cross-entropy + kd_weight * T²-scaled KL to the teacher, next-token
+    cross-entropy) from hidden states and the head's weight; gradients computed in the forward pass,
+    chunk by chunk, and kept instead of the logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, teacher_hidden, teacher_weight, lm_weight, kd_weight, temperature,
+                chunk_tokens, needs_grad):
+        flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        rows = flat.shape[0]
+        dtype = torch.promote_types(flat.dtype, torch.float32)  # logits in float32 at least, as usual
+        counted = (targets != IGNORE_INDEX).sum().clamp(min=1).to(dtype)  # a fully masked batch gives 0, not NaN
+        ce_sum = flat.new_zeros((), dtype=dtype)
+        kd_sum = flat.new_zeros((), dtype=dtype)
+        grad_hidden = torch.empty_like(flat) if needs_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=dtype) if needs_grad[1] else None
+        for start in range(0, rows, chunk_tokens):
+            chunk = flat[start : start + chunk_tokens]
+            target = targets[start : start + chunk_tokens]
+            logits = (chunk @ weight.T).to(dtype)
+            log_probs = logits.log_softmax(-1)
+            valid = target != IGNORE_INDEX
+            safe_target = target.clamp(min=0)
+            ce_sum -= (log_probs.gather(1, safe_target[:, None])[:, 0] * valid).sum()
+            if needs_grad[0] or needs_grad[1]:
+                # d(mean CE)/d logits = (softmax - one_hot) / counted, on the counted rows only.
+                grad = log_probs.exp_()
+                grad.scatter_add_(1, safe_target[:, None], -torch.ones_like(grad[:, :1]))
+                grad.mul_((valid.to(dtype) * (lm_weight / counted))[:, None])
+            if kd_weight:
+                teacher_log_probs = ((teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[start : start + chunk_tokens]
+                                      @ teacher_weight.T).to(dtype) / temperature).log_softmax(-1)
+                student_log_probs = (logits / temperature).log_softmax(-1)
+                kd_sum += (teacher_log_probs.exp() * (teacher_log_probs - student_log_probs)).sum()
+                if needs_grad[0] or needs_grad[1]:
+                    # d(T² KL / rows)/d logits = T (softmax(z / T) - teacher) / rows.
+                    grad.add_((student_log_probs.exp_() - teacher_log_probs.exp_()).mul_(kd_weight * temperature / rows))
+            if needs_grad[0]:
+                grad_hidden[start : start + chunk_tokens] = (grad.to(weight.dtype) @ weight).to(flat.dtype)
+            if needs_grad[1]:
+                grad_weight.addmm_(grad.T, chunk.to(dtype))
+        ce = ce_sum / counted
+        loss = lm_weight * ce + kd_weight * temperature**2 * kd_sum / rows
+        ctx.shapes = hidden.shape
+        ctx.save_for_backward(
+            grad_hidden if grad_hidden is not None else flat.new_empty(0),
+            grad_weight.to(weight.dtype) if grad_weight is not None else weight.new_empty(0),
+        )
+        ctx.needs = needs_grad
+        ctx.mark_non_differentiable(ce)
+        return loss, ce
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            grad_hidden.view(ctx.shapes) * grad_loss if ctx.needs[0] else None,
+            grad_weight * grad_loss if ctx.needs[1] else None,
+            None, None, None, None, None, None, None, None,
+        )
 
 
-def kd_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """KL(teacher || student) of the distributions at `temperature`, per position, times T² (so its
-    gradients keep their scale as T changes, Hinton et al. 2015)."""
-    student = F.log_softmax(logits.float() / temperature, dim=-1).flatten(0, 1)
-    teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1).flatten(0, 1)
-    return F.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature**2
+def head_losses(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    kd_weight: float = 0.0,
+    temperature: float = 1.0,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training loss, next-token loss) from the final hidden states (batch x seq x hidden, after
+    the final norm) and the LM head's weight (vocab x hidden), chunk by chunk.
+
+    The next-token loss is the mean cross-entropy over the positions whose label is not -100; the
+    training loss is (1 - kd_weight) x that + kd_weight x `kd_loss` (the teacher's hidden states
+    and head then needed). Equal to computing full logits first (a test checks loss and gradients)."""
+    if kd_weight and (teacher_hidden is None or teacher_weight is None):
+        raise ValueError("kd_weight > 0 needs the teacher's hidden states and LM head weight")
+    needs_grad = (torch.is_grad_enabled() and hidden.requires_grad, torch.is_grad_enabled() and weight.requires_grad)
+    return _ChunkedHeadLoss.apply(hidden, weight, labels, teacher_hidden, teacher_weight, 1.0 - kd_weight, kd_weight,
+                                  temperature, chunk_tokens, needs_grad)
+
+
+def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+            chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labels that are not -100, in float32, chunk by chunk."""
+    return head_losses(hidden, weight, labels, chunk_tokens=chunk_tokens)[0]
+
+
+def kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
+            temperature: float, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+    """KL(teacher || student) of the distributions at `temperature`, per position (every position),
+    times T² (so its gradients keep their scale as T changes, Hinton et al. 2015), chunk by chunk."""
+    labels = torch.full(hidden.shape[:-1], IGNORE_INDEX, device=hidden.device)
+    return head_losses(hidden, weight, labels, teacher_hidden, teacher_weight, 1.0, temperature, chunk_tokens)[0]
+
+
+@contextlib.contextmanager
+def losses_in_lm_head(model: torch.nn.Module, compute: Callable[[torch.Tensor, torch.Tensor], object]) -> Iterator[list]:
+    """While active, a forward of `model` (a causal LM: its output embeddings are applied once, to the
+    final hidden states) calls `compute(hidden_states, head_weight)` where the logits would be
+    computed, and its LM head then returns logits for no position. Yields a list that receives
+    what `compute` returned. Runs inside the model's forward, so wrappers (DDP, FSDP, which gathers
+    the head's weight only there) see an ordinary forward."""
+    head = model.get_output_embeddings()
+    results: list = []
+
+    def replace_input(module: torch.nn.Module, args: tuple) -> tuple:
+        hidden = args[0]
+        results.append(compute(hidden, module.weight))
+        return (hidden[..., :0, :],)
+
+    handle = head.register_forward_pre_hook(replace_input)
+    try:
+        yield results
+    finally:
+        handle.remove()
 
 
 def block_losses(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -33,4 +158,4 @@ def block_losses(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tenso
     return losses.view(input_ids.shape).sum(dim=1) / (input_ids.shape[1] - 1)
 
 
-__all__ = ["block_losses", "kd_loss", "lm_loss", "next_token_labels"]
+__all__ = ["block_losses", "head_losses", "kd_loss", "lm_loss", "losses_in_lm_head", "next_token_labels"]

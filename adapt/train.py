@@ -48,7 +48,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .data import BlockOrder, Splits, local_files, prepare_data
-from .losses import block_losses, kd_loss, lm_loss
+from .losses import block_losses, head_losses, losses_in_lm_head, next_token_labels
 from .recipe import Recipe, dump_recipe, model_path
 
 METRICS_FILE = "metrics.jsonl"
@@ -177,6 +177,9 @@ class AdaptRun:
         model.set_attn_implementation(recipe.model.attn_implementation)
         if recipe.model.gradient_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if recipe.model.compile:
+            for layer in model.model.layers:
+                layer.compile()  # in place: parameter names and checkpoints stay as they are
         self.ladder_layers = list(model.config.ladder_layers)
         if teacher is not None:
             teacher_dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
@@ -327,20 +330,23 @@ class AdaptRun:
 
     def forward_loss(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to train on, next-token loss): `lm`, `kd` (T^2-scaled KL to the teacher's distribution at
-        every position), or their mix. The logits die with this call, before the backward pass."""
+        every position), or their mix, computed from the final hidden states chunk by chunk inside the
+        model's forward (`losses_in_lm_head`): full logits never exist."""
         spec = self.recipe.objective
+        kd_weight = {"lm": 0.0, "kd": 1.0}.get(spec.name, spec.kd_weight)
+        labels = next_token_labels(input_ids)
+        teacher = None
         with self.accelerator.autocast():
-            logits = self.model(input_ids=input_ids, use_cache=False).logits
-            if spec.name != "lm":
-                with torch.no_grad():
-                    teacher_logits = self.teacher(input_ids=input_ids, use_cache=False).logits
-        next_token = lm_loss(logits, input_ids)
-        if spec.name == "lm":
-            return next_token, next_token
-        distillation = kd_loss(logits, teacher_logits, spec.temperature)
-        if spec.name == "kd":
-            return distillation, next_token
-        return (1 - spec.kd_weight) * next_token + spec.kd_weight * distillation, next_token
+            if kd_weight:
+                with torch.no_grad(), losses_in_lm_head(self.teacher, lambda hidden, weight: (hidden, weight)) as seen:
+                    self.teacher(input_ids=input_ids, use_cache=False)
+                teacher = seen[0]
+            student = self.accelerator.unwrap_model(self.model)
+            compute = lambda hidden, weight: head_losses(
+                hidden, weight, labels, *(teacher or (None, None)), kd_weight=kd_weight, temperature=spec.temperature)
+            with losses_in_lm_head(student, compute) as results:
+                self.model(input_ids=input_ids, use_cache=False)
+        return results[0]
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

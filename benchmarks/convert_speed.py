@@ -6,15 +6,18 @@ The checkpoint (written once into runs/bench/convert-source-<layers>l and reused
 (hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256) with 4 layers instead of 32 and
 tied embeddings, random float32 weights, 2 GB shards: 5.6 GB, largest tensor 2.1 GB.
 
-In one run, for each mode (`copy`: same dtype, the files are copied; `bfloat16`: every tensor is
-read, cast and written) and each page-cache state, it times `cp -r SRC DST && sync` and
-`ladder convert SRC --out DST --no-verify` (the conversion flushes its files; a `sync` follows it
-too), best of --repeats, and reports the ratio. `--verify` converts with verification on instead
-(both models compared one module at a time), to measure its peak memory. "cold": the source is evicted from the page cache
+In one run, for each mode (`copy`: same dtype, the files are copied, each byte read once and hashed
+on the way; `link`: the files are hard-linked; `bfloat16`: every tensor is read, cast and written)
+and each page-cache state, it times `cp -r SRC DST && sync` and `ladder convert SRC --out DST
+--no-verify` (the conversion flushes its files; a `sync` follows it too), best of --repeats, and
+reports the ratio and the spread over the repeats (slowest / fastest). `--verify` converts with
+verification on instead (both models compared one module at a time), to measure its peak memory. "cold": the source is evicted from the page cache
 first, as for a checkpoint larger than RAM; "warm": it was just read. The conversion's time is
 measured inside its process (`convert`), and also with the interpreter and library start-up
-(`+start`, about constant per run). Peak RSS is the conversion process's own (wait4's ru_maxrss).
-Goals: time ratio at most 1.2, peak RSS under 1.5x the largest shard.
+(`+start`, about constant per run). Peak RSS is the conversion process's own (VmHWM).
+The child process imports what the CLI imports: in copy and link mode neither torch nor transformers.
+Goals (issue 16): copy at most 1.05x `cp -r && sync` and at most 1.2x with start-up; link under 0.05x;
+peak RSS under 1.5x the largest shard.
 """
 
 from __future__ import annotations
@@ -39,13 +42,16 @@ LLAMA_31_8B_SHAPES = dict(hidden_size=4096, intermediate_size=14336, num_attenti
                           vocab_size=128256)
 CONVERT_IN_CHILD = """
 import json, os, sys, time
-import torch
 from ladder.convert.convert import convert_checkpoint
-source, out, dtype, verify = sys.argv[1:5]
+source, out, dtype, weights, verify = sys.argv[1:6]
 started = time.perf_counter()
-convert_checkpoint(source, out=out, dtype=getattr(torch, dtype) if dtype != "keep" else None, verify=verify == "verify")
+convert_checkpoint(source, out=out, dtype=None if dtype == "keep" else dtype, verify=verify == "verify", weights=weights)
 os.sync()
-print(json.dumps({"seconds": time.perf_counter() - started}))
+seconds = time.perf_counter() - started
+# VmHWM is this process's own peak: wait4's ru_maxrss would also count the parent's memory at fork.
+peak_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+print(json.dumps({"seconds": seconds, "peak_rss": peak_kib * 1024, "heavy_imports": heavy}))
 """
 
 
@@ -101,28 +107,32 @@ def time_copy(source: Path, out: Path) -> float:
     return time.perf_counter() - started
 
 
-def time_conversion(source: Path, out: Path, dtype: str, verify: bool = False) -> tuple[float, float, int]:
+def time_conversion(source: Path, out: Path, dtype: str, weights: str, verify: bool = False) -> tuple[float, float, int]:
     """(seconds inside the process, seconds with start-up, peak RSS in bytes) of one conversion."""
-    command = [sys.executable, "-c", CONVERT_IN_CHILD, str(source), str(out), dtype, "verify" if verify else "no-verify"]
+    command = [sys.executable, "-c", CONVERT_IN_CHILD, str(source), str(out), dtype, weights,
+               "verify" if verify else "no-verify"]
     started = time.perf_counter()
     child = subprocess.Popen(command, cwd=REPOSITORY, stdout=subprocess.PIPE, text=True)
     stdout = child.stdout.read()
-    _, status, usage = os.wait4(child.pid, 0)
+    status = child.wait()
     wall = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
+    if status != 0:
         raise SystemExit(f"conversion failed with status {status}")
-    return json.loads(stdout.strip().splitlines()[-1])["seconds"], wall, usage.ru_maxrss * 1024
+    result = json.loads(stdout.strip().splitlines()[-1])
+    if result["heavy_imports"] and dtype == "keep":
+        print(f"  (the copy path imported {', '.join(result['heavy_imports'])})")
+    return result["seconds"], wall, result["peak_rss"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--cache", choices=["cold", "warm"], nargs="+", default=["cold", "warm"])
-    parser.add_argument("--mode", choices=["copy", "bfloat16"], nargs="+", default=["copy", "bfloat16"])
-    parser.add_argument("--workdir", type=Path, default=REPOSITORY / "runs" / "bench")
     parser.add_argument("--verify", action="store_true",
                         help="convert with verification on (layer by layer; goal: peak RSS within 2 shards)")
+    parser.add_argument("--cache", choices=["cold", "warm"], nargs="+", default=["cold", "warm"])
+    parser.add_argument("--mode", choices=["copy", "link", "bfloat16"], nargs="+", default=["copy", "link", "bfloat16"])
+    parser.add_argument("--workdir", type=Path, default=REPOSITORY / "runs" / "bench")
     args = parser.parse_args()
 
     source = args.workdir / f"convert-source-{args.layers}l"
@@ -135,25 +145,27 @@ def main() -> None:
     print(f"checkpoint: {total / 1e9:.2f} GB in {len(shards)} shards, largest {largest / 1e9:.2f} GB; "
           f"{os.cpu_count()} CPUs; best of {args.repeats}")
     print(f"{'mode':<9}{'cache':<6}{'cp -r':>8}{'convert':>9}{'ratio':>7}{'+start':>8}{'ratio':>7}"
-          f"{'peak RSS':>10}{'RSS/shard':>10}")
+          f"{'peak RSS':>10}{'RSS/shard':>10}{'spread cp/conv':>16}")
     out = args.workdir / "convert-out"
     for mode in args.mode:
-        dtype = "keep" if mode == "copy" else mode
+        dtype = "keep" if mode in ("copy", "link") else mode
+        weights = "link" if mode == "link" else "copy"
         for cache in args.cache:
             copies, conversions = [], []
             for _ in range(args.repeats):
                 prepare(source, out, cache)
                 copies.append(time_copy(source, out))
                 prepare(source, out, cache)
-                conversions.append(time_conversion(source, out, dtype, args.verify))
+                conversions.append(time_conversion(source, out, dtype, weights, args.verify))
             shutil.rmtree(out, ignore_errors=True)
             copy_seconds = min(copies)
             seconds, wall, _ = min(conversions)
             peak_rss = max(rss for _, _, rss in conversions)
             print(f"{mode:<9}{cache:<6}{copy_seconds:>7.2f}s{seconds:>8.2f}s{seconds / copy_seconds:>7.2f}"
-                  f"{wall:>7.2f}s{wall / copy_seconds:>7.2f}{peak_rss / 1e9:>8.2f}GB{peak_rss / largest:>10.2f}",
+                  f"{wall:>7.2f}s{wall / copy_seconds:>7.2f}{peak_rss / 1e9:>8.2f}GB{peak_rss / largest:>10.2f}"
+                  f"{max(copies) / copy_seconds:>9.2f}/{max(c[0] for c in conversions) / seconds:.2f}",
                   flush=True)
-    print("goals: ratio <= 1.2, RSS/shard < 1.5")
+    print("goals: copy ratio <= 1.05 (<= 1.2 with start-up), link ratio < 0.05, RSS/shard < 1.5")
 
 
 if __name__ == "__main__":

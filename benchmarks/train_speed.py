@@ -4,10 +4,12 @@ Both train the same model (the CPU recipe's: SmolLM2-135M with its upper layers 
 same trainable parameters), on the same packed blocks, with the same batch, sequence length,
 AdamW and schedule, each in its own process so that peak RSS is its own. The sides alternate
 (adapt, Trainer, adapt, Trainer, ...) so that a change in the machine's load hits both. Prints each
-side's median step time over all its rounds, tokens/s and peak RSS, and the ratio adapt / Trainer
-(goal: at least 1.0).
+side's median step time over all its rounds, tokens/s and peak RSS, and the ratios adapt / Trainer
+(goals, issue 16: tokens/s at least 1.0x, peak RSS at most 0.7x; adapt computes its loss chunk by
+chunk, so full logits never exist). `--compile` adds a third side, adapt with `model.compile=true`
+(torch.compile of each decoder layer; its first steps, which compile, are not timed).
 
-    .venv/bin/python benchmarks/train_speed.py [--steps 8] [--rounds 2] [key=value ...]
+    .venv/bin/python benchmarks/train_speed.py [--steps 8] [--rounds 2] [--compile] [key=value ...]
 """
 
 from __future__ import annotations
@@ -93,7 +95,11 @@ def run_trainer(steps: int, overrides: list[str], out: Path) -> list[float]:
 
 def child(kind: str, steps: int, overrides: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix=f"train-speed-{kind}-") as out:
-        seconds = (run_adapt if kind == "adapt" else run_trainer)(steps, overrides, Path(out) / "run")
+        if kind == "trainer":
+            seconds = run_trainer(steps, overrides, Path(out) / "run")
+        else:
+            extra = ["model.compile=true"] if kind == "adapt-compile" else []
+            seconds = run_adapt(steps, [*overrides, *extra], Path(out) / "run")
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"seconds": seconds, "peak_rss_mib": peak_mib}))
 
@@ -102,7 +108,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="steps per side; the first is warmup and not timed")
     parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating")
-    parser.add_argument("--child", choices=["adapt", "trainer"], help=argparse.SUPPRESS)
+    parser.add_argument("--compile", action="store_true", help="also time adapt with model.compile=true")
+    parser.add_argument("--child", choices=["adapt", "trainer", "adapt-compile"], help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides for both sides")
     args = parser.parse_args(argv)
     if args.child:
@@ -110,23 +117,29 @@ def main(argv: list[str]) -> int:
         return 0
     recipe = recipe_for(args.steps, args.overrides, Path("unused"))
     tokens = recipe.batch.micro_batch * recipe.batch.grad_accum * recipe.data.seq_len
-    results = {kind: {"seconds": [], "peak_rss_mib": 0.0} for kind in ("adapt", "trainer")}
+    kinds = ("adapt", "trainer", "adapt-compile") if args.compile else ("adapt", "trainer")
+    results = {kind: {"seconds": [], "peak_rss_mib": 0.0} for kind in kinds}
     for _ in range(args.rounds):
         for kind in results:
             command = [sys.executable, __file__, "--child", kind, "--steps", str(args.steps), *args.overrides]
             output = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO).stdout
             run = json.loads(output.strip().splitlines()[-1])
-            results[kind]["seconds"] += run["seconds"][1:]  # the first step warms up
+            warmup = 2 if kind == "adapt-compile" else 1  # compilation happens in the first steps
+            results[kind]["seconds"] += run["seconds"][warmup:]
             results[kind]["peak_rss_mib"] = max(results[kind]["peak_rss_mib"], run["peak_rss_mib"])
     for kind, result in results.items():
         step = statistics.median(result["seconds"])
         result["tokens_per_s"] = tokens / step
-        print(f"{kind:8} median step {step:.2f} s, {tokens / step:.0f} tokens/s, "
+        print(f"{kind:13} median step {step:.2f} s, {tokens / step:.0f} tokens/s, "
               f"peak RSS {result['peak_rss_mib']:.0f} MiB")
     ratio = results["adapt"]["tokens_per_s"] / results["trainer"]["tokens_per_s"]
     print(f"batch {recipe.batch.micro_batch} x {recipe.data.seq_len} (grad_accum {recipe.batch.grad_accum}), "
           f"trainable {recipe.trainable.mode}, {args.rounds} x {args.steps - 1} timed steps per side")
-    print(f"adapt / Trainer tokens/s: {ratio:.2f}  (goal >= 1.0)")
+    memory = results["adapt"]["peak_rss_mib"] / results["trainer"]["peak_rss_mib"]
+    print(f"adapt / Trainer tokens/s: {ratio:.2f}  (goal >= 1.0); peak RSS: {memory:.2f}  (goal <= 0.7)")
+    if args.compile:
+        speedup = results["adapt-compile"]["tokens_per_s"] / results["adapt"]["tokens_per_s"]
+        print(f"adapt with compiled decoder layers / adapt tokens/s: {speedup:.2f}")
     return 0
 
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from transformers.utils.hub import convert_file_size_to_int
-
 from ladder.errors import ArgumentParser, UsageError
 from ladder.layers import format_layers
-from ladder.loading import DTYPES
+from ladder.loading import DTYPE_NAMES
 
-from .convert import ConversionSummary, convert_checkpoint
+# Light on purpose (no torch, no transformers): `--help` and a copy-mode conversion start at once.
+from .convert import WEIGHT_MODES, ConversionSummary, convert_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,8 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--layers", metavar="SPEC", help="ladder layers: N (the upper N), a range 16-31, or a list 3,5,7 (default: the upper half)")
     parser.add_argument("--out", type=Path, metavar="DIR", help="output directory (default: runs/convert/<model>-ladder<N>)")
-    parser.add_argument("--dtype", choices=list(DTYPES), help="cast floating weights (default: keep the source's; float32 for GGUF)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, help="cast floating weights (default: keep the source's; float32 for GGUF)")
     parser.add_argument("--max-shard-size", metavar="SIZE", help="reshard into files of at most this size, e.g. 5GB, 500MB, 2GiB (default: the source's shards)")
+    parser.add_argument("--weights", choices=WEIGHT_MODES, default="auto",
+                        help="how unchanged weight files reach the output: copy (read once, hashed on the way), "
+                        "reflink (btrfs/XFS: shares the blocks, copy-on-write), link (hard links: instant, but the "
+                        "output's files ARE the source's, so editing one in place edits the other; same filesystem "
+                        "only), auto (default: reflink where possible, else copy)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                         help="measure the conversion damage on fixed prompts (default: when both models fit in memory)")
@@ -34,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_size(text: str) -> int:
+    from transformers.utils.hub import convert_file_size_to_int  # resharding loads torch anyway
+
     try:
         size = int(text) if text.isdigit() else convert_file_size_to_int(text)
     except ValueError:
@@ -87,12 +93,13 @@ def main(argv: list[str]) -> int:
         args.model,
         out=args.out,
         ladder_layers=args.layers,
-        dtype=DTYPES[args.dtype] if args.dtype else None,
+        dtype=args.dtype,
         max_shard_size=parse_size(args.max_shard_size) if args.max_shard_size else None,
         force=args.force,
         verify=args.verify,
         allow_pickle=args.allow_pickle,
         progress=True,
+        weights=args.weights,
     )
     print(format_summary(summary))
     return 0

@@ -2,11 +2,18 @@
 function the CLI calls.
 
 Conversion changes no weight, only the wiring (`ladder_layers` in config.json). Where no dtype
-change and no resharding is asked, the source's safetensors files are copied as they are (a
-reflink where the filesystem allows) while they are hashed; otherwise the tensors stream through
-`tensor_io` one 64 MiB block at a time. Either way every source tensor is checked against the
-shapes the config implies and is used or dropped on purpose, the manifest records the sha256 of
-every source weight file, and the output directory appears only once it is complete.
+change and no resharding is asked, the source's safetensors files go over as they are: copied
+(each byte read once, hashed on another thread while it is written), reflinked where the
+filesystem allows, or hard-linked on request (`weights`); otherwise the tensors stream through
+`tensor_io` one 64 MiB block at a time, hashed as they are read. Either way every source tensor is
+checked against the shapes the config implies and is used or dropped on purpose, the manifest
+records the sha256 of every source weight file (not for hard links, which would cost a read of
+every byte), and the output directory appears only once it is complete.
+
+Nothing on the copy path imports torch or transformers (they take seconds to import, longer than
+copying a small checkpoint): shapes are computed from config.json's numbers, config.json and the
+modeling files are written as save_pretrained would write them (a test checks both), and the
+steps that need tensors (casting, pickle, GGUF, verification) import them when they run.
 """
 
 from __future__ import annotations
@@ -20,36 +27,32 @@ import pickle
 import re
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil  # a dependency of accelerate
-import torch
 from tqdm import tqdm
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
-from transformers.dynamic_module_utils import custom_object_save
 
 import ladder
-from ladder.auto import LadderLlamaConfig, LadderLlamaForCausalLM
+from ladder.config_rules import with_legacy_rope
 from ladder.errors import UsageError, first_line
-from ladder.files import atomic_directory, sha256_file
-from ladder.layers import check_llama_model_type, format_layers, parse_ladder_layers
-from ladder.loading import load_model, read_config_dict, resolve_model_path
-from ladder.rewire import ladder_config
+from ladder.files import StreamingSha256, atomic_directory, sha256_file
+from ladder.layers import (
+    CONFIG_BOOKKEEPING,
+    LADDER_MODEL_TYPE,
+    check_llama_model_type,
+    format_layers,
+    parse_ladder_layers,
+)
+from ladder.loading import DTYPE_NAMES, load_model, read_config_dict, resolve_model_path
 from ladder.tensor_io import (
     INDEX_NAME,
+    UNSUPPORTED_LINK_ERRNOS,
     LazyTensorLoader,
     OutputShard,
     Shard,
@@ -58,6 +61,7 @@ from ladder.tensor_io import (
     TensorSpec,
     check_weight_map,
     copy_file,
+    link_file,
     plan_shards,
     read_chunks,
     shard_filenames,
@@ -66,8 +70,11 @@ from ladder.tensor_io import (
     write_index,
 )
 
-from .gguf import inspect_llama_gguf
-from .verify import Damage, damage_problems, measure_damage_layerwise, prompt_ids
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .verify import Damage
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # what save_pretrained uses ("5GB")
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -78,6 +85,18 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5
 WRITTEN_FILES = ("config.json", "conversion.json", "README.md", INDEX_NAME, PICKLE_INDEX_NAME)
 # llama.cpp file names end in the quantization type: SmolLM2-135M-Instruct.Q4_1.gguf.
 GGUF_TYPE_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|B?F\d+)$", re.IGNORECASE)
+# How unchanged weight files reach the output. "auto": a reflink where the filesystem allows (as
+# safe as a copy, and instant), else a copy. "link" (hard links) is never chosen for the user: the
+# output's files then are the source's, and editing one in place edits the other.
+WEIGHT_MODES = ("auto", "copy", "reflink", "link")
+# What save_pretrained writes beside config.json so that the checkpoint loads with
+# trust_remote_code=True: the files `auto_map` names and their relative imports.
+AUTO_MAP = {"AutoConfig": "configuration_ladder_llama.LadderLlamaConfig",
+            "AutoModelForCausalLM": "modeling_ladder_llama.LadderLlamaForCausalLM"}
+MODELING_FILES = ("configuration_ladder_llama.py", "modeling_ladder_llama.py", "config_rules.py")
+# LlamaConfig's defaults for the numbers the tensor shapes depend on (a config.json may omit them).
+LLAMA_SHAPE_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                        "num_hidden_layers": 32, "num_attention_heads": 32}
 
 
 @dataclass
@@ -87,7 +106,7 @@ class Source:
 
     path: Path
     format: str  # "safetensors", "pickle" or "gguf"
-    config: PretrainedConfig
+    config: dict  # as config.json holds it
     tensors: dict[str, TensorSpec]  # in reading order
     weight_files: list[Path]
     shards: list[Shard] = field(default_factory=list)  # safetensors: each file's header
@@ -107,13 +126,13 @@ class ConversionSummary:
     num_hidden_layers: int
     ladder_layers: list[int]
     dtype: str
-    weights: str  # "copied" (files as they are) or "rewritten" (tensors streamed)
+    weights: str  # "copied", "reflinked", "hard-linked" (files as they are) or "rewritten" (tensors streamed)
     tensors: int
     weight_bytes: int
     shards: list[str]
     dropped: dict[str, str]  # tensor name -> why
     not_copied: list[str]
-    source_sha256: dict[str, str]  # weight file name -> hash
+    source_sha256: dict[str, str] | None  # weight file name -> hash; None for hard links (not read)
     seconds: float = 0.0
     damage: Damage | None = None
     verify_skipped: str | None = None
@@ -138,15 +157,48 @@ def _check_output_location(source: Path, out: Path) -> None:
         raise UsageError(f"output {out} contains the source {source}; replacing it would delete the source")
 
 
-def _read_config(directory: Path) -> PretrainedConfig:
-    check_llama_model_type(read_config_dict(directory).get("model_type"), str(directory / "config.json"))
-    try:
-        return AutoConfig.from_pretrained(directory)
-    except (OSError, ValueError, TypeError) as error:
-        raise UsageError(f"cannot read {directory / 'config.json'}: {first_line(error)}") from None
+def _read_config(directory: Path) -> dict:
+    config = read_config_dict(directory)
+    check_llama_model_type(config.get("model_type"), str(directory / "config.json"))
+    return config
+
+
+def config_size(config: dict, key: str) -> int:
+    """A positive integer of a Llama config (LlamaConfig's default when absent), or a UsageError."""
+    value = config.get(key, LLAMA_SHAPE_DEFAULTS.get(key))
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UsageError(f"config.json: {key} must be a positive integer, not {value!r}")
+    return value
+
+
+def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a Llama with this config holds (lm_head included even when
+    tied), from the config's numbers alone: what `LlamaForCausalLM(config).state_dict()` lists,
+    without building a model (a test checks that they agree)."""
+    hidden, intermediate, vocab = (config_size(config, key) for key in ("hidden_size", "intermediate_size", "vocab_size"))
+    heads = config_size(config, "num_attention_heads")
+    kv_heads = config_size(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
+    head_dim = config_size(config, "head_dim") if config.get("head_dim") is not None else hidden // heads
+    projections = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
+                   "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
+                   "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+                   "mlp.down_proj": (hidden, intermediate)}
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for layer in range(config_size(config, "num_hidden_layers")):
+        prefix = f"model.layers.{layer}."
+        for name, shape in projections.items():
+            shapes[f"{prefix}{name}.weight"] = shape
+            if config.get("attention_bias" if name.startswith("self_attn") else "mlp_bias"):
+                shapes[f"{prefix}{name}.bias"] = shape[:1]
+        shapes[f"{prefix}input_layernorm.weight"] = shapes[f"{prefix}post_attention_layernorm.weight"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
 
 
 def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    import torch
+
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
@@ -156,7 +208,7 @@ def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _open_directory(directory: Path, config: PretrainedConfig, allow_pickle: bool) -> Source:
+def _open_directory(directory: Path, config: dict, allow_pickle: bool) -> Source:
     if index := ShardedTensorIndex.from_directory(directory):
         source = Source(directory, "safetensors", config, index.tensors, index.files, list(index.shards))
     elif found := weight_files(directory, PICKLE_INDEX_NAME, "pytorch_model.bin"):
@@ -187,19 +239,19 @@ def _open_directory(directory: Path, config: PretrainedConfig, allow_pickle: boo
     return source
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> Source:
+def _load_gguf(path: Path, dtype: str) -> Source:
     model, tokenizer = load_model(path, dtype)
     tensors = {name: TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()}
-    return Source(path, "gguf", model.config, tensors, [path], model=model, tokenizer=tokenizer)
+    return Source(path, "gguf", model.config.to_dict(), tensors, [path], model=model, tokenizer=tokenizer)
 
 
-def check_tensors(source: dict[str, TensorSpec], skeleton: PreTrainedModel) -> dict[str, str]:
-    """Match the source's tensors with what `skeleton` (the ladder model, on the meta device)
-    holds: every shape must agree, and a tensor it does not hold is dropped only for a known
-    reason. Returns the dropped tensors, each with its reason."""
-    expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+def check_tensors(source: dict[str, TensorSpec], config: dict) -> dict[str, str]:
+    """Match the source's tensors with what a Llama of `config` holds (`expected_shapes`): every
+    shape must agree, and a tensor it does not hold is dropped only for a known reason. Returns
+    the dropped tensors, each with its reason."""
+    expected = expected_shapes(config)
     dropped = {}
-    if skeleton.config.tie_word_embeddings:
+    if config.get("tie_word_embeddings", False):
         expected.pop("lm_head.weight")
         if "lm_head.weight" in source:
             dropped["lm_head.weight"] = "tied to model.embed_tokens.weight"
@@ -227,66 +279,93 @@ def _output_layout(source: Source, kept: list[TensorSpec], max_shard_size: int |
     return [OutputShard(filename, group) for filename, group in zip(shard_filenames(len(groups)), groups)]
 
 
-def _source_blocks(source: Source, bar: tqdm) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
-    """Every source tensor in reading order, in row blocks."""
+def _hashed_chunks(shard: Shard, bar: tqdm, hashes: dict[str, str]) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """`read_chunks` of one shard, each block hashed on a worker thread while the caller writes it
+    (the file is read once); the hash lands in `hashes` when the shard is done."""
+    digest, pending = StreamingSha256(), []
+
+    def on_read(data: memoryview) -> None:
+        pending.append(digest.update(data))
+        bar.update(len(data))
+
+    try:
+        for item in read_chunks(shard, on_read):
+            yield item
+            for hashed in pending:  # read_chunks reads the next block into the same buffer
+                hashed.result()
+            pending.clear()
+        hashes[shard.path.name] = digest.hexdigest()
+    finally:
+        digest.close()
+
+
+def _source_blocks(source: Source, bar: tqdm, hashes: dict[str, str]) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """Every source tensor in reading order, in row blocks; each weight file's sha256 into `hashes`."""
     if source.format == "safetensors":
         for shard in source.shards:
-            yield from read_chunks(shard, lambda data: bar.update(len(data)))
+            yield from _hashed_chunks(shard, bar, hashes)
         return
     for path in source.weight_files:
+        # Pickle and GGUF files are read by torch and transformers: hashed apart (a second read).
+        hashes[path.name] = sha256_file(path)
         state = _load_pickle(path) if source.format == "pickle" else source.model.state_dict()
         for name, tensor in state.items():
             yield from split_rows(source.tensors[name], tensor)
         bar.update(path.stat().st_size)
 
 
-def _rewrite_weights(source: Source, layout: list[OutputShard], directory: Path, bar: tqdm) -> None:
-    """Stream the kept tensors into the planned shards (which cast them to their output dtype)."""
+def _rewrite_weights(source: Source, layout: list[OutputShard], directory: Path, bar: tqdm) -> dict[str, str]:
+    """Stream the kept tensors into the planned shards (which cast them to their output dtype);
+    returns the sha256 of each source weight file."""
     writer = ShardedWriter(directory, layout)
     kept = {spec.name for shard in layout for spec in shard.tensors}
-    for spec, block in _source_blocks(source, bar):
+    hashes: dict[str, str] = {}
+    for spec, block in _source_blocks(source, bar, hashes):
         if spec.name in kept:
             writer.write(spec.name, block)
     writer.close()
+    return hashes
 
 
-def _copy_weights(shards: list[Shard], directory: Path, bar: tqdm) -> None:
-    """Copy the weight files as they are, and their index."""
+def _check_link_possible(source: Path, out: Path) -> None:
+    """Hard links cannot cross filesystems: refuse before anything is written."""
+    existing = out.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if existing.stat().st_dev != source.stat().st_dev:
+        raise UsageError(f"--weights link: the output {out} is on another filesystem than {source}, and hard "
+                         "links cannot cross filesystems; use --weights copy")
+
+
+def _place_weights(shards: list[Shard], directory: Path, weights: str, bar: tqdm) -> tuple[str, dict[str, str] | None]:
+    """Put the unchanged weight files into `directory` (hard links, reflinks, or copies hashed on
+    the way), and their index. Returns what was done ("copied", "reflinked", "hard-linked") and
+    the sha256 of each source file (None for hard links: computing it would read every byte)."""
+    how, hashes = weights, {}
     for shard in shards:
-        copy_file(shard.path, directory / shard.path.name, bar.update)
+        target = directory / shard.path.name
+        if how in ("auto", "reflink"):
+            try:
+                link_file(shard.path, target, "reflink")
+                how = "reflink"
+            except OSError as error:
+                if error.errno not in UNSUPPORTED_LINK_ERRNOS:
+                    raise
+                if how == "reflink":
+                    raise UsageError(f"--weights reflink: cannot reflink {shard.path} into {directory.parent} "
+                                     f"({os.strerror(error.errno)}; btrfs and XFS can); use --weights copy") from None
+                how = "copy"  # this filesystem has no reflinks
+        if how == "copy":
+            hashes[shard.path.name] = copy_file(shard.path, target, bar.update)
+        elif how == "reflink":
+            hashes[shard.path.name] = sha256_file(shard.path, on_chunk=bar.update)
+        else:
+            link_file(shard.path, target, "link")
+            bar.update(shard.path.stat().st_size)
     if any(shard.path.name != "model.safetensors" for shard in shards):
         write_index(directory, [OutputShard(shard.path.name, shard.tensors) for shard in shards])
-
-
-class _Cancelled(Exception):
-    """Raised inside a hashing thread to stop it at its next chunk."""
-
-
-class _SourceHasher:
-    """The sha256 of each source weight file, computed by worker threads while the main thread
-    writes the output: hashing is CPU work and writing mostly waits for the disk, so they overlap
-    (and a file read by both at about the same time comes from the disk once)."""
-
-    def __init__(self, paths: list[Path], bar: tqdm):
-        self._cancelled, self._lock, self._bar = threading.Event(), threading.Lock(), bar
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(len(paths), os.cpu_count() or 1)))
-        self._jobs = {path.name: self._pool.submit(sha256_file, path, on_chunk=self._tick) for path in paths}
-
-    def _tick(self, nbytes: int) -> None:
-        if self._cancelled.is_set():
-            raise _Cancelled
-        with self._lock:
-            self._bar.update(nbytes)
-
-    def results(self) -> dict[str, str]:
-        return {name: job.result() for name, job in self._jobs.items()}
-
-    def __enter__(self) -> _SourceHasher:
-        return self
-
-    def __exit__(self, *exception) -> None:
-        self._cancelled.set()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    done = {"copy": "copied", "reflink": "reflinked", "link": "hard-linked"}[how]
+    return done, None if how == "link" else hashes
 
 
 def _flush_to_disk(directory: Path) -> None:
@@ -298,19 +377,30 @@ def _flush_to_disk(directory: Path) -> None:
                 os.fsync(handle.fileno())
 
 
-def _write_config(directory: Path, config: LadderLlamaConfig, skeleton: PreTrainedModel, dtype: str) -> None:
-    """config.json with `auto_map`, and the modeling files it names, so that the checkpoint also
-    loads with trust_remote_code=True where `ladder` is not installed: what save_pretrained writes
-    besides the weights."""
-    config.architectures = [type(skeleton).__name__]
-    if dtype in ("float32", "bfloat16", "float16"):
-        config.dtype = dtype
-    custom_object_save(skeleton, directory, config=config)
-    config.save_pretrained(directory)
+def ladder_config_dict(config: dict, layers: list[int], dtype: str) -> dict:
+    """The ladder model's config.json from the source's: its architecture, the ladder layers,
+    `auto_map` and the dtype; what save_pretrained of a `LadderLlamaConfig` writes, up to keys at
+    their defaults (a test loads both and compares)."""
+    ladder = {key: value for key, value in config.items() if key not in CONFIG_BOOKKEEPING and key != "torch_dtype"}
+    if "torch_dtype" in config:  # the older name
+        ladder.setdefault("dtype", config["torch_dtype"])
+    if dtype in DTYPE_NAMES:
+        ladder["dtype"] = dtype
+    ladder.update(model_type=LADDER_MODEL_TYPE, ladder_layers=layers, architectures=["LadderLlamaForCausalLM"],
+                  auto_map=AUTO_MAP, transformers_version=version("transformers"))
+    return dict(sorted(with_legacy_rope(ladder).items()))
+
+
+def _write_config(directory: Path, config: dict) -> None:
+    """config.json and the modeling files its `auto_map` names, so that the checkpoint also loads
+    with trust_remote_code=True where `ladder` is not installed."""
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in MODELING_FILES:
+        shutil.copyfile(Path(ladder.__file__).parent / name, directory / name)
 
 
 def _dtype_name(tensors: list[TensorSpec]) -> str:
-    names = sorted({str(spec.dtype).removeprefix("torch.") for spec in tensors if spec.dtype.is_floating_point})
+    names = sorted({spec.dtype for spec in tensors if spec.is_floating_point})
     return names[0] if len(names) == 1 else "mixed (" + ", ".join(names) + ")"
 
 
@@ -368,11 +458,19 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
     """Compare the written checkpoint with the original in float32, both rounded to the written
     dtype (same weights, so only the wiring differs): the configs load as transformers loads them,
     the weights one module at a time (`measure_damage_layerwise`), so that memory stays bounded."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    import ladder.auto  # noqa: F401  (registers the ladder model with the Auto classes)
+
+    from .verify import measure_damage_layerwise, prompt_ids
+
     config = AutoConfig.from_pretrained(converted)
+    source_config = source.model.config if source.model is not None else AutoConfig.from_pretrained(source.path)
     with torch.device("meta"):
         ladder_model = AutoModelForCausalLM.from_config(config).eval()
-        original = AutoModelForCausalLM.from_config(source.config).eval()
-    dtypes = {spec.name: spec.dtype for spec in kept}
+        original = AutoModelForCausalLM.from_config(source_config).eval()
+    dtypes = {spec.name: getattr(torch, spec.dtype) for spec in kept}
     if "lm_head.weight" not in dtypes:  # tied, or dropped as tied
         dtypes["lm_head.weight"] = dtypes["model.embed_tokens.weight"]
     try:
@@ -442,29 +540,36 @@ def convert_checkpoint(
     source: str | Path | None,
     out: str | Path | None = None,
     ladder_layers: str | int | list[int] | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     max_shard_size: int | None = None,
     force: bool = False,
     verify: bool | None = None,
     allow_pickle: bool = False,
     progress: bool = False,
+    weights: str = "auto",
 ) -> ConversionSummary:
     """Write a ladder copy of `source` (a checkpoint directory, a .gguf file, or None for the
     embedded SmolLM2) into `out` (default `runs/convert/<name>-ladder<N>`).
 
     `ladder_layers`: N (upper N), "16-31", "3,5,7" or a list; default the upper half. `dtype`:
-    cast floating tensors (default: keep the source's; float32 for GGUF). `max_shard_size` in
-    bytes: reshard (default: keep the source's shards). `verify`: None = when both models fit in
-    memory. Bad input raises `UsageError` before anything is written.
+    cast floating tensors (a torch dtype or its name; default: keep the source's; float32 for
+    GGUF). `max_shard_size` in bytes: reshard (default: keep the source's shards). `verify`: None
+    = when both models fit in memory. `weights`: how unchanged weight files reach the output
+    (`WEIGHT_MODES`). Bad input raises `UsageError` before anything is written.
     """
     started = time.perf_counter()
+    if weights not in WEIGHT_MODES:
+        raise UsageError(f"--weights {weights!r}: choose from {', '.join(WEIGHT_MODES)}")
+    dtype = None if dtype is None else str(dtype).removeprefix("torch.")
     source_path = resolve_model_path(source)
     is_gguf = source_path.suffix == ".gguf"
     if is_gguf:
+        from .gguf import inspect_llama_gguf
+
         num_hidden_layers = inspect_llama_gguf(source_path).num_hidden_layers
     else:
         directory_config = _read_config(source_path)
-        num_hidden_layers = directory_config.num_hidden_layers
+        num_hidden_layers = config_size(directory_config, "num_hidden_layers")
     # By default the upper half, as in the paper's 16 of 32.
     layers = parse_ladder_layers(num_hidden_layers // 2 if ladder_layers is None else ladder_layers,
                                  num_hidden_layers, "--layers")
@@ -475,17 +580,20 @@ def convert_checkpoint(
 
     if is_gguf:
         _say(progress, f"dequantizing {source_path.name} ...")
-        opened = _load_gguf(source_path, dtype or torch.float32)
+        opened = _load_gguf(source_path, dtype or "float32")
     else:
         opened = _open_directory(source_path, directory_config, allow_pickle)
-    config = ladder_config(opened.config, layers)
-    with torch.device("meta"):
-        skeleton = LadderLlamaForCausalLM(config)
-    dropped = check_tensors(opened.tensors, skeleton)
-    kept = [dataclasses.replace(spec, dtype=dtype) if dtype is not None and spec.dtype.is_floating_point else spec
+    dropped = check_tensors(opened.tensors, opened.config)
+    kept = [dataclasses.replace(spec, dtype=dtype) if dtype is not None and spec.is_floating_point else spec
             for spec in opened.tensors.values() if spec.name not in dropped]
     copy_as_is = (opened.format == "safetensors" and not dropped and max_shard_size is None
                   and all(spec.dtype == opened.tensors[spec.name].dtype for spec in kept))
+    if weights in ("link", "reflink"):
+        if not copy_as_is:
+            raise UsageError(f"--weights {weights}: the weights are rewritten here (a dtype cast, resharding, a "
+                             "dropped tensor or a non-safetensors source), so there are no files to link")
+        if weights == "link":
+            _check_link_possible(source_path, out)
     layout = [OutputShard(s.path.name, s.tensors) for s in opened.shards] if copy_as_is else \
         _output_layout(opened, kept, max_shard_size)
     summary = ConversionSummary(
@@ -495,20 +603,18 @@ def convert_checkpoint(
         weight_bytes=sum(spec.nbytes for spec in kept), shards=[shard.filename for shard in layout],
         dropped=dropped, not_copied=opened.not_copied, source_sha256={},
     )
+    config = ladder_config_dict(opened.config, layers, summary.dtype)
     verify_skipped = _fits_in_memory(kept) if verify is None else None if verify else "skipped: --no-verify"
 
     with atomic_directory(out, force) as staging:
         total = sum(path.stat().st_size for path in opened.weight_files)
-        bars = dict(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=None if progress else True)
-        with (tqdm(desc="copying weights" if copy_as_is else "writing weights", position=0, **bars) as write_bar,
-              tqdm(desc="sha256 of the source", position=1, **bars) as hash_bar,
-              _SourceHasher(opened.weight_files, hash_bar) as hasher):
+        with tqdm(desc="weights (sha256 on the way)", total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                  disable=None if progress else True) as bar:
             if copy_as_is:
-                _copy_weights(opened.shards, staging, write_bar)
+                summary.weights, summary.source_sha256 = _place_weights(opened.shards, staging, weights, bar)
             else:
-                _rewrite_weights(opened, layout, staging, write_bar)
-            summary.source_sha256 = hasher.results()
-        _write_config(staging, config, skeleton, summary.dtype)
+                summary.source_sha256 = _rewrite_weights(opened, layout, staging, bar)
+        _write_config(staging, config)
         for path in opened.other_files:
             shutil.copyfile(path, staging / path.name)
         kept_source_card = (source_path / "README.md").is_file()
@@ -520,6 +626,8 @@ def convert_checkpoint(
 
         if verify_skipped is None:
             _say(progress, "verifying: both models on fixed prompts ...")
+            from .verify import damage_problems
+
             summary.damage = _verify(opened, staging, kept)
             if problems := damage_problems(summary.damage):
                 raise RuntimeError(f"verification failed, nothing written: {'; '.join(problems)}")

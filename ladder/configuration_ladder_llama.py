@@ -1,6 +1,7 @@
 """Configuration of a Llama whose chosen layers use Ladder Residual wiring (arXiv 2501.06589).
 
-Depends only on transformers, so it can travel inside a checkpoint (see `auto_map`).
+Depends only on transformers (and `config_rules.py`, which travels with it), so it can travel
+inside a checkpoint (see `auto_map`).
 """
 
 from typing import Any
@@ -8,32 +9,7 @@ from typing import Any
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
-
-def resolve_ladder_layers(ladder_layers: Any, num_hidden_layers: int) -> list[int]:
-    """Normalise `ladder_layers` to a sorted list of distinct layer indices.
-
-    An int N means the upper N layers, `range(L - N, L)`, as in the published configs;
-    a list names the layers; `None` means no ladder layer.
-    """
-    if ladder_layers is None:
-        return []
-    if isinstance(ladder_layers, int) and not isinstance(ladder_layers, bool):
-        if not 0 <= ladder_layers <= num_hidden_layers:
-            raise ValueError(
-                f"ladder_layers={ladder_layers}: the upper N layers needs 0 <= N <= {num_hidden_layers}"
-            )
-        return list(range(num_hidden_layers - ladder_layers, num_hidden_layers))
-    if not isinstance(ladder_layers, (list, tuple)):
-        raise ValueError(f"ladder_layers must be an int or a list of layer indices, got {ladder_layers!r}")
-    for index in ladder_layers:
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise ValueError(f"ladder_layers entries must be integers, got {index!r}")
-        if not 0 <= index < num_hidden_layers:
-            raise ValueError(f"ladder_layers entry {index} is out of range for {num_hidden_layers} layers")
-    if len(set(ladder_layers)) != len(ladder_layers):
-        duplicates = sorted({i for i in ladder_layers if list(ladder_layers).count(i) > 1})
-        raise ValueError(f"ladder_layers has duplicate entries: {duplicates}")
-    return sorted(ladder_layers)
+from .config_rules import resolve_ladder_layers, with_legacy_rope
 
 
 @strict
@@ -52,16 +28,8 @@ class LadderLlamaConfig(LlamaConfig):
         self.ladder_layers = resolve_ladder_layers(self.ladder_layers, self.num_hidden_layers)
 
     def to_dict(self) -> dict[str, Any]:
-        """Differs from Llama: RoPE is also written the transformers 4.x way, `rope_theta` and
-        `rope_scaling`, as the published ladder configs have it. A 4.x reader (the official ladder
-        code targets 4.47) ignores `rope_parameters` and would silently use rope_theta 10000;
-        transformers 5 reads the legacy keys to the same `rope_parameters`."""
-        values = super().to_dict()
-        rope = dict(values.get("rope_parameters") or {})
-        if "rope_theta" in rope:  # a per-layer-type mapping has no 4.x form: Llama never has one
-            values["rope_theta"] = rope.pop("rope_theta")
-            values["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
-        return values
+        """Differs from Llama: RoPE is also written the transformers 4.x way (`with_legacy_rope`)."""
+        return with_legacy_rope(super().to_dict())
 
 
 __all__ = ["LadderLlamaConfig", "resolve_ladder_layers"]

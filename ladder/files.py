@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .errors import UsageError
@@ -127,6 +128,29 @@ def sha256_file(
     return digest.hexdigest()
 
 
+class StreamingSha256:
+    """The SHA-256 of bytes that pass by once (a copy, a streamed read), computed on a worker
+    thread while the caller goes on reading and writing: hashlib releases the GIL on large
+    buffers, so on two cores hashing overlaps the I/O instead of adding to it. `update(buffer)`
+    returns at once; the caller must leave the buffer unchanged until the returned future is done.
+    Updates run in the order they were given."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
+
+    def update(self, buffer: memoryview | bytes) -> Future:
+        return self._worker.submit(self._digest.update, buffer)
+
+    def hexdigest(self) -> str:
+        """Waits for the pending updates; the object takes no more after this."""
+        self._worker.shutdown(wait=True)
+        return self._digest.hexdigest()
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+
 def ladder_data_dir() -> Path:
     """The data folder (benchmark and training files): `$LADDER_DATA`, else, when the code runs from
     a repository checkout, `../shared/data` beside it. An installed package has no such neighbour,
@@ -141,4 +165,4 @@ def ladder_data_dir() -> Path:
     raise UsageError("no data folder: set LADDER_DATA to the folder that holds the benchmark and training files")
 
 
-__all__ = ["atomic_directory", "atomic_write", "ladder_data_dir", "sha256_file"]
+__all__ = ["StreamingSha256", "atomic_directory", "atomic_write", "ladder_data_dir", "sha256_file"]

@@ -4,6 +4,7 @@ so command-line checks run before any heavy import."""
 
 from __future__ import annotations
 
+from .config_rules import resolve_ladder_layers
 from .errors import UsageError
 
 # `LadderLlamaConfig.model_type`, the published checkpoints' name. The configuration file travels
@@ -11,6 +12,8 @@ from .errors import UsageError
 # checks that they agree).
 LADDER_MODEL_TYPE = "llamaLadder"
 LLAMA_MODEL_TYPES = ("llama", LADDER_MODEL_TYPE)
+# Keys of a Llama config.json that describe the file, not the model: not carried into a ladder config.
+CONFIG_BOOKKEEPING = ("model_type", "architectures", "auto_map", "transformers_version", "ladder_layers")
 
 
 def check_llama_model_type(model_type: object, where: str) -> None:
@@ -25,9 +28,6 @@ def check_llama_model_type(model_type: object, where: str) -> None:
 def parse_ladder_layers(spec: str | int | list[int], num_hidden_layers: int, key: str = "ladder layers") -> list[int]:
     """A layer choice as a sorted list: `N` (the upper N layers), a range `16-31`, or a list of
     indices and ranges `3,5,7` / `3-5,9` (as text, an int or a list). Bad input raises `UsageError` naming `key`."""
-    # The resolver that travels inside checkpoints; imported here so that parsing text stays light.
-    from .configuration_ladder_llama import resolve_ladder_layers
-
     if isinstance(spec, str):
         text = spec.strip()
         try:
@@ -66,4 +66,4 @@ def format_layers(layers: list[int]) -> str:
     return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs) or "none"
 
 
-__all__ = ["LADDER_MODEL_TYPE", "LLAMA_MODEL_TYPES", "check_llama_model_type", "format_layers", "parse_ladder_layers"]
+__all__ = ["CONFIG_BOOKKEEPING", "LADDER_MODEL_TYPE", "LLAMA_MODEL_TYPES", "check_llama_model_type", "format_layers", "parse_ladder_layers"]

@@ -9,15 +9,27 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from .errors import UsageError, first_line
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The dtypes a user may ask for by name; `DTYPES` maps them to torch's, imported on first use so that
+# resolving paths and reading configs (a copy-mode conversion, `--help`) starts without torch.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def __getattr__(name: str):
+    if name == "DTYPES":
+        import torch
+
+        return {dtype: getattr(torch, dtype) for dtype in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def embedded_model_path() -> Path:
@@ -66,6 +78,8 @@ def _from_pretrained_arguments(path: Path) -> tuple[str, dict]:
 
 def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
     """The tokenizer of a checkpoint directory or a GGUF file (`resolve_model_path` names)."""
+    from transformers import AutoTokenizer
+
     path = resolve_model_path(path)
     location, extra = _from_pretrained_arguments(path)
     try:
@@ -75,13 +89,15 @@ def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
 
 
 def load_model(
-    path: str | Path | None, dtype: torch.dtype = torch.float32
+    path: str | Path | None, dtype: torch.dtype | str = "float32"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a checkpoint directory or a GGUF file (dequantized).
 
     A GGUF-loaded model is turned into a plain one (no quantizer attached), so it can be saved,
     trained and converted like any checkpoint.
     """
+    from transformers import AutoModelForCausalLM
+
     import ladder.auto  # noqa: F401  (registers the ladder model with the Auto classes)
 
     path = resolve_model_path(path)

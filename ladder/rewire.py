@@ -8,16 +8,13 @@ import torch
 from transformers import LlamaConfig, PreTrainedModel
 
 from .auto import LadderLlamaConfig, LadderLlamaForCausalLM
-from .layers import check_llama_model_type
-
-# Keys of a Llama config.json that describe the file, not the model.
-_CONFIG_BOOKKEEPING = ("model_type", "architectures", "auto_map", "transformers_version", "ladder_layers")
+from .layers import CONFIG_BOOKKEEPING, check_llama_model_type
 
 
 def ladder_config(config: LlamaConfig, ladder_layers: int | list[int]) -> LadderLlamaConfig:
     """A `LadderLlamaConfig` with the architecture of a Llama (or ladder) config and new ladder layers."""
     check_llama_model_type(config.model_type, "the config")
-    values = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_BOOKKEEPING}
+    values = {k: v for k, v in config.to_dict().items() if k not in CONFIG_BOOKKEEPING}
     return LadderLlamaConfig(**values, ladder_layers=ladder_layers)
 
 

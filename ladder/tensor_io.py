@@ -9,6 +9,10 @@ closed, up to the whole shard) and writes a file from tensors that are all in me
 a checkpoint far larger than RAM needs neither. The format is small (an 8-byte little-endian
 header length, a JSON header, then the tensors' bytes back to back), so it is read and written
 here directly; the tests check that the `safetensors` library reads what this writes.
+
+Headers, indexes and file copies need no torch (a copy-mode conversion starts without it, in a
+fraction of a second): a `TensorSpec` names its dtype as torch does ("bfloat16"), and torch is
+imported by the functions that move tensors.
 """
 
 from __future__ import annotations
@@ -19,49 +23,73 @@ import fcntl
 import functools
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import UsageError, first_line
+from .files import StreamingSha256
+
+if TYPE_CHECKING:
+    import torch
 
 CHUNK_BYTES = 64 << 20
-# Plain reads go through Python in pieces this big: the allocator reuses memory of this size,
-# while a fresh 64 MiB buffer per read costs page faults that halve the throughput.
-BUFFER_BYTES = 4 << 20
+# A copy proceeds (and is hashed) in chunks of this size.
+COPY_CHUNK_BYTES = 16 << 20
 # The largest header the safetensors library accepts.
 MAX_HEADER_BYTES = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Linux's FICLONE ioctl (fcntl.FICLONE from Python 3.12): share the blocks of a file on btrfs/XFS.
 FICLONE = getattr(fcntl, "FICLONE", 0x40049409)
-# Errors meaning "this way of copying is not available here": fall back to the next way.
-UNSUPPORTED_COPY_ERRNOS = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EBADF}
+# Errors meaning "this filesystem cannot link, reflink or copy_file_range here".
+UNSUPPORTED_LINK_ERRNOS = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EBADF,
+                           errno.EPERM}
 
+# safetensors dtype code -> (torch's name for the dtype, bytes per element).
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1), "BOOL": ("bool", 1),
 }  # fmt: skip
-DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+DTYPE_CODES = {name: code for code, (name, _) in SAFETENSORS_DTYPES.items()}
+ITEMSIZES = dict(SAFETENSORS_DTYPES.values())
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What a header records about a tensor, and what the shape checks compare."""
+    """What a header records about a tensor, and what the shape checks compare. `dtype` is torch's
+    name for it ("bfloat16"); a `torch.dtype` given is stored by its name."""
 
     name: str
-    dtype: torch.dtype
+    dtype: str
     shape: tuple[int, ...]
+
+    def __post_init__(self):
+        if not isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        if self.dtype not in ITEMSIZES:
+            raise ValueError(f"tensor {self.name}: dtype {self.dtype} has no safetensors code")
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * ITEMSIZES[self.dtype]
+
+    @property
+    def is_floating_point(self) -> bool:
+        return self.dtype.startswith(("float", "bfloat"))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -106,7 +134,7 @@ def read_shard(path: Path) -> Shard:
     placed = []
     for name, entry in header.items():
         try:
-            spec = TensorSpec(name, SAFETENSORS_DTYPES[entry["dtype"]], tuple(int(n) for n in entry["shape"]))
+            spec = TensorSpec(name, SAFETENSORS_DTYPES[entry["dtype"]][0], tuple(int(n) for n in entry["shape"]))
             begin, end = (int(n) for n in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise invalid(f"tensor {name!r} has a malformed entry {entry!r}") from None
@@ -249,13 +277,15 @@ def read_chunks(
 
     The blocks are views of one reused buffer (fresh memory for each would cost more than the
     read): a block is valid until the next one is yielded; clone it to keep it."""
+    import torch
+
     buffer = torch.empty(0, dtype=torch.uint8)
     with open(shard.path, "rb") as handle:
         on_read(memoryview(handle.read(shard.data_start)))
         for spec in shard.tensors:
             row_shape = spec.shape[1:]
-            for start, stop in row_blocks(spec.shape, spec.dtype.itemsize, chunk_bytes):
-                nbytes = (stop - start) * math.prod(row_shape) * spec.dtype.itemsize if spec.shape else spec.nbytes
+            for start, stop in row_blocks(spec.shape, ITEMSIZES[spec.dtype], chunk_bytes):
+                nbytes = (stop - start) * math.prod(row_shape) * ITEMSIZES[spec.dtype] if spec.shape else spec.nbytes
                 if nbytes > len(buffer):
                     buffer = torch.empty(nbytes, dtype=torch.uint8)
                 view = memoryview(buffer[:nbytes].numpy())
@@ -263,7 +293,7 @@ def read_chunks(
                     raise UsageError(f"{shard.path} became shorter while it was being read")
                 on_read(view)
                 shape = (stop - start, *row_shape) if spec.shape else ()
-                yield spec, buffer[:nbytes].view(spec.dtype).reshape(shape)
+                yield spec, buffer[:nbytes].view(spec.torch_dtype).reshape(shape)
 
 
 def split_rows(spec: TensorSpec, tensor: torch.Tensor) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
@@ -292,20 +322,22 @@ class SafetensorsWriter:
         self.path = path
         self._pending = list(reversed(tensors))
         self._remaining = tensors[0].nbytes if tensors else 0
-        self._cast_buffer = torch.empty(0, dtype=torch.uint8)
+        self._cast_buffer = None
         self._handle = open(path, "wb")
         self._handle.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def write(self, name: str, block: torch.Tensor) -> None:
         """Append a row block of tensor `name`, which must be the next tensor due."""
+        import torch
+
         spec = self._pending[-1]
         if name != spec.name:
             raise RuntimeError(f"{self.path}: got {name}, expected {spec.name}")
-        if block.dtype != spec.dtype:
-            nbytes = block.numel() * spec.dtype.itemsize
-            if nbytes > len(self._cast_buffer):
+        if block.dtype != spec.torch_dtype:
+            nbytes = block.numel() * ITEMSIZES[spec.dtype]
+            if self._cast_buffer is None or nbytes > len(self._cast_buffer):
                 self._cast_buffer = torch.empty(nbytes, dtype=torch.uint8)
-            block = self._cast_buffer[:nbytes].view(spec.dtype).view(block.shape).copy_(block)
+            block = self._cast_buffer[:nbytes].view(spec.torch_dtype).view(block.shape).copy_(block)
         data = block.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         if data.nbytes > self._remaining:
             raise RuntimeError(f"{self.path}: more bytes than the shape of {name} holds")
@@ -383,37 +415,63 @@ def write_index(directory: Path, shards: Sequence[OutputShard]) -> None:
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def copy_file(source: Path, destination: Path, on_chunk: Callable[[int], None]) -> None:
-    """Copy a file without its bytes passing through Python where the system allows: a reflink
-    (btrfs, XFS: the copy shares the blocks), else `copy_file_range` (the kernel copies), else
-    read/write. `on_chunk(nbytes)` reports progress."""
+def copy_file(source: Path, destination: Path, on_chunk: Callable[[int], None],
+              chunk_bytes: int = COPY_CHUNK_BYTES) -> str:
+    """Copy a file and return its SHA-256, each byte read from the disk once and never copied
+    through Python: the kernel copies a chunk (`copy_file_range`, page cache to page cache) while a
+    worker thread hashes the same chunk through a read-only memory map of the source
+    (`StreamingSha256`), so the two read the same cached pages and overlap on two cores. The hash
+    may lag at most two chunks, so its pages are still cached when it reads them. `on_chunk(nbytes)`
+    reports progress; `chunk_bytes` must be a multiple of the page size."""
+    digest = StreamingSha256()
     with open(source, "rb") as reader, open(destination, "wb") as writer:
         size = os.fstat(reader.fileno()).st_size
-        try:
-            fcntl.ioctl(writer.fileno(), FICLONE, reader.fileno())
-            on_chunk(size)
-            return
-        except OSError as error:
-            if error.errno not in UNSUPPORTED_COPY_ERRNOS:
-                raise
-        copied = 0
-        try:
-            if not hasattr(os, "copy_file_range"):
-                raise OSError(errno.ENOSYS, "copy_file_range is not available")
-            while copied < size:
-                step = os.copy_file_range(reader.fileno(), writer.fileno(), min(CHUNK_BYTES, size - copied))
-                if step == 0:
-                    break
-                copied += step
-                on_chunk(step)
-        except OSError as error:
-            if error.errno not in UNSUPPORTED_COPY_ERRNOS:
-                raise
-            reader.seek(copied)
-            writer.seek(copied)
-            while chunk := reader.read(BUFFER_BYTES):
-                writer.write(chunk)
-                copied += len(chunk)
-                on_chunk(len(chunk))
-        if copied != size:
-            raise UsageError(f"{source} changed size while it was being copied")
+        if size == 0:
+            return digest.hexdigest()
+        with mmap.mmap(reader.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+            chunks = [memoryview(mapped)[offset : offset + chunk_bytes] for offset in range(0, size, chunk_bytes)]
+            hashed: list[Future] = []
+            try:
+                for index, chunk in enumerate(chunks):
+                    hashed.append(digest.update(chunk))
+                    _write_range(reader, writer, index * chunk_bytes, chunk)
+                    on_chunk(len(chunk))
+                    if len(hashed) > 2:
+                        hashed[-3].result()
+                        # Unmap what was hashed (the pages stay in the page cache): a mapped page
+                        # counts in the process's RSS, which would grow to the file's size.
+                        mapped.madvise(mmap.MADV_DONTNEED, (index - 2) * chunk_bytes, chunk_bytes)
+                return digest.hexdigest()
+            finally:
+                digest.close()  # the worker is done with the map before it closes
+                for chunk in chunks:
+                    chunk.release()
+
+
+def _write_range(reader, writer, offset: int, chunk: memoryview) -> None:
+    """Bytes [offset, offset + len(chunk)) of `reader` into `writer` at the same offset: the kernel
+    copies them where it can, else they are written from the map."""
+    done = 0
+    try:
+        while done < len(chunk):
+            step = os.copy_file_range(reader.fileno(), writer.fileno(), len(chunk) - done,
+                                      offset + done, offset + done)
+            if step == 0:
+                raise UsageError(f"{reader.name} became shorter while it was being copied")
+            done += step
+    except OSError as error:
+        if error.errno not in UNSUPPORTED_LINK_ERRNOS:
+            raise
+        os.pwrite(writer.fileno(), chunk[done:], offset + done)
+
+
+def link_file(source: Path, destination: Path, kind: str) -> None:
+    """`destination` as a hard link to `source` (`kind` "link": one file under two names) or a
+    reflink ("reflink": a copy that shares the source's blocks until either is written; btrfs,
+    XFS). Raises OSError where the filesystem cannot (EXDEV between filesystems, EOPNOTSUPP)."""
+    if kind == "link":
+        os.link(source, destination)
+        return
+    with open(source, "rb") as reader, open(destination, "wb") as writer:
+        fcntl.ioctl(writer.fileno(), FICLONE, reader.fileno())

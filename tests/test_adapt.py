@@ -419,15 +419,19 @@ def test_kd_loss_is_the_forward_kl_at_temperature_times_t_squared(tiny_checkpoin
     ids = torch.randint(0, teacher.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         # A random tiny model's distributions are nearly uniform, where forward and reverse KL agree
-        # to second order; sharpened logits (x100) make the direction, and T, matter.
-        teacher_logits, student_logits = 100 * teacher(input_ids=ids).logits, 100 * student(input_ids=ids).logits
+        # to second order; sharpened logits (x100, through the LM head's weight) make the direction,
+        # and T, matter. kd_loss takes final hidden states and LM head weights (it never holds all logits).
+        teacher_hidden, student_hidden = teacher.model(input_ids=ids)[0], student.model(input_ids=ids)[0]
+        teacher_weight, student_weight = 100 * teacher.lm_head.weight, 100 * student.lm_head.weight
+        teacher_logits, student_logits = teacher_hidden @ teacher_weight.T, student_hidden @ student_weight.T
     for temperature in (1.0, 2.0):
         p = (teacher_logits.double() / temperature).log_softmax(-1)
         q = (student_logits.double() / temperature).log_softmax(-1)
         expected = temperature**2 * (p.exp() * (p - q)).sum(-1).mean()
         reverse = temperature**2 * (q.exp() * (q - p)).sum(-1).mean()
         assert expected > 0.05 and abs(reverse / expected - 1) > 1e-3  # 10x the tolerance: the directions differ
-        assert float(kd_loss(student_logits, teacher_logits, temperature)) == pytest.approx(float(expected), rel=1e-4)
+        computed = kd_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, temperature)
+        assert float(computed) == pytest.approx(float(expected), rel=1e-4)
 
 
 def test_merged_lora_model_gives_the_logits_of_the_peft_model(tmp_path, tiny_checkpoint, corpus):
@@ -451,3 +455,58 @@ def test_merged_lora_model_gives_the_logits_of_the_peft_model(tmp_path, tiny_che
         after_merge = merged(input_ids=ids).logits
     assert (before_merge - without_adapters).abs().max() > 1e-3  # the adapters learned something
     torch.testing.assert_close(after_merge, before_merge, atol=1e-4, rtol=0)
+
+
+# --- Chunked losses: equal to the full-logits computation ----------------------------------------
+
+
+@pytest.mark.parametrize("kd_weight", [0.0, 0.3, 1.0])
+def test_chunked_losses_equal_the_full_logits_computation(kd_weight):
+    from ladder.adapt.losses import head_losses, kd_loss, lm_loss, next_token_labels
+
+    generator = torch.Generator().manual_seed(0)
+    batch, seq, width, vocab, temperature = 2, 37, 16, 50, 2.0
+    hidden = torch.randn(batch, seq, width, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, width, generator=generator, dtype=torch.float64, requires_grad=True)
+    teacher_hidden = torch.randn(batch, seq, width, generator=generator, dtype=torch.float64)
+    teacher_weight = torch.randn(vocab, width, generator=generator, dtype=torch.float64)
+    labels = next_token_labels(torch.randint(0, vocab, (batch, seq), generator=generator))
+    labels[0, 5:12] = -100  # masked positions (chat masking) count for nothing
+
+    logits = hidden @ weight.T
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    student = (logits / temperature).log_softmax(-1).flatten(0, 1)
+    teacher = ((teacher_hidden @ teacher_weight.T) / temperature).log_softmax(-1).flatten(0, 1)
+    kd = torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature**2
+    expected = (1 - kd_weight) * ce + kd_weight * kd
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+
+    loss, next_token = head_losses(hidden, weight, labels, teacher_hidden, teacher_weight, kd_weight, temperature,
+                                   chunk_tokens=10)  # 74 positions: 8 chunks, the last one short
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(next_token, ce, rtol=1e-10, atol=1e-12)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(lm_loss(hidden, weight, labels, chunk_tokens=7), ce, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(kd_loss(hidden, weight, teacher_hidden, teacher_weight, temperature, chunk_tokens=7), kd,
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_losses_in_lm_head_computes_no_logits_and_trains_like_the_plain_loss(tiny_checkpoint):
+    from ladder.adapt.losses import head_losses, losses_in_lm_head, next_token_labels
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = next_token_labels(ids)
+    plain = torch.nn.functional.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), labels.flatten())
+    plain_grads = torch.autograd.grad(plain, list(model.parameters()))
+    with losses_in_lm_head(model, lambda hidden, weight: head_losses(hidden, weight, labels, chunk_tokens=16)) as out:
+        logits = model(input_ids=ids).logits
+    assert logits.shape == (2, 0, model.config.vocab_size)
+    loss, _ = out[0]
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, plain, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert model(input_ids=ids).logits.shape == (2, 24, model.config.vocab_size)  # the hook is gone

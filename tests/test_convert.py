@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 import ladder
 from ladder import LadderLlamaForCausalLM, to_ladder
 from ladder.cli import main as ladder_main
-from ladder.convert.convert import default_output_dir
+from ladder.convert import convert as convert_module
+from ladder.convert.convert import MODELING_FILES, default_output_dir, expected_shapes, ladder_config_dict
 from ladder.convert.verify import Damage, damage_problems, measure_damage, prompt_ids
 from ladder.files import sha256_file
 from ladder.loading import embedded_model_path
@@ -412,19 +413,102 @@ def test_tensor_io_round_trip_against_the_safetensors_library(tmp_path):
     assert all(torch.equal(written[name], tensor) for name, tensor in as_float16.items())
 
 
-def test_copy_file_falls_back_when_the_kernel_cannot_copy(tmp_path, monkeypatch):
+def test_copy_file_hashes_what_it_copies_in_one_pass(tmp_path):
     source = tmp_path / "source"
-    source.write_bytes(os.urandom(3 << 20))
-    copy_file(source, tmp_path / "fast", lambda nbytes: None)
-
-    def cross_device(*args):
-        raise OSError(18, "Invalid cross-device link")  # EXDEV, as between some filesystems
-
-    monkeypatch.setattr(os, "copy_file_range", cross_device)
+    source.write_bytes(os.urandom((3 << 20) + 12345))
     progress = []
-    copy_file(source, tmp_path / "slow", progress.append)
-    assert (tmp_path / "fast").read_bytes() == (tmp_path / "slow").read_bytes() == source.read_bytes()
-    assert sum(progress) == source.stat().st_size
+    digest = copy_file(source, tmp_path / "copy", progress.append, chunk_bytes=1 << 18)  # 13 chunks
+    assert (tmp_path / "copy").read_bytes() == source.read_bytes()
+    assert digest == sha256_file(source) and sum(progress) == source.stat().st_size and len(progress) == 13
+    # Where the kernel cannot copy between the two files (EXDEV, as between some filesystems), the
+    # bytes are written from the map.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "copy_file_range", lambda *args: (_ for _ in ()).throw(OSError(18, "cross-device")))
+        assert copy_file(source, tmp_path / "written", progress.append, chunk_bytes=1 << 20) == digest
+    assert (tmp_path / "written").read_bytes() == source.read_bytes()
+    (tmp_path / "empty").write_bytes(b"")
+    assert copy_file(tmp_path / "empty", tmp_path / "empty-copy", progress.append) == sha256_file(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"attention_bias": True, "mlp_bias": True}, {"head_dim": 32, "num_key_value_heads": 1},
+    {"tie_word_embeddings": True, "num_key_value_heads": None},
+])
+def test_shapes_from_the_config_match_a_model_built_from_it(overrides):
+    config = LlamaConfig(**{"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+                            "num_attention_heads": 4, "num_key_value_heads": 2, **overrides})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    assert expected_shapes(json.loads(config.to_json_string())) == {**expected, "lm_head.weight": (300, 64)}
+
+
+def test_light_config_loads_as_what_save_pretrained_writes(tmp_path):
+    """convert writes config.json and the modeling files without transformers: they must load to
+    the config that `ladder_config(...).save_pretrained` (with custom_object_save) would give."""
+    from transformers import AutoConfig
+    from transformers.dynamic_module_utils import custom_object_save
+
+    source = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=131072, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    source.save_pretrained(tmp_path / "source")
+    heavy = ladder.ladder_config(source, [1, 3])
+    heavy.architectures, heavy.dtype = ["LadderLlamaForCausalLM"], "bfloat16"
+    with torch.device("meta"):
+        skeleton = LadderLlamaForCausalLM(heavy)
+    written = custom_object_save(skeleton, tmp_path / "heavy", config=heavy) if (tmp_path / "heavy").mkdir() is None else []
+    heavy.save_pretrained(tmp_path / "heavy")
+    light = ladder_config_dict(json.loads((tmp_path / "source" / "config.json").read_text()), [1, 3], "bfloat16")
+    (tmp_path / "light").mkdir()
+    convert_module._write_config(tmp_path / "light", light)
+
+    assert sorted(Path(p).name for p in written) == sorted(MODELING_FILES)
+    for name in MODELING_FILES:
+        assert (tmp_path / "light" / name).read_bytes() == (tmp_path / "heavy" / name).read_bytes()
+    assert json.loads((tmp_path / "light" / "config.json").read_text())["auto_map"] == heavy.auto_map
+    loaded = [{k: v for k, v in AutoConfig.from_pretrained(tmp_path / kind).to_dict().items() if k != "_name_or_path"}
+              for kind in ("heavy", "light")]
+    assert loaded[0] == loaded[1] and loaded[1]["ladder_layers"] == [1, 3]
+
+
+def test_copy_mode_imports_neither_torch_nor_transformers(tiny_checkpoint, tmp_path):
+    script = (f"import sys; from ladder.cli import main; code = main(['convert', {str(tiny_checkpoint)!r}, '--out', "
+              f"{str(tmp_path / 'out')!r}, '--no-verify']); "
+              "heavy = sorted(m for m in ('torch', 'transformers', 'lm_eval', 'numpy') if m in sys.modules); "
+              "print(code, heavy)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip().splitlines()[-1] == "0 []", result.stdout + result.stderr
+    manifest = json.loads((tmp_path / "out" / "conversion.json").read_text())
+    assert manifest["weights"] == "copied"  # ext4 and tmpfs have no reflinks
+    assert manifest["source_sha256"] == {"model.safetensors": sha256_file(tiny_checkpoint / "model.safetensors")}
+
+
+def test_link_mode_hard_links_and_the_result_verifies(sharded_source, tmp_path, capsys):
+    source = copy_of(sharded_source, tmp_path / "source")
+    out = tmp_path / "out"
+    code, stdout, _ = run_convert(capsys, source, "--out", out, "--layers", "2", "--weights", "link")
+    assert code == 0 and "hard-linked" in stdout and "max |Δ| of hidden states before layer 2: 0" in stdout
+    for shard in source.glob("*.safetensors"):
+        assert os.path.samefile(shard, out / shard.name)
+    manifest = json.loads((out / "conversion.json").read_text())
+    assert manifest["weights"] == "hard-linked" and manifest["source_sha256"] is None
+    # Replacing the output (--force) removes only its own names: the source's files stay.
+    assert run_convert(capsys, source, "--out", out, "--no-verify", "--force", "--weights", "copy")[0] == 0
+    assert all(not os.path.samefile(s, out / s.name) for s in source.glob("*.safetensors"))
+    assert snapshot(source) == snapshot(sharded_source)
+
+
+def test_link_mode_refuses_what_it_cannot_link(tiny_checkpoint, tmp_path, capsys):
+    code, _, stderr = run_convert(capsys, tiny_checkpoint, "--out", tmp_path / "cast", "--dtype", "bfloat16",
+                                  "--weights", "link")
+    assert code == 2 and "the weights are rewritten here" in stderr and not (tmp_path / "cast").exists()
+    other = Path("/dev/shm")
+    if not other.is_dir() or other.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second filesystem (/dev/shm) to link across")
+    out = other / f"ladder-test-{os.getpid()}"
+    code, _, stderr = run_convert(capsys, tiny_checkpoint, "--out", out, "--weights", "link")
+    assert code == 2 and "hard links cannot cross filesystems" in stderr and not out.exists()
 
 
 @pytest.mark.parametrize("extra", [[], ["--dtype", "bfloat16"]], ids=["as-is", "bf16"])
