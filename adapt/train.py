@@ -417,6 +417,9 @@ class AdaptRun:
         """An atomic `checkpoints/step-NNNNNN`; older ones beyond `keep_checkpoints` are removed."""
         final = self.checkpoint_dir / f"step-{self.state.step:06d}"
         save_checkpoint(self.accelerator, final, self.state, self.recipe, self.recipe.keep_checkpoints)
+        if self.main and "tensorboard" in self.recipe.logging.log_with:
+            # Events up to the checkpoint reach the disk now: a resumed run purges only what comes after it.
+            self.accelerator.get_tracker("tensorboard", unwrap=True).flush()
 
     def load_checkpoint(self, path: Path) -> None:
         self.state = load_checkpoint(self.accelerator, path, self.recipe, self.order.per_step)

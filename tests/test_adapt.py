@@ -89,6 +89,43 @@ def losses(run_dir: Path) -> list[float]:
     return [record["loss"] for record in metrics(run_dir) if "loss" in record]
 
 
+def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) per scalar tag, as TensorBoard reads a run folder (purged steps dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(directory))
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def wandb_history(directory: Path) -> list[tuple[str, dict]]:
+    """(run folder, row) for every history row wandb wrote offline under `directory`, oldest run first.
+    A `.wandb` file is
+    a 7-byte header (`:W&B`, magic, version) and then a LevelDB-style log of protobuf `Record`s:
+    32 KiB blocks of chunks (crc32 4 bytes, length 2, type 1: full, first, middle, last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(directory.glob("offline-run-*/run-*.wandb")):
+        data, position, pending = path.read_bytes(), 7, b""
+        assert data[:4] == b":W&B"
+        while position + 7 <= len(data):
+            if (left := 32768 - position % 32768) < 7:
+                position += left  # a block's tail too short for a chunk header is padding
+                continue
+            length, kind = int.from_bytes(data[position + 4 : position + 6], "little"), data[position + 6]
+            pending += data[position + 7 : position + 7 + length]
+            position += 7 + length
+            if kind in (1, 4):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(pending)
+                pending = b""
+                if record.WhichOneof("record_type") == "history":
+                    rows.append((path.parent.name, {item.key or ".".join(item.nested_key): json.loads(item.value_json)
+                                                    for item in record.history.item}))
+    return rows
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -322,11 +359,15 @@ def test_training_lowers_the_loss_and_writes_a_normal_checkpoint(tmp_path, tiny_
     assert float(loss) == pytest.approx(evals[-1], rel=1e-5)
 
 
-def test_a_run_killed_at_any_step_resumes_exactly(tmp_path, tiny_checkpoint, corpus):
+def test_a_run_killed_at_any_step_resumes_exactly(tmp_path, tiny_checkpoint, corpus, monkeypatch):
     straight = write_recipe(tmp_path / "straight", tiny_checkpoint, corpus, budget=10 * 256, checkpoint_every=3)
     train(load_recipe(straight))
 
-    recipe = write_recipe(tmp_path / "killed", tiny_checkpoint, corpus, budget=10 * 256, checkpoint_every=3)
+    # The killed run logs to TensorBoard and to wandb (offline) too; the resumed one must not repeat steps.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    recipe = write_recipe(tmp_path / "killed", tiny_checkpoint, corpus, budget=10 * 256, checkpoint_every=3,
+                          **{"logging.log_with": ["tensorboard", "wandb"]})
     run_dir = tmp_path / "killed" / "run"
     process = run_adapt([str(recipe)])
     deadline = time.monotonic() + 120
@@ -342,6 +383,26 @@ def test_a_run_killed_at_any_step_resumes_exactly(tmp_path, tiny_checkpoint, cor
     assert adapt_main([str(recipe), "resume=true"]) == 0
     assert losses(run_dir) == losses(tmp_path / "straight" / "run")
     assert logged_before_resume >= 5
+    events = tensorboard_scalars(run_dir / "recipe")
+    assert [step for step, _ in events["loss"]] == list(range(1, 11))  # each step once, across both runs
+    assert [value for _, value in events["loss"]] == pytest.approx(losses(run_dir), rel=1e-6)
+    assert [step for step, _ in events["eval_loss"]] == [0, 4, 8, 10]
+    # wandb: the resumed run reopens the killed run's id (offline, a second folder of the same run), starts
+    # after the checkpoint, and any step both wrote (logged by the killed run but not checkpointed) holds
+    # the same values, so the synced run has one value per step. (What the killed process had not yet
+    # handed to wandb when SIGKILL came is lost: the steps before the checkpoint may have a gap.)
+    assert {path.name.split("-")[-1] for path in (run_dir / "wandb").glob("offline-run-*")} == \
+        {(run_dir / "wandb-run-id").read_text().split("-")[-1]}
+    history = [(run, row) for run, row in wandb_history(run_dir / "wandb") if "loss" in row]
+    runs = sorted({run for run, _ in history})
+    assert len(runs) == 2
+    resumed_steps = [row["_step"] for run, row in history if run == runs[1]]
+    assert resumed_steps == list(range(resumed_steps[0], 11)) and resumed_steps[0] - 1 in (3, 6)
+    by_step = {}
+    for _, row in history:
+        by_step.setdefault(row["_step"], set()).add(row["loss"])
+    assert set(range(resumed_steps[0], 11)) <= set(by_step) <= set(range(1, 11))
+    assert all(len(values) == 1 for values in by_step.values())
     resumed = load_file(run_dir / "model" / "model.safetensors")
     reference = load_file(tmp_path / "straight" / "run" / "model" / "model.safetensors")
     assert resumed.keys() == reference.keys()
@@ -464,6 +525,8 @@ def test_resume_refuses_a_changed_recipe(tmp_path, tiny_checkpoint, corpus, caps
         (["model.ladder_layers=null"], "model.ladder_layers: model.path is an original Llama", True),
         (["budget=100"], "less than one step", True),
         (["data.train=/nonexistent/*.txt"], "matches no file", True),
+        (["logging.log_with=[mlflow]"], "logging.log_with: mlflow needs its package (pip install mlflow)", True),
+        (["logging.log_with=[tensorbored]"], "logging.log_with[0]: 'tensorbored' is not one of tensorboard, wandb", True),
         (["trainable.mode=lora", "trainable.lora.target_modules=[nothing]"], "trainable.lora.target_modules", False),
     ],
 )
