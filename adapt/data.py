@@ -60,7 +60,7 @@ class Blocks:
 
     def masked_share(self) -> float:
         """The share of tokens that are not training targets."""
-        return 1.0 - float(np.asarray(self.targets, dtype=np.float64).mean()) if len(self) else 0.0
+        return 1.0 - np.count_nonzero(self.targets) / self.targets.size if len(self) else 0.0
 
 
 @dataclass
