@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
     if args.prepare_data:
         splits = prepare(recipe)
         print(f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks of {recipe.data.seq_len} tokens "
-              f"cached under {recipe.data.cache_dir}")
+              f"cached under {recipe.data.cache_dir}; {splits.train.masked_share():.1%} of the training tokens are "
+              "masked from the loss (not assistant turns)")
         return 0
 
     try:

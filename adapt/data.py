@@ -3,14 +3,19 @@
 Every source yields documents (plain text files, blank-line blocks, JSONL text records, JSONL
 chat records rendered with the tokenizer's chat template, or Hugging Face datasets streamed from
 the Hub). Documents are tokenized without special tokens, joined with EOS after each one, and cut
-into blocks of exactly `seq_len` tokens (the incomplete tail is dropped). The blocks of a group of
-sources are written once to `cache_dir/<group>-<key>/blocks.bin` (uint32, row-major) with a
-`meta.json`; the key hashes the source settings, the bytes of every local file, the tokenizer and
-`seq_len`, so a rerun with the same inputs maps the file instead of tokenizing again.
+into blocks of exactly `seq_len` tokens (the incomplete tail is dropped). Beside each token two
+flags are kept: whether it is a training target (chat records trained on the assistant turns only
+have their system and user turns masked) and whether it starts a document (for attention that
+stays inside each document: position ids restart there). The blocks of a group of sources are
+written once to `cache_dir/<group>-<key>/` (blocks.bin: uint32 token ids, targets.bin and
+starts.bin: uint8 flags, row-major) with a `meta.json`; the key hashes the source settings, the
+bytes of every local file, the tokenizer and `seq_len`, so a rerun with the same inputs maps the
+files instead of tokenizing again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -31,18 +36,57 @@ from ladder.files import atomic_directory, sha256_file
 from .recipe import DataSpec, SourceSpec, expand_path
 
 HF_PREFIX = "hf:"
-CACHE_FORMAT = 1  # bump when the layout of blocks.bin changes
+CACHE_FORMAT = 2  # bump when the files' layout changes (2: targets.bin and starts.bin beside blocks.bin)
 TOKENIZE_BATCH = 256  # documents per tokenizer call (the Rust tokenizer runs a batch in parallel)
 # ShareGPT-style chat records ({"from": "human", "value": ...}, as in BAAI/Infinity-Instruct).
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
 @dataclass
-class Splits:
-    """Token blocks, each row one training example of `seq_len` tokens."""
+class Blocks:
+    """Packed blocks, each row one example of `seq_len` tokens: the token ids, whether each token is a
+    training target (its prediction is trained on), and whether it starts a document. Indexing takes
+    rows of all three."""
 
-    train: np.ndarray
-    eval: np.ndarray
+    ids: np.ndarray
+    targets: np.ndarray
+    starts: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, rows) -> Blocks:
+        return Blocks(self.ids[rows], self.targets[rows], self.starts[rows])
+
+    def masked_share(self) -> float:
+        """The share of tokens that are not training targets."""
+        return 1.0 - np.count_nonzero(self.targets) / self.targets.size if len(self) else 0.0
+
+
+@dataclass
+class Splits:
+    """Training and held-out blocks."""
+
+    train: Blocks
+    eval: Blocks
+
+
+@dataclass
+class Document:
+    """One document's text; `targets` are the character spans trained on (None: all of it)."""
+
+    text: str
+    targets: list[tuple[int, int]] | None = None
+
+
+def document_positions(starts: np.ndarray) -> np.ndarray:
+    """Position ids that restart at 0 at every document start (and at each block's first token,
+    where a document cut by the packing continues)."""
+    starts = np.array(starts, dtype=bool)
+    starts[:, 0] = True
+    columns = np.arange(starts.shape[1])
+    last_start = np.maximum.accumulate(np.where(starts, columns, 0), axis=1)
+    return columns - last_start
 
 
 def prepare_data(data: DataSpec, tokenizer: PreTrainedTokenizerBase) -> Splits:
@@ -59,56 +103,86 @@ def prepare_data(data: DataSpec, tokenizer: PreTrainedTokenizerBase) -> Splits:
         train, heldout = train[: len(train) - count], train[len(train) - count :]
     if len(heldout) > data.eval_blocks:
         heldout = heldout[np.unique(np.linspace(0, len(heldout) - 1, data.eval_blocks).round().astype(int))]
-    return Splits(train=train, eval=np.asarray(heldout))
+    return Splits(train=train, eval=heldout)
+
+
+BLOCK_FILES = {"ids": ("blocks.bin", np.uint32), "targets": ("targets.bin", np.uint8), "starts": ("starts.bin", np.uint8)}
 
 
 def load_blocks(
     sources: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, seq_len: int, cache_dir: Path, group: str
-) -> np.ndarray:
-    """The packed blocks of `sources`, as a read-only memory map of shape (blocks, seq_len)."""
+) -> Blocks:
+    """The packed blocks of `sources`, as read-only memory maps of shape (blocks, seq_len)."""
     key = cache_key(sources, tokenizer, seq_len, group)
     directory = cache_dir / f"{group}-{key[:16]}"
     if not (directory / "meta.json").is_file():
         with atomic_directory(directory, force=True) as temporary:
-            meta = write_blocks(sources, tokenizer, seq_len, temporary / "blocks.bin", group)
+            meta = write_blocks(sources, tokenizer, seq_len, temporary, group)
             (temporary / "meta.json").write_text(json.dumps({**meta, "key": key}, indent=1))
     meta = json.loads((directory / "meta.json").read_text())
-    return np.memmap(directory / "blocks.bin", dtype=np.uint32, mode="r", shape=(meta["blocks"], seq_len))
+    return Blocks(**{field: np.memmap(directory / name, dtype=dtype, mode="r", shape=(meta["blocks"], seq_len))
+                     for field, (name, dtype) in BLOCK_FILES.items()})
 
 
 def write_blocks(
-    sources: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, seq_len: int, path: Path, group: str
+    sources: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, seq_len: int, directory: Path, group: str
 ) -> dict:
-    """Tokenize and pack every source into `path`; returns the counts for meta.json."""
+    """Tokenize and pack every source into the block files in `directory`; returns the counts for meta.json."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise UsageError("the tokenizer has no EOS token, which separates documents in packed blocks")
-    pending: list[int] = []
-    blocks = documents = 0
-    with open(path, "wb") as handle:
+    pending = {field: [] for field in BLOCK_FILES}
+    blocks = documents = target_tokens = 0
+    with contextlib.ExitStack() as stack:
+        handles = {field: stack.enter_context(open(directory / name, "wb")) for field, (name, _) in BLOCK_FILES.items()}
         for i, source in enumerate(sources):
             produced = 0
-            for texts in batched(read_documents(source, tokenizer, f"data.{group}[{i}]"), TOKENIZE_BATCH):
-                for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
-                    ids = ids + [eos]
+            for batch in batched(read_documents(source, tokenizer, f"data.{group}[{i}]"), TOKENIZE_BATCH):
+                for ids, targets in tokenize_documents(batch, tokenizer, f"data.{group}[{i}]"):
+                    # The EOS that ends a document is a target where the document's last token is.
+                    ids, targets = ids + [eos], targets + [targets[-1] if targets else 1]
                     if source.max_tokens:
-                        ids = ids[: source.max_tokens - produced]
-                    pending.extend(ids)
+                        ids, targets = ids[: source.max_tokens - produced], targets[: source.max_tokens - produced]
+                    pending["ids"].extend(ids)
+                    pending["targets"].extend(targets)
+                    pending["starts"].extend([1] + [0] * (len(ids) - 1))
                     produced += len(ids)
+                    target_tokens += sum(targets)
                     documents += 1
                     if source.max_tokens and produced >= source.max_tokens:
                         break
-                whole = len(pending) // seq_len * seq_len
-                np.asarray(pending[:whole], dtype=np.uint32).tofile(handle)
+                whole = len(pending["ids"]) // seq_len * seq_len
+                for field, (_, dtype) in BLOCK_FILES.items():
+                    np.asarray(pending[field][:whole], dtype=dtype).tofile(handles[field])
+                    del pending[field][:whole]
                 blocks += whole // seq_len
-                del pending[:whole]
                 if source.max_tokens and produced >= source.max_tokens:
                     break
             if produced == 0:
                 raise UsageError(f"data.{group}[{i}] ({source.path}) holds no text")
     if blocks == 0:
         raise UsageError(f"data.{group} gives fewer than seq_len={seq_len} tokens: no block can be made")
-    return {"blocks": blocks, "seq_len": seq_len, "documents": documents, "dropped_tail_tokens": len(pending)}
+    total = blocks * seq_len + len(pending["ids"])
+    return {"blocks": blocks, "seq_len": seq_len, "documents": documents, "dropped_tail_tokens": len(pending["ids"]),
+            "masked_share": round(1 - target_tokens / total, 6)}
+
+
+def tokenize_documents(
+    documents: list[Document], tokenizer: PreTrainedTokenizerBase, key: str
+) -> Iterator[tuple[list[int], list[int]]]:
+    """Token ids of each document, and per token 1 where it is a target: a token is one when its
+    characters lie inside a target span (every token of a document without spans)."""
+    spans_wanted = any(d.targets is not None for d in documents)
+    if spans_wanted and not tokenizer.is_fast:
+        raise UsageError(f"{key}: training on assistant turns only needs a fast tokenizer (character offsets); "
+                         "set train_on: all")
+    encoded = tokenizer([d.text for d in documents], add_special_tokens=False, return_offsets_mapping=spans_wanted)
+    for n, (document, ids) in enumerate(zip(documents, encoded["input_ids"])):
+        if document.targets is None:
+            yield ids, [1] * len(ids)
+            continue
+        yield ids, [int(any(begin <= start and end <= finish for begin, finish in document.targets))
+                    for start, end in encoded["offset_mapping"][n]]
 
 
 def cache_key(sources: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, seq_len: int, group: str) -> str:
@@ -147,8 +221,9 @@ def local_files(source: SourceSpec, key: str) -> list[Path]:
     raise UsageError(f"{key}: {path} does not exist")
 
 
-def read_documents(source: SourceSpec, tokenizer: PreTrainedTokenizerBase, key: str) -> Iterator[str]:
-    """The documents of one source, as text (chat records rendered with the chat template)."""
+def read_documents(source: SourceSpec, tokenizer: PreTrainedTokenizerBase, key: str) -> Iterator[Document]:
+    """The documents of one source (chat records rendered with the chat template, their assistant
+    turns as the targets when the source trains on those only)."""
     if source.path.startswith(HF_PREFIX):
         yield from (record_text(r, source, tokenizer, f"{key} record {n}") for n, r in enumerate(hub_records(source)))
         return
@@ -158,11 +233,13 @@ def read_documents(source: SourceSpec, tokenizer: PreTrainedTokenizerBase, key: 
             kind = "jsonl" if path.suffix == ".jsonl" else "text"
         if kind == "text":
             text = path.read_text(encoding="utf-8", errors="replace")
+            if source.train_on == "assistant":
+                raise UsageError(f"{key}: train_on: assistant needs chat records, and {path} is plain text")
             if source.documents == "file":
                 if text.strip():
-                    yield text
+                    yield Document(text)
             else:
-                yield from (block for block in text.replace("\r\n", "\n").split("\n\n") if block.strip())
+                yield from (Document(block) for block in text.replace("\r\n", "\n").split("\n\n") if block.strip())
             continue
         with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, 1):
@@ -175,21 +252,47 @@ def read_documents(source: SourceSpec, tokenizer: PreTrainedTokenizerBase, key: 
                 yield record_text(record, source, tokenizer, f"{key}: {path}:{number}")
 
 
-def record_text(record: object, source: SourceSpec, tokenizer: PreTrainedTokenizerBase, where: str) -> str:
-    """The text of one JSON record: its `text_field`, or its `chat_field` rendered as a chat."""
+def record_text(record: object, source: SourceSpec, tokenizer: PreTrainedTokenizerBase, where: str) -> Document:
+    """One JSON record as a document: its `text_field`, or its `chat_field` rendered as a chat
+    (with the assistant turns as targets unless `train_on: all`)."""
     if not isinstance(record, dict):
         raise UsageError(f"{where}: expected a JSON object, got {type(record).__name__}")
     chat = source.format == "chat" or (source.format == "auto" and source.chat_field in record)
     if not chat:
+        if source.train_on == "assistant":
+            raise UsageError(f"{where}: train_on: assistant needs chat records, and this record has no "
+                             f"chat field {source.chat_field!r}")
         if not isinstance(record.get(source.text_field), str):
             raise UsageError(f"{where}: no text field {source.text_field!r} (set text_field or chat_field)")
-        return record[source.text_field]
+        return Document(record[source.text_field])
     messages = record.get(source.chat_field)
     if not isinstance(messages, list) or not messages:
         raise UsageError(f"{where}: no chat field {source.chat_field!r} holding a list of messages")
     if tokenizer.chat_template is None:
         raise UsageError(f"{where}: chat records need a tokenizer with a chat template, and this one has none")
-    return tokenizer.apply_chat_template([chat_message(m, where) for m in messages], tokenize=False)
+    messages = [chat_message(m, where) for m in messages]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    if source.train_on == "all":
+        return Document(text)
+    return Document(text, assistant_spans(messages, text, tokenizer, where))
+
+
+def assistant_spans(messages: list[dict], text: str, tokenizer: PreTrainedTokenizerBase, where: str) -> list[tuple[int, int]]:
+    """Character spans of the assistant turns in `text` (the whole chat rendered), each from the end
+    of its role header to the end of the turn (its end-of-turn marker included): the text the model
+    generates. Found by rendering each prefix of the chat, with the generation prompt for the
+    header, which needs a template whose renderings of a chat's prefixes are prefixes of it."""
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        header = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True) if k else ""
+        turn = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+        if not (text.startswith(turn) and turn.startswith(header)):
+            raise UsageError(f"{where}: the chat template renders this chat's turns differently from the whole chat, "
+                             "so its assistant turns cannot be located; set train_on: all for this source")
+        spans.append((len(header), len(turn)))
+    return spans
 
 
 def chat_message(message: object, where: str) -> dict:
@@ -245,4 +348,5 @@ class BlockOrder:
         return np.array([self._permutation(p // self.blocks)[p % self.blocks] for p in positions])
 
 
-__all__ = ["BlockOrder", "Splits", "load_blocks", "prepare_data", "read_documents"]
+__all__ = ["BlockOrder", "Blocks", "Document", "Splits", "document_positions", "load_blocks", "prepare_data",
+           "read_documents"]

@@ -2,6 +2,9 @@
 (adapt's held-out evaluation, and the recovery benchmark), and the training losses computed from
 the final hidden states and the LM head chunk by chunk, so that full logits never exist.
 
+Labels follow transformers' convention: the token each position must predict, -100 where nothing
+is trained (the last position, and before tokens that are not targets, such as a chat's user turns).
+
 Full logits are tokens x vocabulary in float32: for Llama-3.1's 128k vocabulary about 4 GB per
 8k-token micro-batch, and as much again for their gradient. `head_losses` instead computes the
 logits of `CHUNK_TOKENS` positions at a time, takes the loss and its gradient with respect to those
@@ -24,10 +27,14 @@ CHUNK_TOKENS = 1024
 IGNORE_INDEX = -100
 
 
-def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
-    """Each position's next token; the last position is ignored (-100). Shifting the labels rather
-    than slicing the logits spares a copy of the logits (batch x seq_len x vocab)."""
-    return F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+def next_token_labels(input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Each position's next token; the last position is ignored (-100), and so is every position
+    whose next token is not a target (`targets`: 1 = train on predicting this token). Shifting the
+    labels rather than slicing the logits spares a copy of the logits (batch x seq_len x vocab)."""
+    labels = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+    if targets is not None:
+        labels = labels.masked_fill(F.pad(targets[:, 1:], (0, 1), value=0) == 0, IGNORE_INDEX)
+    return labels
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -151,11 +158,23 @@ def losses_in_lm_head(model: torch.nn.Module, compute: Callable[[torch.Tensor, t
         handle.remove()
 
 
+def block_loss_sums(
+    model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `input_ids`: the summed next-token loss over its labelled positions, and their count."""
+    labels = next_token_labels(input_ids) if labels is None else labels
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="none")
+    return losses.view(input_ids.shape).sum(dim=1), labels.ne(IGNORE_INDEX).sum(dim=1)
+
+
 def block_losses(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """The mean next-token loss of each row of `input_ids`."""
-    logits = model(input_ids=input_ids, use_cache=False).logits
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), next_token_labels(input_ids).flatten(), reduction="none")
-    return losses.view(input_ids.shape).sum(dim=1) / (input_ids.shape[1] - 1)
+    sums, counts = block_loss_sums(model, input_ids)
+    return sums / counts
 
 
-__all__ = ["block_losses", "head_losses", "kd_loss", "lm_loss", "losses_in_lm_head", "next_token_labels"]
+__all__ = ["IGNORE_INDEX", "block_loss_sums", "block_losses", "head_losses", "kd_loss", "lm_loss", "losses_in_lm_head",
+           "next_token_labels"]

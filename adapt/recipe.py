@@ -57,6 +57,9 @@ class SourceSpec:
     hf_split: str = "train"
     # Stop reading this source after this many tokens (0 = all): bounds Hub streams and big folders.
     max_tokens: int = 0
+    # Which tokens the next-token loss trains on: auto = the assistant turns of chat records (the system
+    # and user turns and role headers are context only) and all of plain text; all; assistant.
+    train_on: Literal["auto", "all", "assistant"] = "auto"
 
 
 @dataclass
@@ -68,6 +71,9 @@ class DataSpec:
     # Cap on evaluation blocks (each eval costs eval_blocks * seq_len forward tokens).
     eval_blocks: int = 32
     seq_len: int = 512
+    # Packed documents do not attend to each other: position ids restart at each document and attention
+    # is block-diagonal (transformers builds that mask from the position ids, with sdpa and eager).
+    isolate_documents: bool = False
     cache_dir: str = "runs/adapt/cache"
 
 
@@ -124,11 +130,17 @@ class ObjectiveSpec:
     temperature: float = 1.0
 
 
+# accelerate's tracker names (`Accelerator(log_with=...)`); each needs its package installed.
+TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab")
+
+
 @dataclass
 class LoggingSpec:
     progress: bool = True
-    # auto: write TensorBoard events when the `tensorboard` package is installed.
-    tensorboard: Literal["auto", "on", "off"] = "auto"
+    # Experiment trackers, through accelerate: tensorboard (events under <output_dir>/<name>), wandb
+    # (WANDB_MODE=offline writes under <output_dir>/wandb; a resumed run continues the same run id),
+    # trackio, comet_ml, aim, mlflow, clearml, dvclive, swanlab. metrics.jsonl is always written.
+    log_with: list[Literal[TRACKERS]] = field(default_factory=list)
 
 
 @dataclass
@@ -217,14 +229,38 @@ def _parse_overrides(overrides: list[str] | dict | None) -> list[tuple[str, Any]
 
 
 def _set_dotted(raw: dict, key: str, value: Any) -> None:
-    node = raw
-    parts = key.split(".")
-    for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise UsageError(f"override {key}: {'.'.join(parts[: depth + 1])} is not a section")
+    """Set `key` (dotted; a number addresses a list item: `data.train.0.max_tokens`, or
+    `data.train[0].max_tokens` as errors name it) in the raw recipe. A list item written as a bare
+    string (a source's path) becomes a mapping when one of its keys is set; the index one past the
+    end appends an item."""
+    node: dict | list = raw
+    parts = re.sub(r"\[(\d+)\]", r".\1", key).split(".")
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth + 1])
+        last = depth == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit():
+                raise UsageError(f"override {key}: {'.'.join(parts[:depth])} is a list; address its items by number")
+            index = int(part)
+            if index > len(node):
+                raise UsageError(f"override {key}: {'.'.join(parts[:depth])} has {len(node)} item(s); "
+                                 f"{index} is past the end (use {len(node)} to add one)")
+            if index == len(node):
+                node.append({})
+            if last:
+                node[index] = value
+                return
+            if isinstance(node[index], str):
+                node[index] = {"path": node[index]}  # a source written as just its path
+            child = node[index]
+        else:
+            if last:
+                node[part] = value
+                return
+            child = node.setdefault(part, [] if parts[depth + 1].isdigit() else {})
+        if not isinstance(child, (dict, list)):
+            raise UsageError(f"override {key}: {where} is not a section")
         node = child
-    node[parts[-1]] = value
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:

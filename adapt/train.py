@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-import importlib.util
 import json
 import math
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.tracking import get_available_trackers
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, parse_flag_from_env, set_seed
 from tqdm.auto import tqdm
 
@@ -38,6 +38,7 @@ from ladder.errors import UsageError, first_line
 from ladder.files import atomic_directory, atomic_write
 from ladder.layers import LADDER_MODEL_TYPE, format_layers, parse_ladder_layers
 from ladder.loading import load_model, load_tokenizer, read_config_dict, resolve_model_path
+from ladder.model_card import SourceFacts, copy_licence_files, loading_section, origin_line, render_card, source_facts
 
 from .checkpoint import (
     RECIPE_FILE,
@@ -47,11 +48,12 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .data import BlockOrder, Splits, local_files, prepare_data
-from .losses import block_losses, head_losses, losses_in_lm_head, next_token_labels
+from .data import BlockOrder, Blocks, Splits, document_positions, local_files, prepare_data
+from .losses import block_loss_sums, head_losses, losses_in_lm_head, next_token_labels
 from .recipe import Recipe, dump_recipe, model_path
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb-run-id"
 
 
 class TrainingDiverged(RuntimeError):
@@ -92,7 +94,7 @@ class AdaptRun:
 
     def setup(self) -> Path | None:
         """Everything `train` needs; returns the final model instead when the run is already complete."""
-        tensorboard = self.setup_accelerator()
+        self.setup_accelerator()
         check_model(self.recipe)
         self.setup_budget()
         resume_from = self.find_resume_point()
@@ -114,20 +116,17 @@ class AdaptRun:
         elif self.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write(self.run_dir / METRICS_FILE, "")
-        if tensorboard:
-            self.accelerator.init_trackers(self.recipe.name)
+        self.start_trackers()
         self.describe(model, resumed=resume_from is not None)
         return None
 
-    def setup_accelerator(self) -> bool:
-        """The accelerator (one process, DDP or FSDP, as `accelerate launch` says); returns whether
-        TensorBoard logging is on."""
+    def setup_accelerator(self) -> None:
+        """The accelerator (one process, DDP or FSDP, as `accelerate launch` says) with the recipe's
+        experiment trackers; a tracker whose package is missing is refused here, before any weight loads."""
         recipe = self.recipe
-        if recipe.logging.tensorboard == "on" and importlib.util.find_spec("tensorboard") is None:
-            raise UsageError("logging.tensorboard=on needs the tensorboard package (pip install tensorboard)")
-        tensorboard = recipe.logging.tensorboard == "on" or (
-            recipe.logging.tensorboard == "auto" and importlib.util.find_spec("tensorboard") is not None
-        )
+        for name in recipe.logging.log_with:
+            if name not in {str(t) for t in get_available_trackers()}:
+                raise UsageError(f"logging.log_with: {name} needs its package (pip install {name.replace('_', '-')})")
         warn_single_cpu_launch()
         # The main process may tokenize for a long while (when --prepare-data was not run first)
         # while the others wait at a barrier.
@@ -140,14 +139,29 @@ class AdaptRun:
             cpu=cpu,
             mixed_precision="bf16" if recipe.precision == "bf16" else "no",
             step_scheduler_with_optimizer=False,
-            log_with="tensorboard" if tensorboard else None,
+            log_with=list(recipe.logging.log_with) or None,
             project_dir=str(self.run_dir),
             kwargs_handlers=[process_group],
         )
         self.main = self.accelerator.is_main_process
         self.state = TrainState(processes=self.accelerator.num_processes)
         self.fsdp = self.accelerator.distributed_type == DistributedType.FSDP
-        return tensorboard
+
+    def start_trackers(self) -> None:
+        """Open the trackers so that a resumed run continues its history instead of repeating it:
+        TensorBoard purges the events the interrupted run logged after the checkpoint (`purge_step`),
+        wandb reopens the same run (its id is kept in the run folder) and ignores steps it has already."""
+        if not self.recipe.logging.log_with:
+            return
+        resumed_at = self.state.step
+        init_kwargs = {"tensorboard": {"purge_step": resumed_at + 1} if resumed_at else {}}
+        if "wandb" in self.recipe.logging.log_with and self.main:
+            id_file = self.run_dir / WANDB_ID_FILE
+            if not id_file.is_file():
+                atomic_write(id_file, f"{self.recipe.name}-{os.urandom(4).hex()}")
+            init_kwargs["wandb"] = {"id": id_file.read_text().strip(), "resume": "allow", "name": self.recipe.name,
+                                    "dir": str(self.run_dir), "config": self.recipe.to_dict()}
+        self.accelerator.init_trackers(self.recipe.name, init_kwargs=init_kwargs)
 
     def setup_budget(self) -> None:
         """Steps and tokens per step from the budget and the batch shape; refuses what cannot run."""
@@ -181,6 +195,7 @@ class AdaptRun:
             for layer in model.model.layers:
                 layer.compile()  # in place: parameter names and checkpoints stay as they are
         self.ladder_layers = list(model.config.ladder_layers)
+        self.num_hidden_layers = model.config.num_hidden_layers
         if teacher is not None:
             teacher_dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
             self.teacher = teacher.to(device=self.accelerator.device, dtype=teacher_dtype).eval().requires_grad_(False)
@@ -220,7 +235,8 @@ class AdaptRun:
             f"trainable {recipe.trainable.mode} {trainable / 1e6:.1f}M of {total / 1e6:.1f}M parameters, "
             f"objective {recipe.objective.name}, {self.accelerator.num_processes} process(es) on {self.accelerator.device}\n"
             f"data: {len(self.data.train)} training blocks, {len(self.data.eval)} evaluation blocks of "
-            f"{recipe.data.seq_len} tokens; {self.total_steps} steps of {self.tokens_per_step} tokens"
+            f"{recipe.data.seq_len} tokens ({self.data.train.masked_share():.1%} of the training tokens masked from "
+            f"the loss); {self.total_steps} steps of {self.tokens_per_step} tokens"
             + (f" (the run repeats the data {repeats:.1f} times)" if repeats > 1 else "")
             + (f"; resuming at step {self.state.step}" if resumed else "")
         )
@@ -318,56 +334,70 @@ class AdaptRun:
         totals = torch.zeros(2, device=accelerator.device)
         for micro_step in range(grad_accum):
             rows = self.order.indices(self.state.step, micro_step, accelerator.process_index)
-            input_ids = torch.from_numpy(self.data.train[rows].astype(np.int64)).to(accelerator.device)
+            input_ids, labels, position_ids = self.batch(self.data.train[rows])
             # FSDP must reduce-scatter every micro-step: unsharded gradients would not fit.
             skip_sync = micro_step < grad_accum - 1 and not self.fsdp
             with accelerator.no_sync(self.model) if skip_sync else contextlib.nullcontext():
-                loss, lm_loss = self.forward_loss(input_ids)
+                loss, lm_loss = self.forward_loss(input_ids, labels, position_ids)
                 accelerator.backward(loss / grad_accum)
             totals += torch.stack([loss.detach(), lm_loss.detach()]) / grad_accum
         totals = accelerator.reduce(totals, reduction="mean")
         return float(totals[0]), float(totals[1])
 
-    def forward_loss(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(input ids, labels, position ids) of some blocks, on the device. Labels are -100 before tokens
+        that are not targets; with `data.isolate_documents` the position ids restart at each document
+        (which makes transformers' mask block-diagonal) and no label crosses into the next document."""
+        device = self.accelerator.device
+        input_ids = torch.from_numpy(blocks.ids.astype(np.int64)).to(device)
+        targets = np.array(blocks.targets, dtype=np.int64)
+        position_ids = None
+        if self.recipe.data.isolate_documents:
+            targets[np.asarray(blocks.starts, dtype=bool)] = 0  # a document's first token is not predicted from the one before
+            position_ids = torch.from_numpy(document_positions(blocks.starts)).to(device)
+        return input_ids, next_token_labels(input_ids, torch.from_numpy(targets).to(device)), position_ids
+
+    def forward_loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to train on, next-token loss): `lm`, `kd` (T^2-scaled KL to the teacher's distribution at
         every position), or their mix, computed from the final hidden states chunk by chunk inside the
         model's forward (`losses_in_lm_head`): full logits never exist."""
         spec = self.recipe.objective
         kd_weight = {"lm": 0.0, "kd": 1.0}.get(spec.name, spec.kd_weight)
-        labels = next_token_labels(input_ids)
         teacher = None
         with self.accelerator.autocast():
             if kd_weight:
                 with torch.no_grad(), losses_in_lm_head(self.teacher, lambda hidden, weight: (hidden, weight)) as seen:
-                    self.teacher(input_ids=input_ids, use_cache=False)
+                    self.teacher(input_ids=input_ids, position_ids=position_ids, use_cache=False)
                 teacher = seen[0]
             student = self.accelerator.unwrap_model(self.model)
             compute = lambda hidden, weight: head_losses(
                 hidden, weight, labels, *(teacher or (None, None)), kd_weight=kd_weight, temperature=spec.temperature)
             with losses_in_lm_head(student, compute) as results:
-                self.model(input_ids=input_ids, use_cache=False)
+                self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         return results[0]
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean next-token loss over the held-out blocks (split across processes), logged."""
+        """Mean next-token loss over the labelled positions of the held-out blocks (split across
+        processes), logged."""
         accelerator, blocks = self.accelerator, self.data.eval
         if len(blocks) == 0:
             return None
         self.model.eval()
         micro_batch, processes = self.recipe.batch.micro_batch, accelerator.num_processes
         rounds = math.ceil(len(blocks) / (micro_batch * processes))
-        totals = torch.zeros(2, device=accelerator.device)  # (sum of block losses, blocks)
+        totals = torch.zeros(2, device=accelerator.device)  # (summed loss, labelled positions)
         for round_index in range(rounds):
             # Every process runs the same number of forwards (FSDP needs it); padding rows count zero.
             start = (round_index * processes + accelerator.process_index) * micro_batch
             rows = np.arange(start, start + micro_batch)
             real = torch.from_numpy(rows < len(blocks)).to(accelerator.device)
-            input_ids = torch.from_numpy(blocks[np.minimum(rows, len(blocks) - 1)].astype(np.int64))
-            input_ids = input_ids.to(accelerator.device)
+            input_ids, labels, position_ids = self.batch(blocks[np.minimum(rows, len(blocks) - 1)])
             with accelerator.autocast():
-                per_block = block_losses(self.model, input_ids)
-            totals += torch.stack([(per_block * real).sum(), real.sum()])
+                sums, counts = block_loss_sums(self.model, input_ids, labels, position_ids)
+            totals += torch.stack([(sums * real).sum(), (counts * real).sum()])
         totals = accelerator.reduce(totals, reduction="sum")
         eval_loss = float(totals[0] / totals[1])
         self.model.train()
@@ -394,6 +424,9 @@ class AdaptRun:
         """An atomic `checkpoints/step-NNNNNN`; older ones beyond `keep_checkpoints` are removed."""
         final = self.checkpoint_dir / f"step-{self.state.step:06d}"
         save_checkpoint(self.accelerator, final, self.state, self.recipe, self.recipe.keep_checkpoints)
+        if self.main and "tensorboard" in self.recipe.logging.log_with:
+            # Events up to the checkpoint reach the disk now: a resumed run purges only what comes after it.
+            self.accelerator.get_tracker("tensorboard", unwrap=True).flush()
 
     def load_checkpoint(self, path: Path) -> None:
         self.state = load_checkpoint(self.accelerator, path, self.recipe, self.order.per_step)
@@ -428,13 +461,51 @@ class AdaptRun:
             plain.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=True, assign=True)
             plain.tie_weights()
             plain.generation_config = trained.generation_config
+            source = resolve_model_path(model_path(self.recipe.model.path))
             with atomic_directory(self.final_dir, force=True) as temporary:
                 plain.save_pretrained(temporary, max_shard_size="5GB")
                 self.tokenizer.save_pretrained(temporary)
                 (temporary / RECIPE_FILE).write_text(dump_recipe(self.recipe))
+                licences = copy_licence_files(source, temporary)
+                (temporary / "README.md").write_text(self.model_card(source_facts(source), licences))
             accelerator.print(f"final model: {self.final_dir}")
         accelerator.wait_for_everyone()
         return self.final_dir
+
+    def model_card(self, source: SourceFacts, licences: list[str]) -> str:
+        """README.md of the final model: what was rewired, how it was trained (recipe, data, budget)
+        and the held-out loss before and after, from metrics.jsonl."""
+        recipe = self.recipe
+        evals = [r for r in (json.loads(line) for line in (self.run_dir / METRICS_FILE).read_text().splitlines())
+                 if "eval_loss" in r]
+        hub_datasets = [s.path.removeprefix("hf:") for s in recipe.data.train if s.path.startswith("hf:")]
+        sources = ", ".join(f"`{Path(s.path).name if not s.path.startswith('hf:') else s.path}`"
+                            for s in recipe.data.train)
+        lines = [
+            origin_line(source), "",
+            f"Layers {format_layers(self.ladder_layers)} of {self.num_hidden_layers} are ladder layers "
+            "(each module reads the residual stream from before the previous module's output was added, so under "
+            "tensor parallelism one module's all-reduce overlaps the next module's compute), and the model was "
+            "retrained to win back the accuracy the rewiring costs.", "",
+            "## Training", "",
+            f"- recipe `{recipe.name}` (`{RECIPE_FILE}` beside the weights holds all of it)",
+            f"- {self.state.tokens_seen:,} tokens in {self.state.step} steps of {self.tokens_per_step:,} "
+            f"({recipe.data.seq_len}-token packed blocks), {self.accelerator.num_processes} process(es)",
+            f"- data: {sources}",
+            f"- trainable: {recipe.trainable.mode}; objective: {recipe.objective.name}; AdamW lr "
+            f"{recipe.optimizer.lr:g}, {recipe.schedule.decay} decay; precision {recipe.precision}",
+        ]
+        if evals:
+            lines += ["", "## Held-out loss", "", "| step | tokens | loss | perplexity |", "|---|---|---|---|"]
+            lines += [f"| {r['step']} | {r['tokens']:,} | {r['eval_loss']:.4f} | {r['eval_perplexity']:.2f} |"
+                      for r in (evals if len(evals) <= 2 else [evals[0], evals[-1]])]
+            lines += ["", f"On {len(self.data.eval)} held-out blocks of {recipe.data.seq_len} tokens; every "
+                      f"evaluation is in `metrics.jsonl` of the run ({self.run_dir})."]
+        lines += ["", loading_section()]
+        if licences:
+            lines += ["", f"The source's licence terms apply: {', '.join(f'`{name}`' for name in licences)} "
+                      "are copied from it."]
+        return render_card(source, f"{recipe.name} (ladder, retrained)", "\n".join(lines), datasets=hub_datasets)
 
     def cleanup(self) -> None:
         if self.progress is not None:

@@ -65,8 +65,8 @@ CONDITIONS = ["original", "ladder", *TRAINED]
 def heldout_sets(recipe, tokenizer) -> dict[str, np.ndarray]:
     cache, seq_len = Path(recipe.data.cache_dir), recipe.data.seq_len
     return {
-        "books": np.asarray(load_blocks(recipe.data.eval, tokenizer, seq_len, cache, "eval")),
-        "wikitext": np.asarray(load_blocks([WIKITEXT], tokenizer, seq_len, cache, "eval")),
+        "books": np.asarray(load_blocks(recipe.data.eval, tokenizer, seq_len, cache, "eval").ids),
+        "wikitext": np.asarray(load_blocks([WIKITEXT], tokenizer, seq_len, cache, "eval").ids),
     }
 
 

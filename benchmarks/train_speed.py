@@ -66,7 +66,7 @@ def run_trainer(steps: int, overrides: list[str], out: Path) -> list[float]:
         model.requires_grad_(False)
         for index in model.config.ladder_layers:
             model.model.layers[index].requires_grad_(True)
-    blocks = prepare_data(recipe.data, tokenizer).train
+    blocks = prepare_data(recipe.data, tokenizer).train.ids
     rows = [torch.from_numpy(blocks[i].astype("int64")) for i in range(steps * recipe.batch.micro_batch)]
     dataset = [{"input_ids": ids, "labels": ids} for ids in rows]
 

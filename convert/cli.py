@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rewire a Llama checkpoint (a Hugging Face directory or a .gguf file) into Ladder Residual "
         "form. No weight changes; the output loads with transformers.",
     )
-    parser.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory, .gguf file or Hub model ID org/name[@revision] (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--layers", metavar="SPEC", help="ladder layers: N (the upper N), a range 16-31, or a list 3,5,7 (default: the upper half)")
     parser.add_argument("--out", type=Path, metavar="DIR", help="output directory (default: runs/convert/<model>-ladder<N>)")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, help="cast floating weights (default: keep the source's; float32 for GGUF)")

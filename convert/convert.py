@@ -49,7 +49,8 @@ from ladder.layers import (
     format_layers,
     parse_ladder_layers,
 )
-from ladder.loading import DTYPE_NAMES, load_model, read_config_dict, resolve_model_path
+from ladder.loading import DTYPE_NAMES, load_model, model_name, read_config_dict, resolve_model_path
+from ladder.model_card import SourceFacts, loading_section, origin_line, render_card, source_facts
 from ladder.tensor_io import (
     INDEX_NAME,
     UNSUPPORTED_LINK_ERRNOS,
@@ -144,8 +145,9 @@ def _say(progress: bool, message: str) -> None:
 
 
 def default_output_dir(source: Path, num_ladder_layers: int) -> Path:
-    """runs/convert/<source name>-ladder<N>, the name a GGUF file's quantization suffix removed."""
-    name = GGUF_TYPE_SUFFIX.sub("", source.stem) if source.suffix == ".gguf" else source.resolve().name
+    """runs/convert/<source name>-ladder<N>, the name a GGUF file's quantization suffix removed (a
+    Hub snapshot's name is its repository's)."""
+    name = GGUF_TYPE_SUFFIX.sub("", source.stem) if source.suffix == ".gguf" else model_name(source)
     return Path("runs") / "convert" / f"{name}-ladder{num_ladder_layers}"
 
 
@@ -482,23 +484,17 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
         return measure_damage_layerwise(original, ladder_model, read, _safetensors_reader(converted), dtypes, prompts)
 
 
-def _model_card(summary: ConversionSummary, kept_source_card: bool) -> str:
-    source_name = Path(summary.source).name
+def _model_card(summary: ConversionSummary, source: SourceFacts, kept_source_card: bool) -> str:
+    """README.md: Hub front matter from the source (base model, licence) over what was rewired and
+    the damage measured before any retraining."""
     lines = [
-        "---", "library_name: transformers", "tags:", "- ladder-residual", "- llama", "---", "",
-        f"# {Path(summary.output).name}", "",
-        f"`{source_name}` rewired with Ladder Residual (Zhang et al., arXiv 2501.06589) in "
-        f"{len(summary.ladder_layers)} of its {summary.num_hidden_layers} layers ({format_layers(summary.ladder_layers)}), "
-        f"by ladder-llama {ladder.__version__}. No weight was changed ({summary.dtype}): in a ladder layer each "
+        origin_line(source), "",
+        f"{len(summary.ladder_layers)} of its {summary.num_hidden_layers} layers are rewired "
+        f"({format_layers(summary.ladder_layers)}); no weight was changed ({summary.dtype}). In a ladder layer each "
         "module reads the residual stream from before the previous module's output was added, so under tensor "
         "parallelism one module's all-reduce overlaps the next module's compute. Until it is retrained "
         "(`ladder adapt`) the model is less accurate than the original.", "",
-        "## Loading", "", "```python",
-        "import ladder.auto  # registers the ladder model with transformers",
-        "from transformers import AutoModelForCausalLM", "",
-        "model = AutoModelForCausalLM.from_pretrained(PATH)", "```", "",
-        "Without the `ladder` package, pass `trust_remote_code=True` to `AutoModelForCausalLM.from_pretrained` "
-        "and `AutoTokenizer.from_pretrained` (the modeling files are included).", "",
+        loading_section(), "",
         "## Conversion damage, before retraining", "",
     ]
     damage = summary.damage
@@ -515,7 +511,10 @@ def _model_card(summary: ConversionSummary, kept_source_card: bool) -> str:
     lines += ["", "`conversion.json` records the source, the sha256 of its weight files, and these figures."]
     if kept_source_card:
         lines.append("The source's own model card is kept as `README.source.md`.")
-    return "\n".join(lines) + "\n"
+    if source.license:
+        lines.append(f"The licence is the source's ({source.license_name or source.license}); its licence files, "
+                     "if it had any, are copied beside the weights.")
+    return render_card(source, Path(summary.output).name, "\n".join(lines))
 
 
 def conversion_differences(out: str | Path, source: str | Path | None,
@@ -633,7 +632,7 @@ def convert_checkpoint(
                 raise RuntimeError(f"verification failed, nothing written: {'; '.join(problems)}")
         summary.verify_skipped = verify_skipped
         summary.seconds = round(time.perf_counter() - started, 2)
-        (staging / "README.md").write_text(_model_card(summary, kept_source_card))
+        (staging / "README.md").write_text(_model_card(summary, source_facts(source_path), kept_source_card))
         manifest = {"tool": "ladder-llama", "version": ladder.__version__,
                     "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     **dataclasses.asdict(summary)}

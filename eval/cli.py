@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "models", nargs="+", metavar="MODEL",
-        help="checkpoint folder, .gguf file or `embedded`; LABEL=MODEL names its column (e.g. original=embedded)",
+        help="checkpoint folder, .gguf file, Hub model ID (org/name[@revision]) or `embedded`; LABEL=MODEL names "
+        "its column (e.g. original=embedded)",
     )
     parser.add_argument("--baseline", metavar="B", help="the reference model (first column); default: the first MODEL")
     parser.add_argument(

@@ -29,7 +29,7 @@ from lm_eval.tasks import TaskManager
 
 from ladder.errors import UsageError, first_line
 from ladder.files import atomic_write, sha256_file
-from ladder.loading import load_model, resolve_model_path
+from ladder.loading import load_model, model_name, resolve_model_path
 
 from .suite import Suite, SuiteTask
 
@@ -72,7 +72,7 @@ def resolve_models(specs: list[str]) -> list[ModelRef]:
             raise UsageError(f"model {spec!r}: the label before '=' is empty")
         path = resolve_model_path(model)
         path = path.resolve()
-        refs.append(ModelRef(model, path, label or (path.stem if path.is_file() else path.name)))
+        refs.append(ModelRef(model, path, label or model_name(path)))
     labels = [ref.label for ref in refs]
     return [
         ModelRef(ref.spec, ref.path, f"{ref.label} #{i + 1}") if labels.count(ref.label) > 1 else ref

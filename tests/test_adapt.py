@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -24,11 +25,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ladder
 from ladder.adapt.cli import main as adapt_main
-from ladder.adapt.data import BlockOrder, load_blocks, prepare_data
+from ladder.adapt.data import BlockOrder, document_positions, load_blocks, prepare_data
+from ladder.adapt.losses import lm_loss, next_token_labels
 from ladder.adapt.recipe import DataSpec, SourceSpec, load_recipe
 from ladder.adapt.train import train
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
+from tiny import random_ids, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("the a house river lantern quiet walked under over she he they old new bright small letter "
@@ -86,6 +89,43 @@ def losses(run_dir: Path) -> list[float]:
     return [record["loss"] for record in metrics(run_dir) if "loss" in record]
 
 
+def tensorboard_scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) per scalar tag, as TensorBoard reads a run folder (purged steps dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(directory))
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def wandb_history(directory: Path) -> list[tuple[str, dict]]:
+    """(run folder, row) for every history row wandb wrote offline under `directory`, oldest run first.
+    A `.wandb` file is
+    a 7-byte header (`:W&B`, magic, version) and then a LevelDB-style log of protobuf `Record`s:
+    32 KiB blocks of chunks (crc32 4 bytes, length 2, type 1: full, first, middle, last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(directory.glob("offline-run-*/run-*.wandb")):
+        data, position, pending = path.read_bytes(), 7, b""
+        assert data[:4] == b":W&B"
+        while position + 7 <= len(data):
+            if (left := 32768 - position % 32768) < 7:
+                position += left  # a block's tail too short for a chunk header is padding
+                continue
+            length, kind = int.from_bytes(data[position + 4 : position + 6], "little"), data[position + 6]
+            pending += data[position + 7 : position + 7 + length]
+            position += 7 + length
+            if kind in (1, 4):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(pending)
+                pending = b""
+                if record.WhichOneof("record_type") == "history":
+                    rows.append((path.parent.name, {item.key or ".".join(item.nested_key): json.loads(item.value_json)
+                                                    for item in record.history.item}))
+    return rows
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -112,13 +152,14 @@ def test_packing_puts_eos_after_every_document_and_caches(tmp_path, smollm2_toke
     for text in documents:
         stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     whole = len(stream) // 16 * 16
-    assert blocks.shape == (whole // 16, 16)
-    assert blocks.ravel().tolist() == stream[:whole]
+    assert blocks.ids.shape == (whole // 16, 16)
+    assert blocks.ids.ravel().tolist() == stream[:whole]
+    assert blocks.targets.all() and blocks.masked_share() == 0  # plain text: every token is trained on
 
     (cached,) = (tmp_path / "cache").iterdir()
     written = (cached / "blocks.bin").stat().st_mtime_ns
     again = load_blocks(sources, tokenizer, 16, tmp_path / "cache", "train")
-    assert (cached / "blocks.bin").stat().st_mtime_ns == written and np.array_equal(again, blocks)
+    assert (cached / "blocks.bin").stat().st_mtime_ns == written and np.array_equal(again.ids, blocks.ids)
     load_blocks(sources, tokenizer, 32, tmp_path / "cache", "train")  # another seq_len: another entry
     (tmp_path / "b.txt").write_text(documents[1] + " More.")  # changed bytes: another entry
     load_blocks(sources, tokenizer, 16, tmp_path / "cache", "train")
@@ -145,7 +186,7 @@ def test_blank_line_documents_jsonl_and_chat_records(tmp_path, smollm2_tokenizer
     expected = []
     for text in ["First block.", "Second block.", "A record.", "Another record.", chat, chat]:
         expected += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    assert blocks.ravel().tolist() == expected[: len(expected) // 4 * 4]
+    assert blocks.ids.ravel().tolist() == expected[: len(expected) // 4 * 4]
     assert "<|im_start|>assistant" in chat
 
 
@@ -160,11 +201,90 @@ def test_hf_source_streams_a_dataset_and_renders_chats(tmp_path, smollm2_tokeniz
     (dataset / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     source = SourceSpec(path=f"hf:{dataset}", chat_field="conversations", max_tokens=300)
     blocks = load_blocks([source], tokenizer, 32, tmp_path / "cache", "train")
-    assert blocks.shape == (300 // 32, 32)
+    assert blocks.ids.shape == (300 // 32, 32)
     first = tokenizer.apply_chat_template([{"role": "user", "content": "Question 0?"},
                                            {"role": "assistant", "content": prose(0, 1)}], tokenize=False)
     ids = tokenizer(first, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    assert blocks.ravel().tolist()[: len(ids)] == ids[: blocks.size]
+    assert blocks.ids.ravel().tolist()[: len(ids)] == ids[: blocks.ids.size]
+
+
+def test_chat_records_train_on_the_assistant_turns_only(tmp_path, smollm2_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    chat = [{"role": "user", "content": "Name a bird."}, {"role": "assistant", "content": "A lantern-eyed owl."},
+            {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "A heron."}]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    text = tokenizer.apply_chat_template(chat, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    # Direct computation: tokenize the rendered chat piece by piece; each assistant piece runs from the
+    # end of its generation prompt to the end of its turn.
+    expected, done = [], ""
+    for k in range(len(chat)):
+        turn = tokenizer.apply_chat_template(chat[: k + 1], tokenize=False)
+        if chat[k]["role"] == "assistant":
+            header = tokenizer.apply_chat_template(chat[:k], tokenize=False, add_generation_prompt=True)
+            expected += [0] * len(tokenizer(header[len(done):], add_special_tokens=False)["input_ids"])
+            expected += [1] * len(tokenizer(turn[len(header):], add_special_tokens=False)["input_ids"])
+        else:
+            expected += [0] * len(tokenizer(turn[len(done):], add_special_tokens=False)["input_ids"])
+        done = turn
+    expected.append(1)  # the EOS after the last assistant turn
+    assert len(expected) == len(ids) and 0 < sum(expected) < len(expected)
+
+    blocks = load_blocks([SourceSpec(path=str(tmp_path / "c.jsonl"))], tokenizer, len(ids), tmp_path / "cache", "train")
+    assert blocks.ids.ravel().tolist() == ids and blocks.targets.ravel().tolist() == expected
+    assert tokenizer.decode([t for t, keep in zip(ids, expected) if keep]).startswith("A lantern-eyed owl.")
+    meta = json.loads(next((tmp_path / "cache").glob("train-*/meta.json")).read_text())
+    assert meta["masked_share"] == pytest.approx(1 - sum(expected) / len(expected), abs=1e-6)
+    everything = load_blocks([SourceSpec(path=str(tmp_path / "c.jsonl"), train_on="all")], tokenizer, len(ids),
+                             tmp_path / "cache", "train")
+    assert everything.targets.all() and len(list((tmp_path / "cache").iterdir())) == 2  # train_on is in the key
+
+    # The loss: mean cross-entropy over exactly the positions whose next token is an assistant token.
+    logits = torch.randn(1, len(ids), 50, generator=torch.Generator().manual_seed(0))
+    input_ids = torch.tensor([ids]) % 50
+    labels = next_token_labels(input_ids, torch.tensor([expected]))
+    kept = [t for t in range(len(ids) - 1) if expected[t + 1]]
+    direct = torch.nn.functional.cross_entropy(logits[0, kept], input_ids[0, [t + 1 for t in kept]])
+    assert float(lm_loss(logits, labels)) == pytest.approx(float(direct), rel=1e-6)
+
+    (tmp_path / "t.txt").write_text("Plain prose.")
+    with pytest.raises(UsageError, match="train_on: assistant needs chat records"):
+        load_blocks([SourceSpec(path=str(tmp_path / "t.txt"), train_on="assistant")], tokenizer, 2,
+                    tmp_path / "cache", "train")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_isolated_documents_compute_what_each_document_computes_alone(attention):
+    model = ladder.to_ladder(tiny_llama(), [3, 4, 5])
+    model.set_attn_implementation(attention)
+    lengths = [5, 9, 4, 6]  # the first continues a document cut by the packing
+    ids = random_ids(batch=1, length=sum(lengths))
+    starts = np.zeros((1, sum(lengths)), dtype=np.uint8)
+    starts[0, np.cumsum([0, *lengths[:-1]])[1:]] = 1
+    positions = document_positions(starts)
+    assert positions.tolist() == [[*range(5), *range(9), *range(4), *range(6)]]
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=torch.from_numpy(positions), use_cache=False).logits
+        alone = torch.cat([model(input_ids=piece, use_cache=False).logits for piece in ids.split(lengths, dim=1)], 1)
+        plain = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain[:, 5:], alone[:, 5:], atol=1e-3)  # without isolation, documents see each other
+
+
+def test_chat_training_with_isolated_documents_runs_and_reports_the_masked_share(tmp_path, tiny_checkpoint, capsys):
+    records = [{"messages": [{"role": "user", "content": prose(i, 1)}, {"role": "assistant", "content": prose(i + 50, 1)}]}
+               for i in range(24)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    recipe = write_recipe(tmp_path, tiny_checkpoint, tmp_path, budget=2 * 4 * 64, **{
+        "data.train": [str(tmp_path / "chat.jsonl")], "data.eval": [], "data.heldout_fraction": 0.2,
+        "data.isolate_documents": True})
+    assert adapt_main([str(recipe), "--prepare-data"]) == 0
+    share = float(re.search(r"([\d.]+)% of the training tokens are masked", capsys.readouterr().out).group(1))
+    assert 20 < share < 80
+    assert adapt_main([str(recipe)]) == 0
+    assert f"({share:.1f}% of the training tokens masked from the loss)" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2]
+    assert all(np.isfinite(r.get("loss", r.get("eval_loss"))) for r in metrics(tmp_path / "run"))
 
 
 def test_heldout_blocks_come_off_the_end_of_training(tmp_path, smollm2_tokenizer_dir, corpus):
@@ -175,7 +295,7 @@ def test_heldout_blocks_come_off_the_end_of_training(tmp_path, smollm2_tokenizer
     splits = prepare_data(spec, tokenizer)
     held = int(np.ceil(len(all_blocks) * 0.1))
     assert len(splits.train) == len(all_blocks) - held and len(splits.eval) == held
-    assert np.array_equal(splits.eval, all_blocks[-held:])
+    assert np.array_equal(splits.eval.ids, all_blocks.ids[-held:])
 
 
 @pytest.mark.parametrize(
@@ -231,7 +351,7 @@ def test_training_lowers_the_loss_and_writes_a_normal_checkpoint(tmp_path, tiny_
     assert AutoTokenizer.from_pretrained(final).eos_token_id is not None
     assert load_recipe(final / "recipe.yaml").to_dict() == recipe.to_dict()
     # The saved model is the trained one: its held-out loss is the last one logged.
-    heldout = prepare_data(recipe.data, AutoTokenizer.from_pretrained(final)).eval
+    heldout = prepare_data(recipe.data, AutoTokenizer.from_pretrained(final)).eval.ids
     ids = torch.from_numpy(heldout.astype(np.int64))
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, :-1]
@@ -239,11 +359,15 @@ def test_training_lowers_the_loss_and_writes_a_normal_checkpoint(tmp_path, tiny_
     assert float(loss) == pytest.approx(evals[-1], rel=1e-5)
 
 
-def test_a_run_killed_at_any_step_resumes_exactly(tmp_path, tiny_checkpoint, corpus):
+def test_a_run_killed_at_any_step_resumes_exactly(tmp_path, tiny_checkpoint, corpus, monkeypatch):
     straight = write_recipe(tmp_path / "straight", tiny_checkpoint, corpus, budget=10 * 256, checkpoint_every=3)
     train(load_recipe(straight))
 
-    recipe = write_recipe(tmp_path / "killed", tiny_checkpoint, corpus, budget=10 * 256, checkpoint_every=3)
+    # The killed run logs to TensorBoard and to wandb (offline) too; the resumed one must not repeat steps.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    recipe = write_recipe(tmp_path / "killed", tiny_checkpoint, corpus, budget=10 * 256, checkpoint_every=3,
+                          **{"logging.log_with": ["tensorboard", "wandb"]})
     run_dir = tmp_path / "killed" / "run"
     process = run_adapt([str(recipe)])
     deadline = time.monotonic() + 120
@@ -259,6 +383,26 @@ def test_a_run_killed_at_any_step_resumes_exactly(tmp_path, tiny_checkpoint, cor
     assert adapt_main([str(recipe), "resume=true"]) == 0
     assert losses(run_dir) == losses(tmp_path / "straight" / "run")
     assert logged_before_resume >= 5
+    events = tensorboard_scalars(run_dir / "recipe")
+    assert [step for step, _ in events["loss"]] == list(range(1, 11))  # each step once, across both runs
+    assert [value for _, value in events["loss"]] == pytest.approx(losses(run_dir), rel=1e-6)
+    assert [step for step, _ in events["eval_loss"]] == [0, 4, 8, 10]
+    # wandb: the resumed run reopens the killed run's id (offline, a second folder of the same run), starts
+    # after the checkpoint, and any step both wrote (logged by the killed run but not checkpointed) holds
+    # the same values, so the synced run has one value per step. (What the killed process had not yet
+    # handed to wandb when SIGKILL came is lost: the steps before the checkpoint may have a gap.)
+    assert {path.name.split("-")[-1] for path in (run_dir / "wandb").glob("offline-run-*")} == \
+        {(run_dir / "wandb-run-id").read_text().split("-")[-1]}
+    history = [(run, row) for run, row in wandb_history(run_dir / "wandb") if "loss" in row]
+    runs = sorted({run for run, _ in history})
+    assert len(runs) == 2
+    resumed_steps = [row["_step"] for run, row in history if run == runs[1]]
+    assert resumed_steps == list(range(resumed_steps[0], 11)) and resumed_steps[0] - 1 in (3, 6)
+    by_step = {}
+    for _, row in history:
+        by_step.setdefault(row["_step"], set()).add(row["loss"])
+    assert set(range(resumed_steps[0], 11)) <= set(by_step) <= set(range(1, 11))
+    assert all(len(values) == 1 for values in by_step.values())
     resumed = load_file(run_dir / "model" / "model.safetensors")
     reference = load_file(tmp_path / "straight" / "run" / "model" / "model.safetensors")
     assert resumed.keys() == reference.keys()
@@ -381,6 +525,8 @@ def test_resume_refuses_a_changed_recipe(tmp_path, tiny_checkpoint, corpus, caps
         (["model.ladder_layers=null"], "model.ladder_layers: model.path is an original Llama", True),
         (["budget=100"], "less than one step", True),
         (["data.train=/nonexistent/*.txt"], "matches no file", True),
+        (["logging.log_with=[mlflow]"], "logging.log_with: mlflow needs its package (pip install mlflow)", True),
+        (["logging.log_with=[tensorbored]"], "logging.log_with[0]: 'tensorbored' is not one of tensorboard, wandb", True),
         (["trainable.mode=lora", "trainable.lora.target_modules=[nothing]"], "trainable.lora.target_modules", False),
     ],
 )

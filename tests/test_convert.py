@@ -98,7 +98,7 @@ def test_tiny_checkpoint_end_to_end(tiny_checkpoint, tmp_path, capsys):
     assert manifest["ladder_layers"] == [2, 3] and manifest["weights"] == "copied"
     assert manifest["version"] == ladder.__version__ and manifest["damage"]["hidden_max_abs_diff"] == 0
     assert 0 < manifest["damage"]["top1_agreement"] <= 1 and manifest["damage"]["mean_kl"] > 0
-    assert "2 of its 4 layers (2-3)" in (out / "README.md").read_text()
+    assert "2 of its 4 layers are rewired (2-3)" in (out / "README.md").read_text()
 
     ids = random_ids(vocab_size=1000)
     model = AutoModelForCausalLM.from_pretrained(out).eval()

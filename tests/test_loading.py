@@ -1,9 +1,18 @@
-"""Opening model paths: checkpoint directories, GGUF files, the embedded default, bad paths."""
+"""Opening model paths: checkpoint directories, GGUF files, the embedded default, Hub IDs, bad paths."""
 
+import json
+import shutil
+from pathlib import Path
+
+import huggingface_hub
 import pytest
+import yaml
+from huggingface_hub import ModelCard
 
+from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
-from ladder.loading import embedded_model_path, resolve_model_path
+from ladder.eval.harness import resolve_models
+from ladder.loading import embedded_model_path, hub_model_id, model_name, resolve_model_path
 
 
 def test_empty_path_means_the_embedded_model():
@@ -26,3 +35,99 @@ def test_bad_model_paths_are_named(tmp_path, make, message):
     with pytest.raises(UsageError, match=message) as error:
         resolve_model_path(path)
     assert str(path) in str(error.value)
+
+
+# --- Hub model IDs: resolved through huggingface_hub's cache (the tests run with HF_HUB_OFFLINE=1) ---
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def cache_hub_model(cache: Path, repo: str, checkpoint: Path, files=("config.json", "model.safetensors")) -> Path:
+    """Lay `checkpoint` into a Hub cache as `hf download` leaves it: blobs, a snapshot of links, refs/main."""
+    storage = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = storage / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (storage / "blobs").mkdir()
+    for name in files:
+        blob = storage / "blobs" / name.replace(".", "-")
+        shutil.copyfile(checkpoint / name, blob)
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (storage / "refs").mkdir()
+    (storage / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_a_hub_id_resolves_through_the_cache(hub_cache, tiny_checkpoint, tmp_path, monkeypatch):
+    snapshot = cache_hub_model(hub_cache, "test-org/tiny-llama", tiny_checkpoint)
+    assert huggingface_hub.constants.HF_HUB_OFFLINE
+    assert resolve_model_path("test-org/tiny-llama") == snapshot
+    assert resolve_model_path(f"test-org/tiny-llama@{COMMIT}") == snapshot
+    assert hub_model_id(snapshot) == "test-org/tiny-llama" and model_name(snapshot) == "tiny-llama"
+    # A local folder spelled like the ID wins.
+    monkeypatch.chdir(tmp_path)
+    local = tmp_path / "test-org" / "tiny-llama"
+    shutil.copytree(tiny_checkpoint, local)
+    assert resolve_model_path("test-org/tiny-llama") == Path("test-org/tiny-llama")
+
+
+@pytest.mark.parametrize("model_id, message", [
+    ("test-org/not-downloaded", "model test-org/not-downloaded is not a local path and not in the Hugging Face "
+                                "cache ({cache}), and HF_HUB_OFFLINE is set: download it with "
+                                "`hf download test-org/not-downloaded` where the Hub is reachable"),
+    ("test-org/tiny-llama@v2", "`hf download test-org/tiny-llama --revision v2`"),
+])
+def test_a_hub_id_that_is_not_cached_says_how_to_download_it(hub_cache, tiny_checkpoint, model_id, message, capsys):
+    cache_hub_model(hub_cache, "test-org/tiny-llama", tiny_checkpoint)
+    with pytest.raises(UsageError) as error:
+        resolve_model_path(model_id)
+    assert message.format(cache=hub_cache) in str(error.value) and "\n" not in str(error.value)
+    assert ladder_main(["convert", model_id]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_convert_and_eval_take_a_hub_id_and_cards_carry_base_model_and_licence(
+        hub_cache, tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    source = tmp_path / "source"
+    shutil.copytree(tiny_checkpoint, source)
+    (source / "LICENSE").write_text("LLAMA 3.1 COMMUNITY LICENSE AGREEMENT ...")
+    (source / "USE_POLICY.md").write_text("# Llama 3.1 Acceptable Use Policy ...")
+    (source / "README.md").write_text("---\nlicense: llama3.1\nbase_model: test-org/tiny-base\n---\n# Tiny\n")
+    snapshot = cache_hub_model(hub_cache, "test-org/tiny-llama", source, [p.name for p in source.iterdir()])
+    monkeypatch.chdir(tmp_path)
+    assert ladder_main(["convert", "test-org/tiny-llama", "--layers", "2"]) == 0
+    out = tmp_path / "runs" / "convert" / "tiny-llama-ladder2"  # named after the repository, not the commit
+    assert (out / "model.safetensors").read_bytes() == (snapshot / "model.safetensors").read_bytes()
+    assert resolve_models(["test-org/tiny-llama"])[0].label == "tiny-llama"
+
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "test-org/tiny-llama" and card.data.base_model_relation == "finetune"
+    assert card.data.license == "llama3.1" and card.data.library_name == "transformers"
+    assert card.data.tags[:2] == ["ladder-residual", "llama"]
+    assert "2 of its 4 layers are rewired (2-3)" in card.text and "top-1 agreement" in card.text
+    assert (out / "LICENSE").read_text() == (source / "LICENSE").read_text()
+    assert (out / "USE_POLICY.md").is_file() and (out / "README.source.md").is_file()
+
+    # Retraining the converted model: its card names the original as base model, with the data and the
+    # held-out losses, and the licence files travel on.
+    (tmp_path / "text.txt").write_text(" ".join(["the quiet river under the old stone bridge"] * 120))
+    recipe = {"model": {"path": str(out)}, "budget": 128, "batch": {"micro_batch": 2},
+              "data": {"train": [str(tmp_path / "text.txt")], "seq_len": 32, "heldout_fraction": 0.3},
+              "output_dir": str(tmp_path / "adapted"), "logging": {"progress": False}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert ladder_main(["adapt", str(tmp_path / "recipe.yaml")]) == 0
+    final = tmp_path / "adapted" / "model"
+    card = ModelCard.load(final / "README.md")
+    assert card.data.base_model == "test-org/tiny-llama" and card.data.license == "llama3.1"
+    assert "ladder-residual" in card.data.tags and card.data.datasets is None  # local files are not Hub datasets
+    assert "Layers 2-3 of 4 are ladder layers" in card.text and "`text.txt`" in card.text
+    evals = [json.loads(line) for line in (tmp_path / "adapted" / "metrics.jsonl").read_text().splitlines()
+             if "eval_loss" in line]
+    assert f"| {evals[0]['eval_loss']:.4f} |" in card.text and f"| {evals[-1]['eval_loss']:.4f} |" in card.text
+    assert sorted(p.name for p in final.glob("[LU]*")) == ["LICENSE", "USE_POLICY.md"]

@@ -85,7 +85,10 @@ def test_fsdp_config_is_one_accelerate_reads():
         (["resume=yes please"], "resume: expected true or false"),
         (["trainable.mode=layers"], "trainable.layers goes with trainable.mode=layers"),
         (["data.train=[]"], "data.train must list at least one source"),
-        (["data.train[0].path=x"], "unknown recipe key 'data.train[0]'"),
+        (["data.train.0.pth=x"], "unknown recipe key 'data.train[0].pth'"),
+        (["data.train.9.max_tokens=1"], "data.train has 8 item(s); 9 is past the end"),
+        (["data.train.first.max_tokens=1"], "data.train is a list; address its items by number"),
+        (["budget.0=1"], "budget is not a section"),
         (["budget"], "is not key=value"),
         (["data.eval=${NO_SUCH_VARIABLE}/x.txt"], "environment variable NO_SUCH_VARIABLE"),
     ],
@@ -102,3 +105,15 @@ def test_overrides_and_numbers_in_e_notation():
     assert [s.path for s in recipe.data.train] == ["a/b.txt"] and recipe.model.ladder_layers == "4-7"
     with pytest.raises(UsageError, match="recipe .*missing.yaml does not exist"):
         load_recipe(RECIPES / "missing.yaml")
+
+
+def test_overrides_address_list_items():
+    shipped = load_recipe(RECIPES / "smollm2-135m-ladder-cpu.yaml")
+    recipe = load_recipe(RECIPES / "smollm2-135m-ladder-cpu.yaml",
+                         ["data.train.0.max_tokens=1e6", "data.train[1].documents=blank_line",
+                          f"data.train.{len(shipped.data.train)}=extra.txt", "data.eval.0.path=held.txt"])
+    assert recipe.data.train[0].max_tokens == 1_000_000 and recipe.data.train[0].path == shipped.data.train[0].path
+    assert recipe.data.train[1].documents == "blank_line"
+    assert recipe.data.train[2:-1] == shipped.data.train[2:]
+    assert recipe.data.train[-1].path == "extra.txt" and recipe.data.eval[0].path == "held.txt"
+    assert load_recipe(None, ["data.train.0.path=a.txt", "data.train.0.max_tokens=10"]).data.train[0].max_tokens == 10
