@@ -75,9 +75,11 @@ def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
 
 
 def load_model(
-    path: str | Path | None, dtype: torch.dtype = torch.float32
+    path: str | Path | None, dtype: torch.dtype = torch.float32, device_map: str | dict | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a checkpoint directory or a GGUF file (dequantized).
+    `device_map` (transformers'): e.g. {"": "cuda:0"} loads the weights straight onto that GPU,
+    "auto" splits them over every visible GPU; None keeps them on the CPU.
 
     A GGUF-loaded model is turned into a plain one (no quantizer attached), so it can be saved,
     trained and converted like any checkpoint.
@@ -88,7 +90,7 @@ def load_model(
     tokenizer = load_tokenizer(path)
     location, extra = _from_pretrained_arguments(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **extra)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, device_map=device_map, **extra)
     except (OSError, ValueError, KeyError) as error:
         raise UsageError(f"cannot load model {path}: {first_line(error)}") from None
     if extra:
