@@ -491,7 +491,7 @@ def evaluate_task(
     if output is None:
         return None
     record = {key: value for key, value in output.items() if key != "samples"}
-    record["config"] = {**record.get("config", {}), **runtime.describe()}
+    record["config"] = {**record.get("config", {}), **runtime.describe(), "chat": suite_task.chat_options()}
     record["per_item"] = per_item_values(output)
     # Round-trip through JSON so that a fresh record and a cached one are the same objects.
     record = json.loads(json.dumps(record, default=str))
@@ -633,5 +633,7 @@ def lm_eval_json(results: ModelResults) -> dict:
         "path": str(results.model.path),
         "fingerprint_sha256": results.fingerprint,
         "cached_tasks": results.cached,
+        # Per suite task: they may differ between tasks, unlike the rest of lm-eval's `config`.
+        "chat_options": {task: record.get("config", {}).get("chat") for task, record in results.tasks.items()},
     }
     return merged

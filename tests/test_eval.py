@@ -391,27 +391,29 @@ def test_two_processes_score_the_items_of_one(tiny_checkpoint, tmp_path, capfd):
 
 
 def test_chat_template_renders_role_markers_on_the_embedded_instruct_model(tmp_path):
-    """SmolLM2-Instruct's template (ChatML) marks each turn with <|im_start|>ROLE; a plain run has none."""
-    suite = _write_suite(tmp_path / "s.yaml", [{"task": "ladder_arc_easy", "limit": 2, "num_fewshot": 1}])
-    common = ["embedded", "--suite", str(suite), "--no-cache", "--log-samples"]
-    assert cli.main([*common, "--out", str(tmp_path / "plain")]) == 0
-    assert cli.main([*common, "--out", str(tmp_path / "chat"), "--apply-chat-template", "--fewshot-as-multiturn",
-                     "--system-instruction", "Answer the science question."]) == 0
+    """SmolLM2-Instruct's template (ChatML) marks each turn with <|im_start|>ROLE; a plain task has
+    none. One run, one model load: the chat options are per suite task."""
+    chat = {"apply_chat_template": True, "fewshot_as_multiturn": True, "system_instruction": "Answer the question."}
+    suite = _write_suite(tmp_path / "s.yaml", [
+        {"task": "ladder_arc_easy", "limit": 2, "num_fewshot": 1, **chat},
+        {"task": "ladder_arc_challenge", "limit": 2, "num_fewshot": 1},
+    ])
+    assert cli.main(["embedded", "--suite", str(suite), "--no-cache", "--log-samples", "--out", str(tmp_path / "o")]) == 0
     label = "SmolLM2-135M-Instruct.Q4_1"
-    plain, chat = (_samples(tmp_path / run, label, "ladder_arc_easy") for run in ("plain", "chat"))
-    for sample in plain:
-        context = sample["arguments"][0][0] if isinstance(sample["arguments"][0], list) else sample["arguments"]["gen_args_0"]["arg_0"]
+    for sample in _samples(tmp_path / "o", label, "ladder_arc_challenge"):
+        context = sample["arguments"][0][0]  # (context, continuation) of the first answer choice
         assert "<|im_start|>" not in context and context.startswith("Question: ")
-    for sample in chat:
-        context = sample["arguments"][0][0] if isinstance(sample["arguments"][0], list) else sample["arguments"]["gen_args_0"]["arg_0"]
-        assert context.startswith("<|im_start|>system\nAnswer the science question.<|im_end|>")
+    for sample in _samples(tmp_path / "o", label, "ladder_arc_easy"):
+        context = sample["arguments"][0][0]
+        assert context.startswith("<|im_start|>system\nAnswer the question.<|im_end|>")
         # One-shot as turns: the example's question (user), its answer (assistant), then the item.
         assert context.count("<|im_start|>user\n") == 2 and context.count("<|im_start|>assistant\n") == 2
         assert context.endswith("<|im_start|>assistant\n")
-    report = json.loads((tmp_path / "chat" / "report.json").read_text())
-    assert "chat template, few-shot as turns" in report["tasks"]
-    chat_config = json.loads((tmp_path / "chat" / f"{label}.json").read_text())["config"]
-    assert chat_config["apply_chat_template"] is True or chat_config.get("system_instruction")
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert "ladder_arc_easy (1-shot, at most 2, chat template, few-shot as turns, system instruction)" in report["tasks"]
+    options = json.loads((tmp_path / "o" / f"{label}.json").read_text())["ladder"]["chat_options"]
+    assert options["ladder_arc_easy"] == {**chat, "gen_kwargs": None}
+    assert options["ladder_arc_challenge"]["apply_chat_template"] is False
 
 
 def test_chat_template_on_a_model_without_one_is_refused(tiny_checkpoint, tmp_path):
