@@ -5,12 +5,22 @@ difference from it. A model is a checkpoint folder, a .gguf file, or `embedded` 
 that `make install` ships), optionally as LABEL=MODEL to name its column. Writes a results folder
 (default runs/eval/<time>-<suite>) holding lm-eval's JSON per model and report.md / report.json /
 report.png, and prints the table.
+
+Several processes (data parallel, one model copy each): `--processes N`, or the same command under
+`accelerate launch --multi_gpu --num_processes N -m ladder.eval.cli MODEL ...`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import yaml
 
 from ladder.errors import ArgumentParser, UsageError
 from ladder.files import ladder_data_dir
@@ -27,6 +37,21 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return value
+
+
+def _batch_size(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
+def _gen_kwargs(text: str) -> dict:
+    """`max_gen_toks=512,temperature=0` as lm-eval's --gen_kwargs takes it (values typed as YAML)."""
+    settings = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"{text!r}: expected key=value[,key=value...]")
+        settings[key.strip()] = yaml.safe_load(value)
+    return settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +76,49 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--data", type=Path, metavar="DIR", help="benchmark data folder (default: $LADDER_DATA, else ../shared/data)"
     )
-    parser.add_argument("--batch-size", type=_positive_int, default=8, metavar="N", help="lm-eval batch size (default 8)")
+    parser.add_argument(
+        "--batch-size", type=_batch_size, default=8, metavar="N",
+        help="lm-eval batch size per process, or `auto` (lm-eval finds the largest that fits; default 8)",
+    )
+    parser.add_argument(
+        "--device", default="auto", metavar="D",
+        help="auto (a GPU when one is present, else the CPU; the default), cpu, cuda or cuda:N",
+    )
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+        help="weights' dtype; auto: bfloat16 on a GPU (float16 where it lacks bf16), float32 on the CPU",
+    )
+    parser.add_argument(
+        "--processes", type=_positive_int, default=1, metavar="N",
+        help="score with N processes, each with a copy of the model and a share of the items "
+        "(starts `accelerate launch --multi_gpu --num_processes N`; GPUs, or the CPU over gloo)",
+    )
+    parser.add_argument(
+        "--parallelize", action="store_true",
+        help="split one model over all visible GPUs (transformers' device_map=auto), for a model too large for one",
+    )
+    parser.add_argument(
+        "--log-samples", action="store_true",
+        help="keep lm-eval's per-item records (prompt, target, output or log-likelihoods) in DIR/samples/",
+    )
+    chat = parser.add_argument_group("instruct models (lm-eval's chat options; override the suite's)")
+    chat.add_argument(
+        "--apply-chat-template", nargs="?", const=True, default=None, metavar="NAME",
+        help="render prompts with the tokenizer's chat template (NAME: one of several templates)",
+    )
+    chat.add_argument(
+        "--no-apply-chat-template", dest="apply_chat_template", action="store_const", const=False,
+        help="plain prompts even where the suite applies the chat template (a base model)",
+    )
+    chat.add_argument(
+        "--fewshot-as-multiturn", action=argparse.BooleanOptionalAction, default=None,
+        help="few-shot examples as alternating user/assistant turns (needs the chat template)",
+    )
+    chat.add_argument("--system-instruction", metavar="TEXT", help="a system message before every prompt")
+    chat.add_argument(
+        "--gen-kwargs", type=_gen_kwargs, metavar="K=V,...",
+        help="generation settings of generating tasks, e.g. max_gen_toks=512,temperature=0",
+    )
     parser.add_argument(
         "--cache", type=Path, default=DEFAULT_RUNS / "cache", metavar="DIR",
         help="results cache, keyed by model hash and task config (default: runs/eval/cache)",
@@ -63,17 +130,59 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    suite = load_suite(args.suite).with_limit(args.limit)
+    suite = load_suite(args.suite).with_limit(args.limit).with_chat(
+        args.apply_chat_template, args.fewshot_as_multiturn, args.system_instruction, args.gen_kwargs
+    )
     if args.data is not None and not args.data.is_dir():
         raise UsageError(f"data folder {args.data} does not exist")
     # A suite of local files needs the data folder; one of stock lm-eval tasks reads the Hub instead.
     data_dir = args.data or (ladder_data_dir() if suite.offline else None)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.processes > 1 and launched == 1:
+        return _launch(argv, args)
+    if args.processes > 1 and args.processes != launched:
+        raise UsageError(f"--processes {args.processes} under a launcher that started {launched}")
 
     evaluation = evaluate_models(
         ([args.baseline] if args.baseline else []) + args.models, suite, out=args.out, force=args.force,
         data_dir=data_dir, batch_size=args.batch_size, cache_dir=None if args.no_cache else args.cache,
-        verbose=args.verbose,
+        verbose=args.verbose, device=args.device, dtype=args.dtype, parallelize=args.parallelize,
+        log_samples=args.log_samples,
     )
-    print(evaluation.table)
-    print(f"\nresults in {evaluation.out} ({evaluation.wall_seconds:.0f} s)")
+    if evaluation is not None:  # process 0 of several prints for all
+        print(evaluation.table)
+        print(f"\nresults in {evaluation.out} ({evaluation.wall_seconds:.0f} s)")
     return 0
+
+
+def _launch(argv: list[str], args: argparse.Namespace) -> int:
+    """Run this command again in `args.processes` processes under `accelerate launch`. `--multi_gpu`
+    is what makes accelerate start several processes (through torchrun); with no GPU they score on
+    the CPU over gloo (`--cpu --num_processes N` starts only one: accelerate issue #2741)."""
+    import torch
+
+    out = args.out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(args.suite).stem}"
+    if out.exists() and not args.force:
+        raise UsageError(f"output {out.absolute()} already exists; pass --force to replace it")
+    if args.parallelize:
+        raise UsageError("--parallelize splits one model over all GPUs: it runs in one process (drop --processes)")
+    if args.device.startswith("cuda:"):
+        raise UsageError(f"--device {args.device} names one GPU; with --processes each process takes its own")
+    gpus = torch.cuda.device_count() if args.device != "cpu" else 0
+    if gpus and args.processes > gpus:
+        raise UsageError(f"--processes {args.processes}: only {gpus} GPU(s) are visible (one process per GPU)")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(args.processes),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+        "-m", "ladder.eval.cli", *argv, "--out", str(out),
+    ]
+    return subprocess.run(command).returncode
+
+
+if __name__ == "__main__":
+    from ladder.cli import main as ladder_main
+
+    sys.exit(ladder_main(["eval", *sys.argv[1:]]))

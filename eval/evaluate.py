@@ -1,6 +1,8 @@
 """`evaluate_models`, the eval stage as one library function: resolve the models, score the suite
-through the harness (with its cache), and write the results folder (lm-eval's JSON per model, and
-report.md / report.json / report.png) atomically. `ladder eval` and the demo call it."""
+through the harness (with its cache), and write the results folder (lm-eval's JSON per model,
+report.md / report.json / report.png, and with `log_samples` lm-eval's per-item samples)
+atomically. `ladder eval` and the demo call it; under `accelerate launch` every process calls
+it and process 0 writes the results."""
 
 from __future__ import annotations
 
@@ -8,10 +10,12 @@ import contextlib
 import json
 import logging
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ladder.errors import UsageError
 from ladder.files import atomic_directory, atomic_write
 
 from .suite import Suite, SuiteTask
@@ -32,13 +36,20 @@ def evaluate_models(
     out: Path | None = None,
     force: bool = False,
     data_dir: Path | None = None,
-    batch_size: int = 8,
+    batch_size: int | str = 8,
     cache_dir: Path | None = DEFAULT_RUNS / "cache",
     verbose: bool = False,
-) -> Evaluation:
+    device: str = "auto",
+    dtype: str = "auto",
+    parallelize: bool = False,
+    log_samples: bool = False,
+) -> Evaluation | None:
     """Score `models` (checkpoint folders, .gguf files or `embedded`, each optionally `LABEL=MODEL`;
     the first is the reference column) on `suite` into `out` (default runs/eval/<time>-<suite>).
-    `data_dir`: the folder our offline tasks read; `cache_dir` None scores everything again."""
+    `data_dir`: the folder our offline tasks read; `cache_dir` None scores everything again;
+    `device`, `dtype`, `batch_size`, `parallelize`: see `harness.resolve_runtime`; `log_samples`:
+    keep lm-eval's per-item records in out/samples/<model>/<task>.jsonl. Returns None on the
+    processes other than 0 of a multi-process run."""
     # lm-eval is slow to import: not until something is scored (`ladder eval --help` stays fast).
     import lm_eval
 
@@ -46,20 +57,25 @@ def evaluate_models(
 
     refs = harness.resolve_models(models)
     out = out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}"
+    if out.exists() and not force:  # before any work (atomic_directory checks again at the end)
+        raise UsageError(f"output {out.absolute()} already exists; pass --force to replace it")
+    harness.check_chat_templates(refs, suite)
+    runtime = harness.resolve_runtime(device, dtype, batch_size, parallelize)
     if not verbose:
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
         import datasets
 
         datasets.disable_progress_bars()
-
+    if runtime.rank != 0:
+        # The other processes score their share of the items and write nothing.
+        with tempfile.TemporaryDirectory(prefix="ladder-eval-") as scratch:
+            _score(refs, suite, data_dir, runtime, cache_dir=None, samples_dir=None, datasets_cache=Path(scratch))
+        return None
     started = time.monotonic()
     with atomic_directory(out, force=force) as staging:
         datasets_cache = staging / ".datasets-cache"
-        offline = harness.hub_offline(datasets_cache) if suite.offline else contextlib.nullcontext()
-        with offline:
-            manager = harness.task_manager(suite, data_dir)
-            prepared = harness.task_configs(suite, manager)
-            results = harness.run_suite(refs, suite, manager, prepared, batch_size=batch_size, cache_dir=cache_dir)
+        samples_dir = staging / "samples" if log_samples else None
+        results = _score(refs, suite, data_dir, runtime, cache_dir, samples_dir, datasets_cache)
         shutil.rmtree(datasets_cache, ignore_errors=True)
         for model_results in results:
             name = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_results.model.label)
@@ -67,12 +83,25 @@ def evaluate_models(
         header = {
             "suite": suite.name,
             "tasks": ", ".join(_describe(task) for task in suite.tasks),
+            **runtime.describe(),
             "lm_eval": lm_eval.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "wall_seconds": round(time.monotonic() - started, 1),
         }
         table = report.write_report(results, header, staging)
     return Evaluation(out, table, header["wall_seconds"])
+
+
+def _score(refs, suite: Suite, data_dir, runtime, cache_dir, samples_dir, datasets_cache: Path) -> list:
+    from . import harness
+
+    offline = harness.hub_offline(datasets_cache) if suite.offline else contextlib.nullcontext()
+    with offline:
+        manager = harness.task_manager(suite, data_dir)
+        prepared = harness.task_configs(suite, manager)
+        return harness.run_suite(
+            refs, suite, manager, prepared, runtime, cache_dir=cache_dir, samples_dir=samples_dir
+        )
 
 
 def _describe(task: SuiteTask) -> str:
@@ -83,6 +112,13 @@ def _describe(task: SuiteTask) -> str:
         settings.append(f"one item in {task.every}")
     if task.limit:
         settings.append(f"at most {task.limit}")
+    if task.apply_chat_template:
+        template = "" if task.apply_chat_template is True else f" {task.apply_chat_template}"
+        settings.append(f"chat template{template}" + (", few-shot as turns" if task.fewshot_as_multiturn else ""))
+    if task.system_instruction:
+        settings.append("system instruction")
+    if task.gen_kwargs:
+        settings.append(", ".join(f"{key}={value}" for key, value in task.gen_kwargs_dict().items()))
     return f"{task.task} ({', '.join(settings)})" if settings else task.task
 
 

@@ -7,13 +7,18 @@
         num_fewshot: 0     # optional; default: the task's own setting
         every: 5           # optional; score items 0, 5, 10, ...: a spread-out subset
         limit: 100         # optional; at most this many items (after `every`); default: all
+        # lm-eval's chat options, for instruct models (optional; `ladder eval` flags override them):
+        apply_chat_template: true    # render prompts with the tokenizer's chat template (or a template name)
+        fewshot_as_multiturn: true   # few-shot examples as alternating user/assistant turns
+        system_instruction: "..."    # a system message before the prompt
+        gen_kwargs: {max_gen_toks: 512}   # generation settings of a generating task
 
 The shipped suites live in eval/suites/; `--suite` takes one of their names or a path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -23,7 +28,8 @@ from ladder.errors import UsageError, first_line
 SUITES_DIR = Path(__file__).parent / "suites"
 
 _SUITE_KEYS = {"description", "offline", "tasks"}
-_TASK_KEYS = {"task", "num_fewshot", "every", "limit"}
+_CHAT_KEYS = {"apply_chat_template", "fewshot_as_multiturn", "system_instruction", "gen_kwargs"}
+_TASK_KEYS = {"task", "num_fewshot", "every", "limit"} | _CHAT_KEYS
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,26 @@ class SuiteTask:
     num_fewshot: int | None = None
     limit: int | None = None
     every: int = 1
+    # lm-eval's chat options (simple_evaluate's arguments of the same names).
+    apply_chat_template: bool | str = False
+    fewshot_as_multiturn: bool = False
+    system_instruction: str | None = None
+    gen_kwargs: tuple[tuple[str, object], ...] = ()  # sorted (key, value) pairs: hashable, one order
+
+    def chat_options(self) -> dict:
+        """simple_evaluate's keyword arguments for this task's chat options."""
+        return {
+            "apply_chat_template": self.apply_chat_template,
+            "fewshot_as_multiturn": self.fewshot_as_multiturn,
+            "system_instruction": self.system_instruction,
+            "gen_kwargs": self.gen_kwargs_dict() or None,
+        }
+
+    def gen_kwargs_dict(self) -> dict:
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in self.gen_kwargs}
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "gen_kwargs": self.gen_kwargs_dict()}
 
 
 @dataclass(frozen=True)
@@ -45,11 +71,32 @@ class Suite:
         """The suite with every task capped at `limit` items (a task's own smaller limit stays)."""
         if limit is None:
             return self
-        capped = tuple(
-            SuiteTask(t.task, t.num_fewshot, limit if t.limit is None else min(t.limit, limit), t.every)
-            for t in self.tasks
-        )
-        return Suite(self.name, self.description, self.offline, capped)
+        capped = tuple(replace(t, limit=limit if t.limit is None else min(t.limit, limit)) for t in self.tasks)
+        return replace(self, tasks=capped)
+
+    def with_chat(
+        self,
+        apply_chat_template: bool | str | None = None,
+        fewshot_as_multiturn: bool | None = None,
+        system_instruction: str | None = None,
+        gen_kwargs: dict | None = None,
+    ) -> Suite:
+        """The suite with the chat options that are not None set on every task (command-line flags)."""
+        given = {
+            "apply_chat_template": apply_chat_template,
+            "fewshot_as_multiturn": fewshot_as_multiturn,
+            "system_instruction": system_instruction,
+            "gen_kwargs": None if gen_kwargs is None else _gen_kwargs_pairs(gen_kwargs),
+        }
+        if apply_chat_template is False and fewshot_as_multiturn is None:
+            given["fewshot_as_multiturn"] = False  # plain prompts have no turns
+        given = {key: value for key, value in given.items() if value is not None}
+        if not given:
+            return self
+        tasks = tuple(replace(t, **given) for t in self.tasks)
+        for task in tasks:
+            _check_chat(task, f"suite {self.name} ({task.task}) with the command-line chat options")
+        return replace(self, tasks=tasks)
 
 
 def suite_names() -> list[str]:
@@ -63,6 +110,39 @@ def _natural(value, key: str, where: str, minimum: int) -> int | None:
         kind = "a positive integer" if minimum == 1 else "a non-negative integer"
         raise UsageError(f"{where}: {key} must be {kind}, got {value!r}")
     return value
+
+
+def _check_chat(task: SuiteTask, where: str) -> None:
+    if task.fewshot_as_multiturn and not task.apply_chat_template:
+        raise UsageError(f"{where}: fewshot_as_multiturn needs apply_chat_template (the turns are chat messages)")
+
+
+def _chat_options(entry: dict, where: str) -> dict:
+    """The chat keys of a suite entry, type-checked."""
+    options = {}
+    template = entry.get("apply_chat_template", False)
+    if not isinstance(template, (bool, str)) or template == "":
+        raise UsageError(f"{where}: apply_chat_template must be true, false or a template name, got {template!r}")
+    options["apply_chat_template"] = template
+    multiturn = entry.get("fewshot_as_multiturn", False)
+    if not isinstance(multiturn, bool):
+        raise UsageError(f"{where}: fewshot_as_multiturn must be true or false, got {multiturn!r}")
+    options["fewshot_as_multiturn"] = multiturn
+    system = entry.get("system_instruction")
+    if system is not None and not isinstance(system, str):
+        raise UsageError(f"{where}: system_instruction must be a string, got {system!r}")
+    options["system_instruction"] = system
+    gen_kwargs = entry.get("gen_kwargs") or {}
+    if not isinstance(gen_kwargs, dict) or not all(
+        isinstance(key, str) and isinstance(value, (str, int, float, bool, list)) for key, value in gen_kwargs.items()
+    ):
+        raise UsageError(f"{where}: gen_kwargs must be a mapping of generation settings, got {gen_kwargs!r}")
+    options["gen_kwargs"] = _gen_kwargs_pairs(gen_kwargs)
+    return options
+
+
+def _gen_kwargs_pairs(gen_kwargs: dict) -> tuple[tuple[str, object], ...]:
+    return tuple(sorted((key, tuple(v) if isinstance(v, list) else v) for key, v in gen_kwargs.items()))
 
 
 def parse_suite(data, name: str) -> Suite:
@@ -87,14 +167,15 @@ def parse_suite(data, name: str) -> Suite:
         if unknown := set(entry) - _TASK_KEYS:
             raise UsageError(f"{where} ({entry['task']}): unknown key(s) {sorted(unknown)}; allowed: {sorted(_TASK_KEYS)}")
         where = f"{where} ({entry['task']})"
-        tasks.append(
-            SuiteTask(
-                task=entry["task"],
-                num_fewshot=_natural(entry.get("num_fewshot"), "num_fewshot", where, 0),
-                limit=_natural(entry.get("limit"), "limit", where, 1),
-                every=_natural(entry.get("every", 1), "every", where, 1),
-            )
+        task = SuiteTask(
+            task=entry["task"],
+            num_fewshot=_natural(entry.get("num_fewshot"), "num_fewshot", where, 0),
+            limit=_natural(entry.get("limit"), "limit", where, 1),
+            every=_natural(entry.get("every", 1), "every", where, 1),
+            **_chat_options(entry, where),
         )
+        _check_chat(task, where)
+        tasks.append(task)
     names = [t.task for t in tasks]
     if duplicates := sorted({n for n in names if names.count(n) > 1}):
         raise UsageError(f"suite {name}: task(s) listed twice: {duplicates}")

@@ -139,7 +139,7 @@ def read_config_dict(path: Path) -> dict:
         raise UsageError(f"cannot read {path / 'config.json'}: {error}") from None
 
 
-def _from_pretrained_arguments(path: Path) -> tuple[str, dict]:
+def from_pretrained_arguments(path: Path) -> tuple[str, dict]:
     """transformers reads a GGUF file as (its folder, gguf_file=its name)."""
     if path.suffix == ".gguf":
         return str(path.parent), {"gguf_file": path.name}
@@ -151,7 +151,7 @@ def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     path = resolve_model_path(path)
-    location, extra = _from_pretrained_arguments(path)
+    location, extra = from_pretrained_arguments(path)
     try:
         return AutoTokenizer.from_pretrained(location, **extra)
     except (OSError, ValueError, KeyError) as error:
@@ -159,9 +159,11 @@ def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
 
 
 def load_model(
-    path: str | Path | None, dtype: torch.dtype | str = "float32"
+    path: str | Path | None, dtype: torch.dtype | str = "float32", device_map: str | dict | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a checkpoint directory or a GGUF file (dequantized).
+    `device_map` (transformers'): e.g. {"": "cuda:0"} loads the weights straight onto that GPU,
+    "auto" splits them over every visible GPU; None keeps them on the CPU.
 
     A GGUF-loaded model is turned into a plain one (no quantizer attached), so it can be saved,
     trained and converted like any checkpoint.
@@ -172,9 +174,9 @@ def load_model(
 
     path = resolve_model_path(path)
     tokenizer = load_tokenizer(path)
-    location, extra = _from_pretrained_arguments(path)
+    location, extra = from_pretrained_arguments(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **extra)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, device_map=device_map, **extra)
     except (OSError, ValueError, KeyError) as error:
         raise UsageError(f"cannot load model {path}: {first_line(error)}") from None
     if extra:

@@ -1,13 +1,16 @@
 """eval/: suites, offline tasks against the stock lm-eval formats, the report's standard errors,
-`ladder eval` end to end on tiny checkpoints (cache included), bad input, and the stock `lm_eval`
-command line giving the same numbers."""
+`ladder eval` end to end on tiny checkpoints (cache included), two processes against one, chat
+templates on the embedded SmolLM2-Instruct, what makes the cache miss, bad input, and the stock
+`lm_eval` command line giving the same numbers."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +94,10 @@ def test_paper_suite_names_resolve_in_lm_eval():
         ({"tasks": [{"limit": 3}]}, "task 1: expected a task name"),
         ({"tasks": ["ladder_piqa", "ladder_piqa"]}, "listed twice"),
         ({"tasks": ["ladder_piqa"], "offline": "yes"}, "offline must be true or false"),
+        ({"tasks": [{"task": "ladder_piqa", "fewshot_as_multiturn": True}]}, "fewshot_as_multiturn needs apply_chat"),
+        ({"tasks": [{"task": "ladder_piqa", "apply_chat_template": 1}]}, "apply_chat_template must be"),
+        ({"tasks": [{"task": "ladder_piqa", "gen_kwargs": "max_gen_toks=5"}]}, "gen_kwargs must be a mapping"),
+        ({"tasks": [{"task": "ladder_piqa", "system_instruction": 3}]}, "system_instruction must be a string"),
     ],
 )
 def test_bad_suites_name_the_fault(data, message):
@@ -101,6 +108,23 @@ def test_bad_suites_name_the_fault(data, message):
 def test_limit_caps_every_task():
     suite = parse_suite({"tasks": [{"task": "a", "limit": 3}, "b"]}, "s").with_limit(5)
     assert [t.limit for t in suite.tasks] == [3, 5]
+
+
+def test_chat_options_from_the_suite_and_the_command_line():
+    paper = load_suite("paper")
+    gsm8k = next(t for t in paper.tasks if t.task.startswith("gsm8k"))
+    assert gsm8k.apply_chat_template is True and gsm8k.fewshot_as_multiturn
+    assert not any(t.apply_chat_template for t in paper.tasks if t is not gsm8k)  # log-likelihood tasks: plain
+    # A base model: plain prompts everywhere, and with them no few-shot turns.
+    plain = paper.with_chat(apply_chat_template=False)
+    assert not any(t.apply_chat_template or t.fewshot_as_multiturn for t in plain.tasks)
+    options = parse_suite({"tasks": ["a"]}, "s").with_chat(
+        "chatml", True, "Be brief.", {"max_gen_toks": 16, "until": ["\n"]}
+    ).tasks[0].chat_options()
+    assert options == {"apply_chat_template": "chatml", "fewshot_as_multiturn": True,
+                       "system_instruction": "Be brief.", "gen_kwargs": {"max_gen_toks": 16, "until": ["\n"]}}
+    assert cli._gen_kwargs("max_gen_toks=512,temperature=0,do_sample=false") == {
+        "max_gen_toks": 512, "temperature": 0, "do_sample": False}
 
 
 # --- offline tasks --------------------------------------------------------------------------
@@ -253,7 +277,8 @@ def test_ladder_eval_writes_the_report_and_caches_the_baseline(tiny_checkpoint, 
     piqa = rows[("ladder_piqa", "acc")]
     assert piqa["differences"]["upper2"]["method"] == "paired" and piqa["n"] == 6
     # `every` spreads HellaSwag's items over the file (ActivityNet first, WikiHow from item 3243).
-    hellaswag = [json.loads(f.read_text())["per_item"].get("ladder_hellaswag") for f in cache.glob("*.json")]
+    records = [json.loads(f.read_text()) for f in cache.glob("*.json") if f.name != harness.FILE_HASHES]
+    hellaswag = [record["per_item"].get("ladder_hellaswag") for record in records]
     assert [c["acc,none"]["doc_id"] for c in hellaswag if c] == [[0, 1000, 2000, 3000, 4000, 5000]] * 2
     wikitext = rows[("ladder_wikitext", "word_perplexity")]
     assert wikitext["scores"][tiny_checkpoint.name]["stderr"] > 0  # bootstrapped: lm-eval gives N/A
@@ -330,13 +355,207 @@ def test_cache_keys_are_the_same_in_every_process():
         "from ladder.eval import harness; from ladder.eval.suite import load_suite\n"
         "suite = load_suite('offline')\n"
         "prepared = harness.task_configs(suite, harness.task_manager(suite))\n"
-        "print(*[harness.cache_key('model', task, prepared[task.task]) for task in suite.tasks])\n"
+        "hashes, runtime = harness.FileHashes(None), harness.Runtime('cpu', 'float32')\n"
+        "identities = [harness.task_identity(task, prepared[task.task], hashes) for task in suite.tasks]\n"
+        "print(*[harness.cache_key({'weights': 'w'}, identity, runtime, 8) for identity in identities])\n"
     )
     keys = [
         subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
         for _ in range(2)
     ]
     assert len(keys[0]) == len(OFFLINE_TASKS) and keys[0] == keys[1]
+
+
+# --- device, processes, samples ----------------------------------------------------------------
+
+
+def _samples(folder: Path, label: str, task: str) -> list[dict]:
+    lines = (folder / "samples" / label / f"{task}.jsonl").read_text().splitlines()
+    return sorted((json.loads(line) for line in lines), key=lambda sample: sample["doc_id"])
+
+
+def test_runtime_defaults_to_cpu_float32_without_a_gpu():
+    import torch
+
+    runtime = harness.resolve_runtime()
+    if torch.cuda.is_available():
+        assert runtime.device == "cuda:0" and runtime.dtype in ("bfloat16", "float16")
+    else:
+        assert (runtime.device, runtime.dtype, runtime.processes) == ("cpu", "float32", 1)
+        with pytest.raises(UsageError, match="no CUDA GPU is visible"):
+            harness.resolve_runtime("cuda:0")
+    assert harness.resolve_runtime("cpu", "bfloat16").dtype == "bfloat16"
+    with pytest.raises(UsageError, match="--device 'gpu'"):
+        harness.resolve_runtime("gpu")
+
+
+def test_two_processes_score_the_items_of_one(tiny_checkpoint, tmp_path, capfd):
+    """`--processes 2` (accelerate launch, gloo on the CPU) splits the items and gives the same
+    per-item results and scores as one process."""
+    suite = _write_suite(tmp_path / "s.yaml", [{"task": "ladder_piqa", "limit": 10}, {"task": "ladder_wikitext", "limit": 2}])
+    common = [str(tiny_checkpoint), "--suite", str(suite), "--no-cache", "--log-samples", "--device", "cpu"]
+    assert cli.main([*common, "--out", str(tmp_path / "one")]) == 0
+    assert cli.main([*common, "--out", str(tmp_path / "two"), "--processes", "2"]) == 0
+    output = capfd.readouterr()
+    assert "float32 on cpu, 2 process(es)" in output.err and "| ladder_piqa | acc" in output.out
+
+    label = tiny_checkpoint.name
+    one, two = (json.loads((tmp_path / run / f"{label}.json").read_text()) for run in ("one", "two"))
+    assert (one["config"]["processes"], two["config"]["processes"]) == (1, 2)
+    assert two["config"]["device"] == "cpu" and two["config"]["dtype"] == "float32"
+    for task, size in (("ladder_piqa", 10), ("ladder_wikitext", 2)):
+        single, double = _samples(tmp_path / "one", label, task), _samples(tmp_path / "two", label, task)
+        # Each item once: the processes split the items instead of each scoring all of them.
+        assert [s["doc_id"] for s in double] == [s["doc_id"] for s in single] == list(range(size))
+        for a, b in zip(single, double):
+            assert a["filter"] == b["filter"] and a["target"] == b["target"] and a["arguments"] == b["arguments"]
+            assert np.allclose(np.array(a["resps"], dtype=float), np.array(b["resps"], dtype=float), rtol=1e-5)
+    for task, metrics in one["results"].items():
+        for key, value in metrics.items():
+            if isinstance(value, float):
+                assert two["results"][task][key] == pytest.approx(value, rel=1e-5), (task, key)
+
+
+def test_chat_template_renders_role_markers_on_the_embedded_instruct_model(tmp_path):
+    """SmolLM2-Instruct's template (ChatML) marks each turn with <|im_start|>ROLE; a plain task has
+    none. One run, one model load: the chat options are per suite task."""
+    chat = {"apply_chat_template": True, "fewshot_as_multiturn": True, "system_instruction": "Answer the question."}
+    suite = _write_suite(tmp_path / "s.yaml", [
+        {"task": "ladder_arc_easy", "limit": 2, "num_fewshot": 1, **chat},
+        {"task": "ladder_arc_challenge", "limit": 2, "num_fewshot": 1},
+    ])
+    assert cli.main(["embedded", "--suite", str(suite), "--no-cache", "--log-samples", "--out", str(tmp_path / "o")]) == 0
+    label = "SmolLM2-135M-Instruct.Q4_1"
+    for sample in _samples(tmp_path / "o", label, "ladder_arc_challenge"):
+        context = sample["arguments"][0][0]  # (context, continuation) of the first answer choice
+        assert "<|im_start|>" not in context and context.startswith("Question: ")
+    for sample in _samples(tmp_path / "o", label, "ladder_arc_easy"):
+        context = sample["arguments"][0][0]
+        assert context.startswith("<|im_start|>system\nAnswer the question.<|im_end|>")
+        # One-shot as turns: the example's question (user), its answer (assistant), then the item.
+        assert context.count("<|im_start|>user\n") == 2 and context.count("<|im_start|>assistant\n") == 2
+        assert context.endswith("<|im_start|>assistant\n")
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert "ladder_arc_easy (1-shot, at most 2, chat template, few-shot as turns, system instruction)" in report["tasks"]
+    options = json.loads((tmp_path / "o" / f"{label}.json").read_text())["ladder"]["chat_options"]
+    assert options["ladder_arc_easy"] == {**chat, "gen_kwargs": None}
+    assert options["ladder_arc_challenge"]["apply_chat_template"] is False
+
+
+def test_chat_template_on_a_model_without_one_is_refused(tiny_checkpoint, tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(tiny_checkpoint, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match="has no chat template"):
+        cli.main([str(base), "--apply-chat-template", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+# --- the cache cannot go stale ----------------------------------------------------------------
+
+
+def _cached(out: Path) -> list[str]:
+    return json.loads((out / "report.json").read_text())["models"][0]["cached_tasks"]
+
+
+def test_cache_misses_on_a_data_byte_and_the_dtype_and_hits_unchanged(tiny_checkpoint, tmp_path):
+    data = tmp_path / "data"
+    for name in ("valid.jsonl", "valid-labels.lst"):
+        (data / "eval" / "piqa").mkdir(parents=True, exist_ok=True)
+        shutil.copy(ladder_data_dir() / "eval" / "piqa" / name, data / "eval" / "piqa" / name)
+    suite = _write_suite(tmp_path / "s.yaml", [{"task": "ladder_piqa", "limit": 4}])
+    cache = tmp_path / "cache"
+    runs = iter(range(100))
+
+    def run(*extra: str) -> list[str]:
+        out = tmp_path / f"run{next(runs)}"
+        assert cli.main([str(tiny_checkpoint), "--suite", str(suite), "--data", str(data), "--cache", str(cache),
+                         "--out", str(out), "--device", "cpu", *extra]) == 0
+        return _cached(out)
+
+    assert run() == []
+    assert run() == ["ladder_piqa"]  # unchanged: a hit
+    items = data / "eval" / "piqa" / "valid.jsonl"
+    index = json.loads((cache / harness.FILE_HASHES).read_text())
+    assert index[str(items.resolve())][:2] == [items.stat().st_size, items.stat().st_mtime_ns]
+    # One byte of an item the run does not even score (the last one) changes the data: a miss.
+    content = bytearray(items.read_bytes())
+    position = content.rindex(b"a")
+    content[position : position + 1] = b"b"
+    items.write_bytes(bytes(content))
+    assert run() == []
+    assert run() == ["ladder_piqa"]
+    assert run("--dtype", "bfloat16") == []
+    assert run("--batch-size", "auto") == []
+    assert run("--dtype", "bfloat16") == ["ladder_piqa"]
+    # A file is hashed once and then known by its size and mtime: the same size and mtime with
+    # other content is not rehashed (the index's trade-off, as make and rsync make it).
+    status = items.stat()
+    content[position : position + 1] = b"c"
+    items.write_bytes(bytes(content))
+    os.utime(items, ns=(status.st_atime_ns, status.st_mtime_ns))
+    assert run() == ["ladder_piqa"]
+
+
+def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):
+    """An edit to a helper of eval/tasks/utils.py (a function the task config does not name) or to
+    the source of the model class changes the key."""
+    from lm_eval.tasks import TaskManager
+
+    tasks = tmp_path / "tasks"
+    shutil.copytree(harness.TASKS_DIR, tasks, ignore=shutil.ignore_patterns("__pycache__"))
+    suite = Suite("s", "", True, (SuiteTask("ladder_piqa", limit=4),))
+    runtime, hashes = harness.Runtime("cpu", "float32"), harness.FileHashes(None)
+
+    def key(model: dict) -> str:
+        manager = TaskManager(include_path=str(tasks), include_defaults=False)
+        identity = harness.task_identity(suite.tasks[0], harness.task_configs(suite, manager)["ladder_piqa"], hashes)
+        return harness.cache_key(model, identity, runtime, 8)
+
+    model = {"weights": "w", "code": "c"}
+    before = key(model)
+    assert key(model) == before
+    utils = tasks / "utils.py"
+    source = utils.read_text()
+    assert "def _read_jsonl" in source
+    utils.write_text(source.replace("def _read_jsonl(path: Path) -> list[dict]:\n",
+                                    "def _read_jsonl(path: Path) -> list[dict]:\n    path = Path(path)\n"))
+    assert key(model) != before
+    assert key({**model, "code": "d"}) != key(model)
+
+    # The model code: the installed class that runs the weights, and every base class's module.
+    from transformers import LlamaForCausalLM
+
+    from ladder.modeling_ladder_llama import LadderLlamaForCausalLM
+
+    module_file = tmp_path / "my_modeling.py"
+
+    def load_class(text: str) -> type:
+        module_file.write_text(text)
+        spec = importlib.util.spec_from_file_location("my_modeling", module_file)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, "my_modeling", module)  # where inspect finds a class's file
+        spec.loader.exec_module(module)
+        return module.MyLlama
+
+    first = harness.code_digest([load_class("from transformers import LlamaForCausalLM\nclass MyLlama(LlamaForCausalLM):\n    pass\n")])
+    edited = harness.code_digest([load_class("from transformers import LlamaForCausalLM\nclass MyLlama(LlamaForCausalLM):\n    x = 1\n")])
+    assert first != edited
+    assert harness.code_digest([LadderLlamaForCausalLM]) != harness.code_digest([LlamaForCausalLM])
+
+
+def test_model_class_is_the_installed_one(tiny_checkpoint, ladder_checkpoints):
+    from transformers import LlamaForCausalLM
+
+    from ladder.loading import embedded_model_path
+    from ladder.modeling_ladder_llama import LadderLlamaForCausalLM
+
+    assert harness.model_class(tiny_checkpoint) is LlamaForCausalLM
+    assert harness.model_class(embedded_model_path()) is LlamaForCausalLM
+    assert harness.model_class(ladder_checkpoints[0]) is LadderLlamaForCausalLM
 
 
 # --- bad input ------------------------------------------------------------------------------
@@ -349,6 +568,11 @@ def test_cache_keys_are_the_same_in_every_process():
         (["--limit", "0"], "not a positive integer"),
         (["--limit", "ten"], "not a positive integer"),
         (["--data", "/nonexistent/data"], "data folder /nonexistent/data does not exist"),
+        (["--device", "tpu"], "--device 'tpu': choose auto, cpu, cuda or cuda:N"),
+        (["--dtype", "int8"], "argument --dtype: invalid choice"),
+        (["--batch-size", "big"], "not a positive integer"),
+        (["--gen-kwargs", "max_gen_toks"], "expected key=value"),
+        (["--fewshot-as-multiturn"], "fewshot_as_multiturn needs apply_chat_template"),
     ],
 )
 def test_bad_arguments_are_usage_errors(tiny_checkpoint, arguments, message):

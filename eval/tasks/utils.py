@@ -1,7 +1,9 @@
 """Datasets and doc processing for the offline lm-eval tasks in this folder.
 
-Each task YAML names a loader here as its `custom_dataset`; lm-eval calls it with the task's
-`dataset_kwargs` and the TaskManager's metadata. The data folder is `metadata["data_dir"]` when
+Each task YAML names a loader here as its `custom_dataset` and lists every file it reads in
+`dataset_kwargs.data_files` (split or role -> path in the data folder); lm-eval calls the loader
+with the task's `dataset_kwargs` and the TaskManager's metadata. Because the files are in the
+config, `ladder eval`'s cache key can hash their content (`data_paths`). The data folder is `metadata["data_dir"]` when
 given (`ladder eval --data`, or `lm_eval --metadata '{"data_dir": ...}'`), else `$LADDER_DATA`,
 else `../shared/data` beside the repository (`ladder.files.ladder_data_dir`). Prompt formatting
 reuses the stock tasks' own functions where they have them, so formats cannot drift apart.
@@ -33,6 +35,13 @@ def data_file(relative: str, data_dir: str | None = None) -> Path:
     return path
 
 
+def data_paths(dataset_kwargs: dict | None, data_dir: str | None = None) -> dict[str, Path]:
+    """The files a task of this folder reads (its `dataset_kwargs.data_files`), by their path in
+    the data folder."""
+    files = (dataset_kwargs or {}).get("data_files") or {}
+    return {relative: data_file(relative, data_dir) for relative in sorted(files.values())}
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     with open(path, encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]
@@ -56,29 +65,25 @@ def _wikitext_pages(path: Path) -> list[dict]:
     return pages
 
 
-def load_wikitext(data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+def load_wikitext(data_files: dict, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
     # The 4,358-line test file has the blank separator lines of the original zip; the 2,891-line
     # copy lacks them and would give other token counts (see the data README).
     return datasets.DatasetDict(
         {
-            "validation": datasets.Dataset.from_list(
-                _wikitext_pages(data_file("eval/wikitext2_raw/wiki.valid.raw", data_dir))
-            ),
-            "test": datasets.Dataset.from_list(
-                _wikitext_pages(data_file("eval/wikitext2_raw/alt_dragnlabs/wiki.test.raw", data_dir))
-            ),
+            split: datasets.Dataset.from_list(_wikitext_pages(data_file(data_files[split], data_dir)))
+            for split in ("validation", "test")
         }
     )
 
 
-def load_lambada_openai(data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
-    records = _read_jsonl(data_file("eval/lambada_openai/lambada_test.jsonl", data_dir))
+def load_lambada_openai(data_files: dict, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+    records = _read_jsonl(data_file(data_files["test"], data_dir))
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(records)})
 
 
-def load_piqa(data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
-    records = _read_jsonl(data_file("eval/piqa/valid.jsonl", data_dir))
-    labels_path = data_file("eval/piqa/valid-labels.lst", data_dir)
+def load_piqa(data_files: dict, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+    records = _read_jsonl(data_file(data_files["validation"], data_dir))
+    labels_path = data_file(data_files["validation_labels"], data_dir)
     labels = [int(line) for line in labels_path.read_text().split()]
     if len(labels) != len(records):
         raise ValueError(f"{labels_path} has {len(labels)} labels for {len(records)} PIQA items")
@@ -87,19 +92,19 @@ def load_piqa(data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
     return datasets.DatasetDict({"validation": datasets.Dataset.from_list(records)})
 
 
-def load_arc(subset: str, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
-    """`subset` is ARC-Easy or ARC-Challenge; all three splits, so few-shot works from train."""
+def load_arc(data_files: dict, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+    """ARC-Easy or ARC-Challenge: all three splits, so few-shot works from train."""
     return datasets.DatasetDict(
         {
-            split: datasets.Dataset.from_list(_read_jsonl(data_file(f"eval/arc/{subset}-{split}.jsonl", data_dir)))
+            split: datasets.Dataset.from_list(_read_jsonl(data_file(data_files[split], data_dir)))
             for split in ("train", "validation", "test")
         }
     )
 
 
-def load_hellaswag(data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+def load_hellaswag(data_files: dict, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
     """The llama.cpp text layout: six lines per item (`label: context`, gold index, four endings)."""
-    path = data_file("eval/hellaswag/hellaswag_val_full.txt.bz2", data_dir)
+    path = data_file(data_files["validation"], data_dir)
     with bz2.open(path, "rt", encoding="utf-8") as handle:
         lines = handle.read().split("\n")
     if lines and lines[-1] == "":
