@@ -245,7 +245,8 @@ def test_chat_records_train_on_the_assistant_turns_only(tmp_path, smollm2_tokeni
     labels = next_token_labels(input_ids, torch.tensor([expected]))
     kept = [t for t in range(len(ids) - 1) if expected[t + 1]]
     direct = torch.nn.functional.cross_entropy(logits[0, kept], input_ids[0, [t + 1 for t in kept]])
-    assert float(lm_loss(logits, labels)) == pytest.approx(float(direct), rel=1e-6)
+    # lm_loss takes final hidden states and the LM head's weight: an identity head makes them the logits.
+    assert float(lm_loss(logits, torch.eye(50), labels)) == pytest.approx(float(direct), rel=1e-6)
 
     (tmp_path / "t.txt").write_text("Plain prose.")
     with pytest.raises(UsageError, match="train_on: assistant needs chat records"):
