@@ -1,5 +1,6 @@
 """The training objectives' arithmetic, apart from the loop: next-token labels, per-block losses
-(adapt's held-out evaluation, and the recovery benchmark), and the logit distillation term."""
+(adapt's held-out evaluation, and the recovery benchmark), the logit distillation term and the
+hidden-state distillation term."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ def kd_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: flo
     return F.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature**2
 
 
+def hidden_loss(student_streams: list[torch.Tensor], teacher_streams: list[torch.Tensor]) -> torch.Tensor:
+    """Mean over layers and positions of ||s - t||² / ||t||², the student's residual stream after
+    each ladder layer against the teacher's after the same layer. Relative per position because every
+    module reads the stream through RMSNorm, which divides each position by its own scale: what the
+    next module sees is the error relative to that scale. Raw MSE would let the upper layers (larger
+    streams) and the few positions with huge activations (the first token's) outweigh the rest."""
+    terms = [
+        ((student.float() - teacher.float()).pow(2).sum(-1) / teacher.float().pow(2).sum(-1).clamp_min(1e-12)).mean()
+        for student, teacher in zip(student_streams, teacher_streams, strict=True)
+    ]
+    return torch.stack(terms).mean()
+
+
 def block_losses(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """The mean next-token loss of each row of `input_ids`."""
     logits = model(input_ids=input_ids, use_cache=False).logits
@@ -33,4 +47,4 @@ def block_losses(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tenso
     return losses.view(input_ids.shape).sum(dim=1) / (input_ids.shape[1] - 1)
 
 
-__all__ = ["block_losses", "kd_loss", "lm_loss", "next_token_labels"]
+__all__ = ["block_losses", "hidden_loss", "kd_loss", "lm_loss", "next_token_labels"]

@@ -45,7 +45,8 @@ import ladder
 from ladder.auto import LadderLlamaConfig, LadderLlamaForCausalLM
 from ladder.errors import UsageError, first_line
 from ladder.files import atomic_directory, sha256_file
-from ladder.layers import check_llama_model_type, format_layers, parse_ladder_layers
+from ladder.layer_search import LayerSearch, calibration_from_files, choose_ladder_layers
+from ladder.layers import AutoLayers, check_llama_model_type, format_layers, parse_auto_layers, parse_ladder_layers
 from ladder.loading import load_model, read_config_dict, resolve_model_path
 from ladder.rewire import ladder_config
 from ladder.tensor_io import (
@@ -116,6 +117,7 @@ class ConversionSummary:
     seconds: float = 0.0
     damage: Damage | None = None
     verify_skipped: str | None = None
+    layer_search: LayerSearch | None = None  # `--layers auto:N`: every candidate's measured damage and the choice
 
 
 def _say(progress: bool, message: str) -> None:
@@ -344,6 +346,19 @@ def _verify(source: Source, converted: Path, dtype: torch.dtype | str) -> Damage
     return measure_damage(original, ladder_model, prompt_ids(tokenizer, ladder_model.config.vocab_size))
 
 
+def _search_layers(source: Source, auto: AutoLayers, calibration: list[Path] | None, progress: bool) -> LayerSearch:
+    """Run the `auto:N` search on the source model (loaded whole, in float32, unless it is a GGUF
+    file, which is loaded already) with calibration text from training data."""
+    if source.model is not None:
+        model, tokenizer = source.model, source.tokenizer
+    else:
+        model, tokenizer = load_model(source.path)
+    _say(progress, f"{auto}: measuring the damage of each candidate layer set on calibration text ...")
+    search = choose_ladder_layers(model, calibration_from_files(tokenizer, calibration), auto)
+    _say(progress, search.summary())
+    return search
+
+
 def _model_card(summary: ConversionSummary, kept_source_card: bool) -> str:
     source_name = Path(summary.source).name
     lines = [
@@ -390,11 +405,14 @@ def convert_checkpoint(
     verify: bool | None = None,
     allow_pickle: bool = False,
     progress: bool = False,
+    calibration: list[str | Path] | None = None,
 ) -> ConversionSummary:
     """Write a ladder copy of `source` (a checkpoint directory, a .gguf file, or None for the
     embedded SmolLM2) into `out` (default `runs/convert/<name>-ladder<N>`).
 
-    `ladder_layers`: N (upper N), "16-31", "3,5,7" or a list; default the upper half. `dtype`:
+    `ladder_layers`: N (upper N), "16-31", "3,5,7" or a list; default the upper half; "auto:N" or
+    "auto:N:any" measure which layers to rewire (`ladder.layer_search`) on `calibration` text files or
+    folders (default: training books from the data folder, never evaluation text). `dtype`:
     cast floating tensors (default: keep the source's; float32 for GGUF). `max_shard_size` in
     bytes: reshard (default: keep the source's shards). `verify`: None = when both models fit in
     memory. Bad input raises `UsageError` before anything is written.
@@ -408,9 +426,12 @@ def convert_checkpoint(
         directory_config = _read_config(source_path)
         num_hidden_layers = directory_config.num_hidden_layers
     # By default the upper half, as in the paper's 16 of 32.
-    layers = parse_ladder_layers(num_hidden_layers // 2 if ladder_layers is None else ladder_layers,
-                                 num_hidden_layers, "--layers")
-    out = Path(out) if out is not None else default_output_dir(source_path, len(layers))
+    spec = num_hidden_layers // 2 if ladder_layers is None else ladder_layers
+    auto = parse_auto_layers(spec, num_hidden_layers, "--layers")
+    if calibration is not None and auto is None:
+        raise UsageError("--calibration goes with --layers auto:N (it is the text the layer search measures on)")
+    layers = parse_ladder_layers(spec, num_hidden_layers, "--layers") if auto is None else None
+    out = Path(out) if out is not None else default_output_dir(source_path, auto.count if auto else len(layers))
     _check_output_location(source_path, out)
     if out.exists() and not force:
         raise UsageError(f"output {out} already exists; pass --force to replace it")
@@ -420,6 +441,10 @@ def convert_checkpoint(
         opened = _load_gguf(source_path, dtype or torch.float32)
     else:
         opened = _open_directory(source_path, directory_config, allow_pickle)
+    search = None
+    if auto is not None:
+        search = _search_layers(opened, auto, calibration, progress)
+        layers = search.chosen
     config = ladder_config(opened.config, layers)
     with torch.device("meta"):
         skeleton = LadderLlamaForCausalLM(config)
@@ -435,7 +460,7 @@ def convert_checkpoint(
         num_hidden_layers=num_hidden_layers, ladder_layers=layers, dtype=_dtype_name(kept),
         weights="copied" if copy_as_is else "rewritten", tensors=len(kept),
         weight_bytes=sum(spec.nbytes for spec in kept), shards=[shard.filename for shard in layout],
-        dropped=dropped, not_copied=opened.not_copied, source_sha256={},
+        dropped=dropped, not_copied=opened.not_copied, source_sha256={}, layer_search=search,
     )
     verify_skipped = _fits_in_memory(kept) if verify is None else None if verify else "skipped: --no-verify"
 
