@@ -15,8 +15,9 @@ happens to lower the loss on a few thousand tokens is no less damaged.
 Cost: no training. The original's residual streams entering every layer are computed once per
 calibration batch; a candidate whose first ladder layer is `s` then runs only layers s..L-1 and the
 LM head from the stored streams (the layers below `s` are the original's, unchanged). For SmolLM2
-(30 layers) `auto:8` costs about 15 full forward passes over the calibration text, `auto:15`
-about 12, `auto:N:any` about 16; `LayerSearch.forward_passes` records it.
+(30 layers) `auto:8` costs the decoder layers of about 16 full forward passes over the calibration
+text, `auto:15` about 13, `auto:N:any` about 18, plus one LM head per candidate (SmolLM2's 49,152-word
+head costs about 4 layers); `LayerSearch.forward_passes` records the layer count.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class LayerSearch:
     overlapped_all_reduces: int  # of 2 * len(chosen)
     calibration_tokens: int
     original_loss: float
-    forward_passes: float  # decoder-layer passes / layers: the cost in full forwards of the calibration text
+    forward_passes: float  # the cost in full forward passes over the calibration text, counted in decoder layers
     seconds: float
     candidates: list[Candidate] = field(default_factory=list)
 
@@ -132,7 +133,8 @@ def forward_from(model: PreTrainedModel, streams: tuple[torch.Tensor, torch.Tens
 @torch.no_grad()
 def measure_candidates(model: PreTrainedModel, calibration: torch.Tensor, candidates: list[list[int]],
                        batch: int = 2) -> tuple[list[Candidate], float, float]:
-    """(each candidate's damage, the original's mean loss, decoder-layer passes) on `calibration` (rows of token ids)."""
+    """(each candidate's damage, the original's mean loss, the cost in full forward passes over
+    `calibration`, counted in decoder layers) on `calibration` (rows of token ids)."""
     num_layers = model.config.num_hidden_layers
     original = to_ladder(model, []).eval()
     rewired = [to_ladder(model, layers).eval() for layers in candidates]
@@ -148,18 +150,18 @@ def measure_candidates(model: PreTrainedModel, calibration: torch.Tensor, candid
         reference = F.log_softmax(original.lm_head(original.model.norm(streams[-1][1]))[:, :-1].float(), dim=-1).flatten(0, 1)
         original_loss_sum += F.nll_loss(reference, labels, reduction="sum").item()
         tokens += labels.numel()
-        passes += num_layers
+        passes += num_layers * len(input_ids)
         for index, (layers, candidate) in enumerate(zip(candidates, rewired, strict=True)):
             start = min(layers)
             logits = forward_from(candidate, streams[start], start, layer_kwargs)
             log_q = F.log_softmax(logits[:, :-1].float(), dim=-1).flatten(0, 1)
             kl_sums[index] += F.kl_div(log_q, reference, log_target=True, reduction="sum").item()
             loss_sums[index] += F.nll_loss(log_q, labels, reduction="sum").item()
-            passes += num_layers - start
+            passes += (num_layers - start) * len(input_ids)
     original_loss = original_loss_sum / tokens
     measured = [Candidate(layers, float(kl / tokens), float(loss / tokens - original_loss))
                 for layers, kl, loss in zip(candidates, kl_sums, loss_sums, strict=True)]
-    return measured, original_loss, passes
+    return measured, original_loss, passes / (num_layers * len(calibration))
 
 
 def choose_ladder_layers(model: PreTrainedModel, calibration: torch.Tensor, auto: AutoLayers, batch: int = 2) -> LayerSearch:
@@ -184,7 +186,7 @@ def choose_ladder_layers(model: PreTrainedModel, calibration: torch.Tensor, auto
     return LayerSearch(
         spec=str(auto), chosen=best.layers, chosen_kl=best.kl, chosen_loss_increase=best.loss_increase,
         overlapped_all_reduces=overlapped_all_reduces(best.layers), calibration_tokens=int(calibration[:, 1:].numel()),
-        original_loss=original_loss, forward_passes=round(passes / num_layers, 2),
+        original_loss=original_loss, forward_passes=round(passes, 2),
         seconds=round(time.perf_counter() - started, 2), candidates=measured,
     )
 
