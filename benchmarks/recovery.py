@@ -1,34 +1,39 @@
 """Recovery experiment on SmolLM2-135M: how much of what the rewiring costs does a short retraining
-win back, and is that recovery or just adaptation to the training text?
+win back per training token, by layer choice and objective, and is that recovery or just
+adaptation to the training text?
 
-Held-out perplexity on two sets the training never sees: `books` (the CPU recipe's evaluation books,
-other authors than its training books) and `wikitext` (WikiText-2 validation, another domain), for:
+Held-out log-perplexity on two sets the training never sees: `books` (the CPU recipe's evaluation
+books, other authors than its training books; in domain) and `wikitext` (WikiText-2 validation,
+out of domain). The grid, from recipes/smollm2-135m-ladder-cpu.yaml:
 
-    original        SmolLM2-135M-Instruct as shipped
-    ladder          its upper layers rewired (the recipe's ladder_layers), no retraining
-    ladder+lm       recipes/smollm2-135m-ladder-cpu.yaml as shipped (next-token loss)
-    ladder+kd       the same, distilling from the original instead (same tokens)
-    original+lm     the control: the original trained the same way (same layers, tokens, lr)
+    shapes       --shapes 8 15 auto:8 auto:15     which layers are rewired (N = the upper N; auto:N
+                                                   is searched once here, as `ladder adapt` would)
+    objectives   --objectives lm kd hidden lm+hidden kd+hidden
+    budgets      --budgets 24576 49152 98304      training tokens (24, 48, 96 steps of 2 x 512)
 
-The table reports each model's gap to the original (perplexity ratio); the rewiring's own cost after
-retraining is ladder+lm against original+lm, which saw the same tokens.
+and for every shape and budget the control: the original model with the same layers trained the
+same way (next-token loss, same tokens). Per trained model the table gives the log-perplexity gap
+to that control and the share of the zero-shot gap (ladder, no retraining, against the original)
+that retraining closed: 1 - (trained - control) / (zero-shot ladder - original). It also gives the
+median wall time per step against `lm` at the same shape and budget. `--suite demo` scores every
+model of the run on the `demo` eval suite at the end (about 4-7 minutes per model here).
 
-Each condition's result is kept in OUT/<condition>.json and reused, so the experiment can run in
-chunks (each trained condition is a few minutes on 2 CPU cores; a quiet machine times them fairly):
+Each condition's result is kept in OUT/<condition>.json and reused, so the grid can run in chunks
+and a killed run continues where it stopped:
 
-    .venv/bin/python benchmarks/recovery.py --conditions original ladder ladder+lm
-    .venv/bin/python benchmarks/recovery.py --conditions ladder+kd
-    .venv/bin/python benchmarks/recovery.py --conditions original+lm
-    .venv/bin/python benchmarks/recovery.py --report        # the table from what is done
+    .venv/bin/python benchmarks/recovery.py --shapes 8 auto:8 --objectives lm kd hidden --budgets 24576
+    .venv/bin/python benchmarks/recovery.py                      # the full grid (see README for its cost)
+    .venv/bin/python benchmarks/recovery.py --report             # the tables from what is done
 
-Extra `key=value` arguments override the recipe for every trained condition (e.g. budget=2e4).
+Extra `key=value` arguments override the recipe for every trained condition (e.g. optimizer.lr=1e-4).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,24 +47,22 @@ sys.path.insert(0, str(REPO))
 import ladder  # noqa: E402
 from ladder.adapt.data import load_blocks  # noqa: E402
 from ladder.adapt.losses import block_losses  # noqa: E402
-from ladder.adapt.recipe import (  # noqa: E402
-    SourceSpec,
-    load_recipe,
-    model_path,
-)
+from ladder.adapt.recipe import SourceSpec, load_recipe, model_path  # noqa: E402
 from ladder.adapt.train import train  # noqa: E402
-from ladder.layers import parse_ladder_layers  # noqa: E402
-from ladder.loading import load_model  # noqa: E402
+from ladder.layer_search import calibration_from_blocks, choose_ladder_layers  # noqa: E402
+from ladder.layers import format_layers, overlapped_all_reduces, parse_auto_layers, parse_ladder_layers  # noqa: E402
+from ladder.loading import load_model, load_tokenizer  # noqa: E402
 
 RECIPE = REPO / "recipes" / "smollm2-135m-ladder-cpu.yaml"
 WIKITEXT = SourceSpec(path="${LADDER_DATA}/eval/wikitext2_raw/wiki.valid.raw", max_tokens=8192)
-# Overrides that make each trained condition from the recipe.
-TRAINED = {
-    "ladder+lm": [],
-    "ladder+kd": ["objective.name=kd"],
-    "original+lm": ["model.ladder_layers=0", "trainable.mode=layers", "trainable.layers={ladder_layers}"],
+OBJECTIVES = {
+    "lm": [],
+    "kd": ["objective.name=kd"],
+    "hidden": ["objective.name=hidden"],
+    "lm+hidden": ["objective.hidden_weight=1"],
+    "kd+hidden": ["objective.name=kd", "objective.hidden_weight=1"],
 }
-CONDITIONS = ["original", "ladder", *TRAINED]
+HELDOUT = ("books", "wikitext")
 
 
 def heldout_sets(recipe, tokenizer) -> dict[str, np.ndarray]:
@@ -71,96 +74,180 @@ def heldout_sets(recipe, tokenizer) -> dict[str, np.ndarray]:
 
 
 @torch.no_grad()
-def heldout_loss(model: torch.nn.Module, blocks: np.ndarray, batch: int) -> float:
+def heldout_losses(model: torch.nn.Module, sets: dict[str, np.ndarray], batch: int) -> dict:
     model.eval()
-    losses = [block_losses(model, torch.from_numpy(blocks[i : i + batch].astype(np.int64)))
-              for i in range(0, len(blocks), batch)]
-    return float(torch.cat(losses).mean())
-
-
-def run_condition(name: str, recipe, overrides: list[str], out: Path) -> dict:
-    started = time.perf_counter()
-    result = {"condition": name}
-    if name in TRAINED:
-        extra = [o.format(ladder_layers=recipe.model.ladder_layers) for o in TRAINED[name]]
-        run_recipe = load_recipe(RECIPE, [*overrides, *extra, f"output_dir={out / name}", "eval_every=100000",
-                                          "data.eval_blocks=0", "resume=true"])
-        final = train(run_recipe)
-        steps = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-        result.update(train_seconds=time.perf_counter() - started, tokens=steps[-1]["tokens"],
-                      overrides=[*overrides, *extra])
-        model, tokenizer = load_model(final)
-    else:
-        model, tokenizer = load_model(model_path(recipe.model.path))
-        if name == "ladder":
-            layers = parse_ladder_layers(recipe.model.ladder_layers, model.config.num_hidden_layers)
-            model = ladder.to_ladder(model, layers)
-    for set_name, blocks in heldout_sets(recipe, tokenizer).items():
-        result[f"{set_name}_loss"] = heldout_loss(model, blocks, recipe.batch.micro_batch)
-        result[f"{set_name}_tokens"] = int(blocks.size)
+    result = {}
+    for name, blocks in sets.items():
+        losses = [block_losses(model, torch.from_numpy(blocks[i : i + batch].astype(np.int64)))
+                  for i in range(0, len(blocks), batch)]
+        result[f"{name}_loss"], result[f"{name}_tokens"] = float(torch.cat(losses).mean()), int(blocks.size)
     return result
 
 
-def report(results: dict[str, dict]) -> str:
+def shape_name(shape: str) -> str:
+    return shape.replace("auto:", "auto") if shape.startswith("auto") else f"upper{shape}"
+
+
+def resolve_shape(shape: str, recipe, out: Path) -> dict:
+    """The layers of a shape; an auto shape is searched once (on the recipe's training blocks, as
+    `ladder adapt` calibrates) and kept in OUT/shape-<name>.json with the search's record."""
+    path = out / f"shape-{shape_name(shape)}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    tokenizer = load_tokenizer(model_path(recipe.model.path))
+    model, _ = load_model(model_path(recipe.model.path))
+    auto = parse_auto_layers(shape, model.config.num_hidden_layers)
+    if auto is None:
+        record = {"layers": parse_ladder_layers(shape, model.config.num_hidden_layers)}
+    else:
+        train_blocks = load_blocks(recipe.data.train, tokenizer, recipe.data.seq_len, Path(recipe.data.cache_dir), "train")
+        search = choose_ladder_layers(model, calibration_from_blocks(train_blocks), auto)
+        print(search.summary(), flush=True)
+        record = {"layers": search.chosen, "search": dataclasses.asdict(search)}
+    path.write_text(json.dumps(record, indent=1))
+    return record
+
+
+def run_zero_shot(name: str, layers: list[int] | None, recipe) -> dict:
+    model, tokenizer = load_model(model_path(recipe.model.path))
+    if layers is not None:
+        model = ladder.to_ladder(model, layers)
+    started = time.perf_counter()
+    result = {"condition": name, "layers": layers, **heldout_losses(model, heldout_sets(recipe, tokenizer), recipe.batch.micro_batch)}
+    return {**result, "eval_seconds": round(time.perf_counter() - started, 1)}
+
+
+def run_trained(name: str, layers: list[int], extra: list[str], overrides: list[str], recipe, out: Path) -> dict:
+    started = time.perf_counter()
+    run_recipe = load_recipe(RECIPE, [*overrides, *extra, f"output_dir={out / name}", "eval_every=100000",
+                                      "data.eval_blocks=0", "resume=true"])
+    final = train(run_recipe)
+    train_seconds = time.perf_counter() - started
+    steps = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    steps = [step for step in steps if "tokens_per_s" in step]
+    model, tokenizer = load_model(final)
+    return {"condition": name, "layers": layers, "overrides": [*overrides, *extra], "tokens": steps[-1]["tokens"],
+            "train_seconds": round(train_seconds, 1),
+            # Median over the steps after the first (which pays one-time costs), as seconds per step.
+            "step_seconds": statistics.median(run_recipe.batch.micro_batch * run_recipe.data.seq_len / s["tokens_per_s"]
+                                              for s in steps[1:] or steps),
+            **heldout_losses(model, heldout_sets(recipe, tokenizer), recipe.batch.micro_batch)}
+
+
+def conditions(args, recipe, out: Path) -> list[tuple[str, callable]]:
+    """(name, function computing its result) for the grid, zero-shot first, each control before its runs."""
+    plan = [("original", lambda: run_zero_shot("original", None, recipe))]
+    for shape in args.shapes:
+        layers = resolve_shape(shape, recipe, out)["layers"]
+        tag = shape_name(shape)
+        plan.append((f"ladder-{tag}", lambda layers=layers, tag=tag: run_zero_shot(f"ladder-{tag}", layers, recipe)))
+        layer_list = "[" + ",".join(map(str, layers)) + "]"
+        for budget in args.budgets if args.objectives else []:
+            common = [f"budget={budget}"]
+            control = ["model.ladder_layers=0", "trainable.mode=layers", f"trainable.layers={layer_list}"]
+            name = f"control-{tag}@{budget}"
+            plan.append((name, lambda name=name, extra=common + control, layers=layers:
+                         run_trained(name, layers, extra, args.overrides, recipe, out)))
+            for objective in args.objectives:
+                name = f"{tag}+{objective}@{budget}"
+                extra = [*common, f"model.ladder_layers={layer_list}", *OBJECTIVES[objective]]
+                plan.append((name, lambda name=name, extra=extra, layers=layers:
+                             run_trained(name, layers, extra, args.overrides, recipe, out)))
+    return plan
+
+
+def report(results: dict[str, dict], out: Path) -> str:
     if "original" not in results:
         return "(no result for `original` yet: the gaps need it)"
     base = results["original"]
-    lines = [
-        "| model | books ppl | gap to original | wikitext ppl | gap to original | training |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name in CONDITIONS:
-        if name not in results:
+    lines = ["Zero-shot damage (ladder, no retraining): log-perplexity increase over the original",
+             "", "| shape | layers | overlapped all-reduces | books | wikitext | search |", "|---|---|---|---|---|---|"]
+    for name, row in results.items():
+        if not name.startswith("ladder-"):
             continue
-        row = results[name]
-        cells = [name]
-        for set_name in ("books", "wikitext"):
-            loss = row[f"{set_name}_loss"]
-            cells += [f"{math.exp(loss):.2f}", f"{math.exp(loss - base[f'{set_name}_loss']) - 1:+.1%}"]
-        cells.append(f"{row['tokens']} tokens, {row['train_seconds']:.0f} s" if row.get("tokens") else "none")
+        tag = name.removeprefix("ladder-")
+        shape_file = out / f"shape-{tag}.json"
+        search = json.loads(shape_file.read_text()).get("search") if shape_file.exists() else None
+        cost = (f"{len(search['candidates'])} candidates, {search['forward_passes']:g} forwards of "
+                f"{search['calibration_tokens']} tokens, {search['seconds']:.0f} s") if search else "-"
+        layers = row["layers"]
+        lines.append(f"| {tag} | {format_layers(layers)} | {overlapped_all_reduces(layers)} of {2 * len(layers)} | "
+                     + " | ".join(f"{row[f'{s}_loss'] - base[f'{s}_loss']:+.4f}" for s in HELDOUT) + f" | {cost} |")
+    lines += ["", "Retrained: log-perplexity gap to the equally trained control (share of the zero-shot gap closed)", "",
+              "| shape | objective | tokens | books gap | books closed | wikitext gap | wikitext closed | s/step | vs lm | train wall |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, row in results.items():
+        if "+" not in name or name.startswith("control-"):
+            continue
+        tag, rest = name.split("+", 1)
+        objective, budget = rest.rsplit("@", 1)
+        control, zero = results.get(f"control-{tag}@{budget}"), results.get(f"ladder-{tag}")
+        lm = results.get(f"{tag}+lm@{budget}")
+        cells = [tag, objective, str(row["tokens"])]
+        for s in HELDOUT:
+            if control is None or zero is None:
+                cells += ["-", "-"]
+                continue
+            gap = row[f"{s}_loss"] - control[f"{s}_loss"]
+            cells += [f"{gap:+.4f}", f"{1 - gap / (zero[f'{s}_loss'] - base[f'{s}_loss']):.0%}"]
+        cells += [f"{row['step_seconds']:.2f}", f"{row['step_seconds'] / lm['step_seconds']:.2f}x" if lm else "-",
+                  f"{row['train_seconds']:.0f} s"]
         lines.append("| " + " | ".join(cells) + " |")
-    notes = []
-    for name in ("ladder+lm", "ladder+kd"):
-        if "ladder" in results and name in results:
-            closed = []
-            for set_name in ("books", "wikitext"):
-                before = results["ladder"][f"{set_name}_loss"] - base[f"{set_name}_loss"]
-                after = results[name][f"{set_name}_loss"] - base[f"{set_name}_loss"]
-                closed.append(f"{set_name} {1 - after / before:.0%}")
-            notes.append(f"{name} closes this share of the rewiring's loss gap to the original: " + ", ".join(closed))
-    if "original+lm" in results:
-        control = results["original+lm"]
-        for name in ("ladder+lm", "ladder+kd"):
-            if name in results:
-                gaps = [f"{set_name} {math.exp(results[name][f'{set_name}_loss'] - control[f'{set_name}_loss']) - 1:+.1%}"
-                        for set_name in ("books", "wikitext")]
-                notes.append(f"{name} against the control original+lm (same tokens): " + ", ".join(gaps))
-    held = f"held-out tokens: books {base['books_tokens']}, wikitext {base['wikitext_tokens']}"
-    return "\n".join(lines + [""] + [f"- {n}" for n in notes + [held]])
+    lines += ["", f"held-out tokens: books {base['books_tokens']}, wikitext {base['wikitext_tokens']}; "
+              "gaps in nats per token (log-perplexity)"]
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=CONDITIONS)
+    parser.add_argument("--shapes", nargs="+", default=["8", "15", "auto:8", "auto:15"], metavar="SHAPE",
+                        help="ladder layers: N (upper N) or auto:N / auto:N:any")
+    parser.add_argument("--objectives", nargs="*", choices=list(OBJECTIVES), default=list(OBJECTIVES),
+                        help="none: zero-shot damage only")
+    parser.add_argument("--budgets", nargs="+", type=int, default=[24576, 49152, 98304], metavar="TOKENS")
+    parser.add_argument("--suite", help="also score every model of the run on this eval suite (e.g. demo)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "recovery")
-    parser.add_argument("--report", action="store_true", help="only print the table of finished conditions")
+    parser.add_argument("--report", action="store_true", help="only print the tables of finished conditions")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     recipe = load_recipe(RECIPE, args.overrides)
-    for name in [] if args.report else args.conditions:
+    for name, compute in [] if args.report else conditions(args, recipe, args.out):
         path = args.out / f"{name}.json"
         if path.exists():
-            print(f"{name}: done before ({path})")
             continue
-        result = run_condition(name, recipe, args.overrides, args.out)
+        result = compute()
         path.write_text(json.dumps(result, indent=1))
-        print(f"{name}: books loss {result['books_loss']:.4f}, wikitext loss {result['wikitext_loss']:.4f}", flush=True)
-    results = {p.stem: json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))}
-    table = report(results)
+        print(f"{name}: books loss {result['books_loss']:.4f}, wikitext loss {result['wikitext_loss']:.4f}"
+              + (f", {result['train_seconds']:.0f} s training" if "train_seconds" in result else ""), flush=True)
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(args.out.glob("*.json")) if not p.stem.startswith("shape-")}
+    table = report(results, args.out)
+    if args.suite and not args.report:
+        table += "\n\n" + score_suite(args.suite, results, args.out)
     (args.out / "report.md").write_text(table + "\n")
     print(table)
     return 0
+
+
+def score_suite(suite_name: str, results: dict[str, dict], out: Path) -> str:
+    """Every finished model of the run, side by side on an eval suite (zero-shot ladder models are
+    converted first; lm-eval's cache keeps scores already computed)."""
+    from ladder.convert.convert import convert_checkpoint
+    from ladder.eval.evaluate import evaluate_models
+    from ladder.eval.suite import load_suite
+
+    models = ["original=embedded"]
+    for name, row in results.items():
+        if name.startswith("ladder-"):
+            directory = out / "converted" / name
+            if not directory.exists():
+                convert_checkpoint(None, out=directory, ladder_layers=row["layers"], verify=False)
+            models.append(f"{name}={directory}")
+        elif name != "original":
+            models.append(f"{name}={out / name / 'model'}")
+    evaluation = evaluate_models(models, load_suite(suite_name), out=out / f"suite-{suite_name}", force=True,
+                                 cache_dir=out / "eval-cache")
+    return f"`{suite_name}` suite ({evaluation.wall_seconds:.0f} s):\n\n{evaluation.table}"
 
 
 if __name__ == "__main__":

@@ -21,7 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
         "form. No weight changes; the output loads with transformers.",
     )
     parser.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory, .gguf file or Hub model ID org/name[@revision] (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--layers", metavar="SPEC", help="ladder layers: N (the upper N), a range 16-31, or a list 3,5,7 (default: the upper half)")
+    parser.add_argument("--layers", metavar="SPEC", help="ladder layers: N (the upper N), a range 16-31, a list 3,5,7, "
+                        "auto:N (the contiguous N layers the rewiring damages least, measured on calibration text) "
+                        "or auto:N:any (any N layers) (default: the upper half)")
+    parser.add_argument("--calibration", nargs="+", type=Path, metavar="PATH",
+                        help="with --layers auto:N: text files or folders of training text to measure on "
+                        "(default: eight Gutenberg training books from the data folder)")
     parser.add_argument("--out", type=Path, metavar="DIR", help="output directory (default: runs/convert/<model>-ladder<N>)")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, help="cast floating weights (default: keep the source's; float32 for GGUF)")
     parser.add_argument("--max-shard-size", metavar="SIZE", help="reshard into files of at most this size, e.g. 5GB, 500MB, 2GiB (default: the source's shards)")
@@ -70,6 +75,8 @@ def format_summary(summary: ConversionSummary) -> str:
         lines.append("  dropped        " + "; ".join(f"{name} ({why})" for name, why in summary.dropped.items()))
     if summary.not_copied:
         lines.append("  not copied     " + ", ".join(summary.not_copied) + " (other weight formats, code, folders)")
+    if summary.layer_search is not None:
+        lines.append(f"  layer search   {summary.layer_search.summary()}")
     lines.append(f"  time           {summary.seconds:.1f} s")
     damage = summary.damage
     if damage is None:
@@ -100,6 +107,7 @@ def main(argv: list[str]) -> int:
         allow_pickle=args.allow_pickle,
         progress=True,
         weights=args.weights,
+        calibration=args.calibration,
     )
     print(format_summary(summary))
     return 0

@@ -45,8 +45,10 @@ from ladder.files import StreamingSha256, atomic_directory, sha256_file
 from ladder.layers import (
     CONFIG_BOOKKEEPING,
     LADDER_MODEL_TYPE,
+    AutoLayers,
     check_llama_model_type,
     format_layers,
+    parse_auto_layers,
     parse_ladder_layers,
 )
 from ladder.loading import DTYPE_NAMES, load_model, model_name, read_config_dict, resolve_model_path
@@ -74,6 +76,8 @@ from ladder.tensor_io import (
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from ladder.layer_search import LayerSearch
 
     from .verify import Damage
 
@@ -137,6 +141,7 @@ class ConversionSummary:
     seconds: float = 0.0
     damage: Damage | None = None
     verify_skipped: str | None = None
+    layer_search: LayerSearch | None = None  # `--layers auto:N`: every candidate's measured damage and the choice
 
 
 def _say(progress: bool, message: str) -> None:
@@ -484,6 +489,21 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
         return measure_damage_layerwise(original, ladder_model, read, _safetensors_reader(converted), dtypes, prompts)
 
 
+def _search_layers(source: Source, auto: AutoLayers, calibration: list[Path] | None, progress: bool) -> LayerSearch:
+    """Run the `auto:N` search on the source model (loaded whole, in float32, unless it is a GGUF
+    file, which is loaded already) with calibration text from training data."""
+    from ladder.layer_search import calibration_from_files, choose_ladder_layers
+
+    if source.model is not None:
+        model, tokenizer = source.model, source.tokenizer
+    else:
+        model, tokenizer = load_model(source.path)
+    _say(progress, f"{auto}: measuring the damage of each candidate layer set on calibration text ...")
+    search = choose_ladder_layers(model, calibration_from_files(tokenizer, calibration), auto)
+    _say(progress, search.summary())
+    return search
+
+
 def _model_card(summary: ConversionSummary, source: SourceFacts, kept_source_card: bool) -> str:
     """README.md: Hub front matter from the source (base model, licence) over what was rewired and
     the damage measured before any retraining."""
@@ -546,11 +566,14 @@ def convert_checkpoint(
     allow_pickle: bool = False,
     progress: bool = False,
     weights: str = "auto",
+    calibration: list[str | Path] | None = None,
 ) -> ConversionSummary:
     """Write a ladder copy of `source` (a checkpoint directory, a .gguf file, or None for the
     embedded SmolLM2) into `out` (default `runs/convert/<name>-ladder<N>`).
 
-    `ladder_layers`: N (upper N), "16-31", "3,5,7" or a list; default the upper half. `dtype`:
+    `ladder_layers`: N (upper N), "16-31", "3,5,7" or a list; default the upper half; "auto:N" or
+    "auto:N:any" measure which layers to rewire (`ladder.layer_search`) on `calibration` text files or
+    folders (default: training books from the data folder, never evaluation text). `dtype`:
     cast floating tensors (a torch dtype or its name; default: keep the source's; float32 for
     GGUF). `max_shard_size` in bytes: reshard (default: keep the source's shards). `verify`: None
     = when both models fit in memory. `weights`: how unchanged weight files reach the output
@@ -570,9 +593,12 @@ def convert_checkpoint(
         directory_config = _read_config(source_path)
         num_hidden_layers = config_size(directory_config, "num_hidden_layers")
     # By default the upper half, as in the paper's 16 of 32.
-    layers = parse_ladder_layers(num_hidden_layers // 2 if ladder_layers is None else ladder_layers,
-                                 num_hidden_layers, "--layers")
-    out = Path(out) if out is not None else default_output_dir(source_path, len(layers))
+    spec = num_hidden_layers // 2 if ladder_layers is None else ladder_layers
+    auto = parse_auto_layers(spec, num_hidden_layers, "--layers")
+    if calibration is not None and auto is None:
+        raise UsageError("--calibration goes with --layers auto:N (it is the text the layer search measures on)")
+    layers = parse_ladder_layers(spec, num_hidden_layers, "--layers") if auto is None else None
+    out = Path(out) if out is not None else default_output_dir(source_path, auto.count if auto else len(layers))
     _check_output_location(source_path, out)
     if out.exists() and not force:
         raise UsageError(f"output {out} already exists; pass --force to replace it")
@@ -582,6 +608,10 @@ def convert_checkpoint(
         opened = _load_gguf(source_path, dtype or "float32")
     else:
         opened = _open_directory(source_path, directory_config, allow_pickle)
+    search = None
+    if auto is not None:
+        search = _search_layers(opened, auto, calibration, progress)
+        layers = search.chosen
     dropped = check_tensors(opened.tensors, opened.config)
     kept = [dataclasses.replace(spec, dtype=dtype) if dtype is not None and spec.is_floating_point else spec
             for spec in opened.tensors.values() if spec.name not in dropped]
@@ -600,7 +630,7 @@ def convert_checkpoint(
         num_hidden_layers=num_hidden_layers, ladder_layers=layers, dtype=_dtype_name(kept),
         weights="copied" if copy_as_is else "rewritten", tensors=len(kept),
         weight_bytes=sum(spec.nbytes for spec in kept), shards=[shard.filename for shard in layout],
-        dropped=dropped, not_copied=opened.not_copied, source_sha256={},
+        dropped=dropped, not_copied=opened.not_copied, source_sha256={}, layer_search=search,
     )
     config = ladder_config_dict(opened.config, layers, summary.dtype)
     verify_skipped = _fits_in_memory(kept) if verify is None else None if verify else "skipped: --no-verify"

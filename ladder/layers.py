@@ -4,6 +4,9 @@ so command-line checks run before any heavy import."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 from .config_rules import resolve_ladder_layers
 from .errors import UsageError
 
@@ -25,9 +28,38 @@ def check_llama_model_type(model_type: object, where: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class AutoLayers:
+    """`auto:N` (the contiguous window of N layers that the rewiring damages least, measured) or
+    `auto:N:any` (any N layers, ranked one by one). `ladder.layer_search.choose_ladder_layers` runs it."""
+
+    count: int
+    contiguous: bool = True
+
+    def __str__(self) -> str:
+        return f"auto:{self.count}" + ("" if self.contiguous else ":any")
+
+
+def parse_auto_layers(spec: object, num_hidden_layers: int, key: str = "ladder layers") -> AutoLayers | None:
+    """The `auto:N` / `auto:N:any` form of a layer choice, or None for any other spec."""
+    if not (isinstance(spec, str) and spec.strip().startswith("auto")):
+        return None
+    match = re.fullmatch(r"auto:(\d+)(:any)?", spec.strip())
+    if match is None:
+        raise UsageError(f"{key}: {spec!r} is not auto:N (a contiguous window of N layers) or auto:N:any (any N layers)")
+    count = int(match.group(1))
+    if not 1 <= count <= num_hidden_layers:
+        raise UsageError(f"{key}: {spec!r} needs 1 <= N <= {num_hidden_layers} (the model has {num_hidden_layers} layers)")
+    return AutoLayers(count, contiguous=match.group(2) is None)
+
+
 def parse_ladder_layers(spec: str | int | list[int], num_hidden_layers: int, key: str = "ladder layers") -> list[int]:
     """A layer choice as a sorted list: `N` (the upper N layers), a range `16-31`, or a list of
-    indices and ranges `3,5,7` / `3-5,9` (as text, an int or a list). Bad input raises `UsageError` naming `key`."""
+    indices and ranges `3,5,7` / `3-5,9` (as text, an int or a list). Bad input raises `UsageError` naming `key`.
+    `auto:N` needs a model to measure: callers that accept it check `parse_auto_layers` first."""
+    if parse_auto_layers(spec, num_hidden_layers, key) is not None:
+        raise UsageError(f"{key}: {spec!r} chooses layers by measuring a model, which is not possible here; "
+                         "name the layers (N, 16-31 or 3,5,7)")
     if isinstance(spec, str):
         text = spec.strip()
         try:
@@ -66,4 +98,15 @@ def format_layers(layers: list[int]) -> str:
     return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs) or "none"
 
 
-__all__ = ["CONFIG_BOOKKEEPING", "LADDER_MODEL_TYPE", "LLAMA_MODEL_TYPES", "check_llama_model_type", "format_layers", "parse_ladder_layers"]
+def overlapped_all_reduces(layers: list[int]) -> int:
+    """How many of the 2 * len(layers) all-reduces of a ladder layer set run behind compute under
+    tensor parallelism: a contiguous block of k ladder layers overlaps 2k - 1 of its 2k (the block's
+    last MLP all-reduce is needed in full by the next standard layer)."""
+    runs = format_layers(sorted(layers)).split(",") if layers else []
+    return 2 * len(layers) - len(runs)
+
+
+__all__ = [
+    "CONFIG_BOOKKEEPING", "LADDER_MODEL_TYPE", "LLAMA_MODEL_TYPES", "AutoLayers", "check_llama_model_type",
+    "format_layers", "overlapped_all_reduces", "parse_auto_layers", "parse_ladder_layers",
+]
