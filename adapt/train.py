@@ -221,7 +221,7 @@ class AdaptRun:
         record = self.run_dir / LAYER_SEARCH_FILE
         with self.accelerator.main_process_first():
             if self.main and not (self.recipe.resume and record.is_file() and json.loads(record.read_text())["spec"] == str(auto)):
-                search = choose_ladder_layers(model, calibration_from_blocks(self.data.train), auto)
+                search = choose_ladder_layers(model, calibration_from_blocks(self.data.train.ids), auto)
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write(record, json.dumps(dataclasses.asdict(search), indent=1) + "\n")
                 self.accelerator.print(search.summary())

@@ -101,7 +101,7 @@ def resolve_shape(shape: str, recipe, out: Path) -> dict:
         record = {"layers": parse_ladder_layers(shape, model.config.num_hidden_layers)}
     else:
         train_blocks = load_blocks(recipe.data.train, tokenizer, recipe.data.seq_len, Path(recipe.data.cache_dir), "train")
-        search = choose_ladder_layers(model, calibration_from_blocks(train_blocks), auto)
+        search = choose_ladder_layers(model, calibration_from_blocks(train_blocks.ids), auto)
         print(search.summary(), flush=True)
         record = {"layers": search.chosen, "search": dataclasses.asdict(search)}
     path.write_text(json.dumps(record, indent=1))
