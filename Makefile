@@ -65,6 +65,7 @@ compat: $(COMPAT_STAMPS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test: lint compat
 	$(BIN)/python -m pytest $(ARGS)

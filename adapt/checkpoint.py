@@ -82,8 +82,10 @@ def check_same_recipe(path: Path, recipe: Recipe) -> None:
     """Refuse to continue from (or return) the checkpoint or final model at `path` unless the recipe
     it was trained with equals `recipe` in every key but those free to change on resume."""
     if not (path / RECIPE_FILE).is_file():
-        raise UsageError(f"resume: {path} has no {RECIPE_FILE}, so which recipe made it is unknown; "
-                         "start a new output_dir (or delete that folder)")
+        raise UsageError(
+            f"resume: {path} has no {RECIPE_FILE}, so which recipe made it is unknown; "
+            "start a new output_dir (or delete that folder)"
+        )
     saved = recipe_from_dict(yaml.safe_load((path / RECIPE_FILE).read_text()))
     if differences := differing_keys(saved.to_dict(), recipe.to_dict()):
         raise UsageError(
@@ -99,11 +101,22 @@ def load_checkpoint(accelerator: Accelerator, path: Path, recipe: Recipe, blocks
     state = TrainState(**json.loads((path / STATE_FILE).read_text()))
     assert state.data_position == state.step * blocks_per_step, "batch shape changed under an equal recipe"
     if state.processes != accelerator.num_processes:
-        raise UsageError(f"resume: {path} was written by {state.processes} process(es); "
-                         f"launch {state.processes}, not {accelerator.num_processes}")
+        raise UsageError(
+            f"resume: {path} was written by {state.processes} process(es); "
+            f"launch {state.processes}, not {accelerator.num_processes}"
+        )
     accelerator.load_state(str(path))
     return state
 
 
-__all__ = ["RECIPE_FILE", "STATE_FILE", "TrainState", "check_same_recipe", "checkpoints", "differing_keys", "latest_checkpoint",
-           "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "RECIPE_FILE",
+    "STATE_FILE",
+    "TrainState",
+    "check_same_recipe",
+    "checkpoints",
+    "differing_keys",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]

@@ -23,8 +23,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("recipe", help="recipe YAML file (see recipes/)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, dotted keys")
     parser.add_argument("--print-recipe", action="store_true", help="print the resolved recipe and exit")
-    parser.add_argument("--prepare-data", action="store_true",
-                        help="tokenize and cache the data only (one process, no weights), then exit")
+    parser.add_argument(
+        "--prepare-data",
+        action="store_true",
+        help="tokenize and cache the data only (one process, no weights), then exit",
+    )
     if not argv:
         raise UsageError("a recipe is needed: ladder adapt RECIPE.yaml [key=value ...] (see recipes/)")
     args = parser.parse_args(argv)
@@ -38,9 +41,11 @@ def main(argv: list[str]) -> int:
 
     if args.prepare_data:
         splits = prepare(recipe)
-        print(f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks of {recipe.data.seq_len} tokens "
-              f"cached under {recipe.data.cache_dir}; {splits.train.masked_share():.1%} of the training tokens are "
-              "masked from the loss (not assistant turns)")
+        print(
+            f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks of {recipe.data.seq_len} tokens "
+            f"cached under {recipe.data.cache_dir}; {splits.train.masked_share():.1%} of the training tokens are "
+            "masked from the loss (not assistant turns)"
+        )
         return 0
 
     try:

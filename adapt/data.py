@@ -106,7 +106,11 @@ def prepare_data(data: DataSpec, tokenizer: PreTrainedTokenizerBase) -> Splits:
     return Splits(train=train, eval=heldout)
 
 
-BLOCK_FILES = {"ids": ("blocks.bin", np.uint32), "targets": ("targets.bin", np.uint8), "starts": ("starts.bin", np.uint8)}
+BLOCK_FILES = {
+    "ids": ("blocks.bin", np.uint32),
+    "targets": ("targets.bin", np.uint8),
+    "starts": ("starts.bin", np.uint8),
+}
 
 
 def load_blocks(
@@ -120,8 +124,12 @@ def load_blocks(
             meta = write_blocks(sources, tokenizer, seq_len, temporary, group)
             (temporary / "meta.json").write_text(json.dumps({**meta, "key": key}, indent=1))
     meta = json.loads((directory / "meta.json").read_text())
-    return Blocks(**{field: np.memmap(directory / name, dtype=dtype, mode="r", shape=(meta["blocks"], seq_len))
-                     for field, (name, dtype) in BLOCK_FILES.items()})
+    return Blocks(
+        **{
+            field: np.memmap(directory / name, dtype=dtype, mode="r", shape=(meta["blocks"], seq_len))
+            for field, (name, dtype) in BLOCK_FILES.items()
+        }
+    )
 
 
 def write_blocks(
@@ -163,8 +171,13 @@ def write_blocks(
     if blocks == 0:
         raise UsageError(f"data.{group} gives fewer than seq_len={seq_len} tokens: no block can be made")
     total = blocks * seq_len + len(pending["ids"])
-    return {"blocks": blocks, "seq_len": seq_len, "documents": documents, "dropped_tail_tokens": len(pending["ids"]),
-            "masked_share": round(1 - target_tokens / total, 6)}
+    return {
+        "blocks": blocks,
+        "seq_len": seq_len,
+        "documents": documents,
+        "dropped_tail_tokens": len(pending["ids"]),
+        "masked_share": round(1 - target_tokens / total, 6),
+    }
 
 
 def tokenize_documents(
@@ -174,22 +187,33 @@ def tokenize_documents(
     characters lie inside a target span (every token of a document without spans)."""
     spans_wanted = any(d.targets is not None for d in documents)
     if spans_wanted and not tokenizer.is_fast:
-        raise UsageError(f"{key}: training on assistant turns only needs a fast tokenizer (character offsets); "
-                         "set train_on: all")
+        raise UsageError(
+            f"{key}: training on assistant turns only needs a fast tokenizer (character offsets); set train_on: all"
+        )
     encoded = tokenizer([d.text for d in documents], add_special_tokens=False, return_offsets_mapping=spans_wanted)
     for n, (document, ids) in enumerate(zip(documents, encoded["input_ids"])):
         if document.targets is None:
             yield ids, [1] * len(ids)
             continue
-        yield ids, [int(any(begin <= start and end <= finish for begin, finish in document.targets))
-                    for start, end in encoded["offset_mapping"][n]]
+        yield (
+            ids,
+            [
+                int(any(begin <= start and end <= finish for begin, finish in document.targets))
+                for start, end in encoded["offset_mapping"][n]
+            ],
+        )
 
 
 def cache_key(sources: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, seq_len: int, group: str) -> str:
     """A hash of everything the blocks depend on: source settings and bytes, tokenizer, seq_len."""
     digest = hashlib.sha256()
-    described = {"format": CACHE_FORMAT, "seq_len": seq_len, "eos": tokenizer.eos_token_id,
-                 "chat_template": tokenizer.chat_template, "sources": []}
+    described = {
+        "format": CACHE_FORMAT,
+        "seq_len": seq_len,
+        "eos": tokenizer.eos_token_id,
+        "chat_template": tokenizer.chat_template,
+        "sources": [],
+    }
     for i, source in enumerate(sources):
         entry = dataclasses.asdict(source)
         if not source.path.startswith(HF_PREFIX):
@@ -260,8 +284,10 @@ def record_text(record: object, source: SourceSpec, tokenizer: PreTrainedTokeniz
     chat = source.format == "chat" or (source.format == "auto" and source.chat_field in record)
     if not chat:
         if source.train_on == "assistant":
-            raise UsageError(f"{where}: train_on: assistant needs chat records, and this record has no "
-                             f"chat field {source.chat_field!r}")
+            raise UsageError(
+                f"{where}: train_on: assistant needs chat records, and this record has no "
+                f"chat field {source.chat_field!r}"
+            )
         if not isinstance(record.get(source.text_field), str):
             raise UsageError(f"{where}: no text field {source.text_field!r} (set text_field or chat_field)")
         return Document(record[source.text_field])
@@ -277,7 +303,9 @@ def record_text(record: object, source: SourceSpec, tokenizer: PreTrainedTokeniz
     return Document(text, assistant_spans(messages, text, tokenizer, where))
 
 
-def assistant_spans(messages: list[dict], text: str, tokenizer: PreTrainedTokenizerBase, where: str) -> list[tuple[int, int]]:
+def assistant_spans(
+    messages: list[dict], text: str, tokenizer: PreTrainedTokenizerBase, where: str
+) -> list[tuple[int, int]]:
     """Character spans of the assistant turns in `text` (the whole chat rendered), each from the end
     of its role header to the end of the turn (its end-of-turn marker included): the text the model
     generates. Found by rendering each prefix of the chat, with the generation prompt for the
@@ -289,8 +317,10 @@ def assistant_spans(messages: list[dict], text: str, tokenizer: PreTrainedTokeni
         header = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True) if k else ""
         turn = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
         if not (text.startswith(turn) and turn.startswith(header)):
-            raise UsageError(f"{where}: the chat template renders this chat's turns differently from the whole chat, "
-                             "so its assistant turns cannot be located; set train_on: all for this source")
+            raise UsageError(
+                f"{where}: the chat template renders this chat's turns differently from the whole chat, "
+                "so its assistant turns cannot be located; set train_on: all for this source"
+            )
         spans.append((len(header), len(turn)))
     return spans
 
@@ -348,5 +378,13 @@ class BlockOrder:
         return np.array([self._permutation(p // self.blocks)[p % self.blocks] for p in positions])
 
 
-__all__ = ["BlockOrder", "Blocks", "Document", "Splits", "document_positions", "load_blocks", "prepare_data",
-           "read_documents"]
+__all__ = [
+    "BlockOrder",
+    "Blocks",
+    "Document",
+    "Splits",
+    "document_positions",
+    "load_blocks",
+    "prepare_data",
+    "read_documents",
+]

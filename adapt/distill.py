@@ -38,8 +38,13 @@ class TeacherOutput:
 
 
 class Distiller:
-    def __init__(self, teacher: torch.nn.Module, student_layers: torch.nn.ModuleList, ladder_layers: list[int],
-                 shared_prefix: bool):
+    def __init__(
+        self,
+        teacher: torch.nn.Module,
+        student_layers: torch.nn.ModuleList,
+        ladder_layers: list[int],
+        shared_prefix: bool,
+    ):
         # The teacher is a ladder model with no ladder layer (`ladder.to_ladder(original, [])`): its
         # layers take and return (attn_stream, mlp_stream) like the student's.
         self.teacher, self.student_layers = teacher, student_layers
@@ -55,11 +60,14 @@ class Distiller:
 
         def keep_prefix(module, args, kwargs):
             captured.prefix = (args[0].detach(), args[1].detach())
-            captured.layer_kwargs = {key: kwargs[key] for key in ("attention_mask", "position_ids", "position_embeddings")}
+            captured.layer_kwargs = {
+                key: kwargs[key] for key in ("attention_mask", "position_ids", "position_embeddings")
+            }
 
         def keep_stream(index):
             def hook(module, args, output):
                 captured.streams[index] = output[1]
+
             return hook
 
         try:
@@ -73,8 +81,9 @@ class Distiller:
                 handle.remove()
 
     @torch.no_grad()
-    def teacher_forward(self, input_ids: torch.Tensor, captured: StudentCapture, final: bool,
-                        position_ids: torch.Tensor | None = None) -> TeacherOutput:
+    def teacher_forward(
+        self, input_ids: torch.Tensor, captured: StudentCapture, final: bool, position_ids: torch.Tensor | None = None
+    ) -> TeacherOutput:
         """The teacher's streams after the ladder layers and (when `final`) its final normed hidden
         states, which the chunked head losses turn into its logits; it stops after the last ladder
         layer when those are not needed."""

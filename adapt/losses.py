@@ -44,8 +44,19 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     chunk by chunk, and kept instead of the logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, teacher_hidden, teacher_weight, lm_weight, kd_weight, temperature,
-                chunk_tokens, needs_grad):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        labels,
+        teacher_hidden,
+        teacher_weight,
+        lm_weight,
+        kd_weight,
+        temperature,
+        chunk_tokens,
+        needs_grad,
+    ):
         flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         rows = flat.shape[0]
         dtype = torch.promote_types(flat.dtype, torch.float32)  # logits in float32 at least, as usual
@@ -68,13 +79,20 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 grad.scatter_add_(1, safe_target[:, None], -torch.ones_like(grad[:, :1]))
                 grad.mul_((valid.to(dtype) * (lm_weight / counted))[:, None])
             if kd_weight:
-                teacher_log_probs = ((teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[start : start + chunk_tokens]
-                                      @ teacher_weight.T).to(dtype) / temperature).log_softmax(-1)
+                teacher_log_probs = (
+                    (
+                        teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[start : start + chunk_tokens]
+                        @ teacher_weight.T
+                    ).to(dtype)
+                    / temperature
+                ).log_softmax(-1)
                 student_log_probs = (logits / temperature).log_softmax(-1)
                 kd_sum += (teacher_log_probs.exp() * (teacher_log_probs - student_log_probs)).sum()
                 if needs_grad[0] or needs_grad[1]:
                     # d(T² KL / rows)/d logits = T (softmax(z / T) - teacher) / rows.
-                    grad.add_((student_log_probs.exp_() - teacher_log_probs.exp_()).mul_(kd_weight * temperature / rows))
+                    grad.add_(
+                        (student_log_probs.exp_() - teacher_log_probs.exp_()).mul_(kd_weight * temperature / rows)
+                    )
             if needs_grad[0]:
                 grad_hidden[start : start + chunk_tokens] = (grad.to(weight.dtype) @ weight).to(flat.dtype)
             if needs_grad[1]:
@@ -96,7 +114,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return (
             grad_hidden.view(ctx.shapes) * grad_loss if ctx.needs[0] else None,
             grad_weight * grad_loss if ctx.needs[1] else None,
-            None, None, None, None, None, None, None, None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
         )
 
 
@@ -119,18 +144,35 @@ def head_losses(
     if kd_weight and (teacher_hidden is None or teacher_weight is None):
         raise ValueError("kd_weight > 0 needs the teacher's hidden states and LM head weight")
     needs_grad = (torch.is_grad_enabled() and hidden.requires_grad, torch.is_grad_enabled() and weight.requires_grad)
-    return _ChunkedHeadLoss.apply(hidden, weight, labels, teacher_hidden, teacher_weight, 1.0 - kd_weight, kd_weight,
-                                  temperature, chunk_tokens, needs_grad)
+    return _ChunkedHeadLoss.apply(
+        hidden,
+        weight,
+        labels,
+        teacher_hidden,
+        teacher_weight,
+        1.0 - kd_weight,
+        kd_weight,
+        temperature,
+        chunk_tokens,
+        needs_grad,
+    )
 
 
-def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-            chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+def lm_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = CHUNK_TOKENS
+) -> torch.Tensor:
     """Mean next-token cross-entropy over the labels that are not -100, in float32, chunk by chunk."""
     return head_losses(hidden, weight, labels, chunk_tokens=chunk_tokens)[0]
 
 
-def kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor,
-            temperature: float, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+def kd_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> torch.Tensor:
     """KL(teacher || student) of the distributions at `temperature`, per position (every position),
     times T² (so its gradients keep their scale as T changes, Hinton et al. 2015), chunk by chunk."""
     labels = torch.full(hidden.shape[:-1], IGNORE_INDEX, device=hidden.device)
@@ -138,7 +180,9 @@ def kd_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Te
 
 
 @contextlib.contextmanager
-def losses_in_lm_head(model: torch.nn.Module, compute: Callable[[torch.Tensor, torch.Tensor], object]) -> Iterator[list]:
+def losses_in_lm_head(
+    model: torch.nn.Module, compute: Callable[[torch.Tensor, torch.Tensor], object]
+) -> Iterator[list]:
     """While active, a forward of `model` (a causal LM: its output embeddings are applied once, to the
     final hidden states) calls `compute(hidden_states, head_weight)` where the logits would be
     computed, and its LM head then returns logits for no position. Yields a list that receives
@@ -160,14 +204,17 @@ def losses_in_lm_head(model: torch.nn.Module, compute: Callable[[torch.Tensor, t
 
 
 def block_loss_sums(
-    model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `input_ids`: the summed next-token loss over its labelled positions, and their count."""
     labels = next_token_labels(input_ids) if labels is None else labels
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                             reduction="none")
+    losses = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )
     return losses.view(input_ids.shape).sum(dim=1), labels.ne(IGNORE_INDEX).sum(dim=1)
 
 
@@ -190,5 +237,14 @@ def block_losses(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tenso
     return sums / counts
 
 
-__all__ = ["IGNORE_INDEX", "block_loss_sums", "block_losses", "head_losses", "hidden_loss", "kd_loss", "lm_loss",
-           "losses_in_lm_head", "next_token_labels"]
+__all__ = [
+    "IGNORE_INDEX",
+    "block_loss_sums",
+    "block_losses",
+    "head_losses",
+    "hidden_loss",
+    "kd_loss",
+    "lm_loss",
+    "losses_in_lm_head",
+    "next_token_labels",
+]

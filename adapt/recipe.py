@@ -247,15 +247,17 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
     node: dict | list = raw
     parts = re.sub(r"\[(\d+)\]", r".\1", key).split(".")
     for depth, part in enumerate(parts):
-        where = ".".join(parts[:depth + 1])
+        where = ".".join(parts[: depth + 1])
         last = depth == len(parts) - 1
         if isinstance(node, list):
             if not part.isdigit():
                 raise UsageError(f"override {key}: {'.'.join(parts[:depth])} is a list; address its items by number")
             index = int(part)
             if index > len(node):
-                raise UsageError(f"override {key}: {'.'.join(parts[:depth])} has {len(node)} item(s); "
-                                 f"{index} is past the end (use {len(node)} to add one)")
+                raise UsageError(
+                    f"override {key}: {'.'.join(parts[:depth])} has {len(node)} item(s); "
+                    f"{index} is past the end (use {len(node)} to add one)"
+                )
             if index == len(node):
                 node.append({})
             if last:
@@ -350,8 +352,11 @@ def validate(recipe: Recipe) -> None:
         (recipe.data.eval_blocks >= 0, "data.eval_blocks", "must be 0 or more"),
         (0 <= recipe.data.heldout_fraction < 1, "data.heldout_fraction", "must be in [0, 1)"),
         (recipe.optimizer.lr > 0, "optimizer.lr", "must be positive"),
-        (len(recipe.optimizer.betas) == 2 and all(0 <= b < 1 for b in recipe.optimizer.betas),
-         "optimizer.betas", "must be two numbers in [0, 1)"),
+        (
+            len(recipe.optimizer.betas) == 2 and all(0 <= b < 1 for b in recipe.optimizer.betas),
+            "optimizer.betas",
+            "must be two numbers in [0, 1)",
+        ),
         (recipe.optimizer.weight_decay >= 0, "optimizer.weight_decay", "must be 0 or more"),
         (recipe.schedule.warmup_steps >= 0, "schedule.warmup_steps", "must be 0 or more"),
         (0 <= recipe.schedule.warmup_fraction < 1, "schedule.warmup_fraction", "must be in [0, 1)"),
@@ -360,8 +365,11 @@ def validate(recipe: Recipe) -> None:
         (0 <= recipe.objective.kd_weight <= 1, "objective.kd_weight", "must be in [0, 1]"),
         (recipe.objective.temperature > 0, "objective.temperature", "must be positive"),
         (recipe.objective.hidden_weight >= 0, "objective.hidden_weight", "must be 0 (off) or more"),
-        (recipe.objective.name != "hidden" or recipe.objective.hidden_weight == 0, "objective.hidden_weight",
-         "adds the hidden term to lm, kd or mix; objective.name=hidden is that term alone"),
+        (
+            recipe.objective.name != "hidden" or recipe.objective.hidden_weight == 0,
+            "objective.hidden_weight",
+            "adds the hidden term to lm, kd or mix; objective.name=hidden is that term alone",
+        ),
         (recipe.checkpoint_every >= 1, "checkpoint_every", "must be at least 1"),
         (recipe.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1"),
         (recipe.eval_every >= 1, "eval_every", "must be at least 1"),

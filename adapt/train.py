@@ -164,8 +164,13 @@ class AdaptRun:
             id_file = self.run_dir / WANDB_ID_FILE
             if not id_file.is_file():
                 atomic_write(id_file, f"{self.recipe.name}-{os.urandom(4).hex()}")
-            init_kwargs["wandb"] = {"id": id_file.read_text().strip(), "resume": "allow", "name": self.recipe.name,
-                                    "dir": str(self.run_dir), "config": self.recipe.to_dict()}
+            init_kwargs["wandb"] = {
+                "id": id_file.read_text().strip(),
+                "resume": "allow",
+                "name": self.recipe.name,
+                "dir": str(self.run_dir),
+                "config": self.recipe.to_dict(),
+            }
         self.accelerator.init_trackers(self.recipe.name, init_kwargs=init_kwargs)
 
     def setup_budget(self) -> None:
@@ -177,7 +182,9 @@ class AdaptRun:
         if self.total_steps < 1:
             raise UsageError(f"budget {recipe.budget:g} is less than one step ({self.tokens_per_step} tokens)")
         if recipe.trainable.mode == "lora" and self.fsdp:
-            raise UsageError("trainable.mode=lora runs with DDP or one process, not FSDP (the merge needs whole weights)")
+            raise UsageError(
+                "trainable.mode=lora runs with DDP or one process, not FSDP (the merge needs whole weights)"
+            )
 
     def setup_model(self) -> torch.nn.Module:
         """The student (rewired in memory when model.path is an original Llama) and, for `kd` and
@@ -220,7 +227,9 @@ class AdaptRun:
             return parse_ladder_layers(spec, num_layers, "model.ladder_layers")
         record = self.run_dir / LAYER_SEARCH_FILE
         with self.accelerator.main_process_first():
-            if self.main and not (self.recipe.resume and record.is_file() and json.loads(record.read_text())["spec"] == str(auto)):
+            if self.main and not (
+                self.recipe.resume and record.is_file() and json.loads(record.read_text())["spec"] == str(auto)
+            ):
                 search = choose_ladder_layers(model, calibration_from_blocks(self.data.train.ids), auto)
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write(record, json.dumps(dataclasses.asdict(search), indent=1) + "\n")
@@ -246,7 +255,9 @@ class AdaptRun:
         rest = [p for p in parameters if p.ndim < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": spec.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=spec.lr, betas=tuple(spec.betas), eps=spec.eps,
+            lr=spec.lr,
+            betas=tuple(spec.betas),
+            eps=spec.eps,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
@@ -281,7 +292,9 @@ class AdaptRun:
                 if not layers:
                     raise UsageError("trainable.mode=ladder: the model has no ladder layer")
             else:
-                layers = parse_ladder_layers(self.recipe.trainable.layers, model.config.num_hidden_layers, "trainable.layers")
+                layers = parse_ladder_layers(
+                    self.recipe.trainable.layers, model.config.num_hidden_layers, "trainable.layers"
+                )
             model.requires_grad_(False)
             for index in layers:
                 model.model.layers[index].requires_grad_(True)
@@ -289,8 +302,13 @@ class AdaptRun:
             from peft import LoraConfig, get_peft_model
 
             lora = self.recipe.trainable.lora
-            config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                target_modules=lora.target_modules, task_type="CAUSAL_LM")
+            config = LoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                task_type="CAUSAL_LM",
+            )
             try:
                 model = get_peft_model(model, config)
             except ValueError as error:
@@ -300,8 +318,12 @@ class AdaptRun:
                 raise UsageError("objective hidden: the model has no ladder layer whose stream could be matched")
             # The teacher starts from the student's streams when the layers below the first ladder
             # layer are frozen and the teacher is the same original (adapt/distill.py).
-            shared = (mode in ("ladder", "layers") and not self.recipe.model.teacher and bool(self.ladder_layers)
-                      and min(layers, default=0) >= min(self.ladder_layers))
+            shared = (
+                mode in ("ladder", "layers")
+                and not self.recipe.model.teacher
+                and bool(self.ladder_layers)
+                and min(layers, default=0) >= min(self.ladder_layers)
+            )
             decoder_layers = next(module for name, module in model.named_modules() if name.endswith("model.layers"))
             self.distiller = Distiller(self.teacher, decoder_layers, self.ladder_layers, shared_prefix=shared)
         return model
@@ -323,8 +345,12 @@ class AdaptRun:
     def train(self) -> None:
         recipe, accelerator = self.recipe, self.accelerator
         self.progress = tqdm(
-            total=self.total_steps * self.tokens_per_step, initial=self.state.tokens_seen, unit="tok",
-            unit_scale=True, dynamic_ncols=True, disable=not (self.main and recipe.logging.progress),
+            total=self.total_steps * self.tokens_per_step,
+            initial=self.state.tokens_seen,
+            unit="tok",
+            unit_scale=True,
+            dynamic_ncols=True,
+            disable=not (self.main and recipe.logging.progress),
         )
         if self.state.step == 0:
             self.evaluate()
@@ -341,7 +367,11 @@ class AdaptRun:
                 kept = latest_checkpoint(self.checkpoint_dir)
                 raise TrainingDiverged(
                     f"training stopped at step {self.state.step + 1}: loss {loss}, gradient norm {grad_norm}; "
-                    + (f"the last checkpoint, written before that, is kept: {kept}" if kept else "no checkpoint had been written")
+                    + (
+                        f"the last checkpoint, written before that, is kept: {kept}"
+                        if kept
+                        else "no checkpoint had been written"
+                    )
                     + " (try a lower optimizer.lr, or grad_clip)"
                 )
             self.optimizer.step()
@@ -351,8 +381,15 @@ class AdaptRun:
             self.state.tokens_seen += self.tokens_per_step
             self.state.data_position += self.order.per_step
             seconds = time.perf_counter() - started
-            record = {"step": self.state.step, "tokens": self.state.tokens_seen, "loss": loss, "lm_loss": lm_loss,
-                      "lr": lr, "grad_norm": grad_norm, "tokens_per_s": self.tokens_per_step / seconds}
+            record = {
+                "step": self.state.step,
+                "tokens": self.state.tokens_seen,
+                "loss": loss,
+                "lm_loss": lm_loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": self.tokens_per_step / seconds,
+            }
             self.log(record)
             self.progress.update(self.tokens_per_step)
             self.postfix["loss"] = f"{loss:.4f}"
@@ -388,7 +425,9 @@ class AdaptRun:
         targets = np.array(blocks.targets, dtype=np.int64)
         position_ids = None
         if self.recipe.data.isolate_documents:
-            targets[np.asarray(blocks.starts, dtype=bool)] = 0  # a document's first token is not predicted from the one before
+            targets[np.asarray(blocks.starts, dtype=bool)] = (
+                0  # a document's first token is not predicted from the one before
+            )
             position_ids = torch.from_numpy(document_positions(blocks.starts)).to(device)
         return input_ids, next_token_labels(input_ids, torch.from_numpy(targets).to(device)), position_ids
 
@@ -409,17 +448,29 @@ class AdaptRun:
             def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 teacher_hidden = teacher_weight = None
                 if self.distiller is not None:
-                    taught.append(self.distiller.teacher_forward(input_ids, captured, final=bool(kd_weight),
-                                                                 position_ids=position_ids))
+                    taught.append(
+                        self.distiller.teacher_forward(
+                            input_ids, captured, final=bool(kd_weight), position_ids=position_ids
+                        )
+                    )
                     teacher_hidden, teacher_weight = taught[0].final_hidden, self.teacher.lm_head.weight
                 if spec.name == "hidden":  # the next-token loss is reported, not trained on
                     hidden, weight = hidden.detach(), weight.detach()
-                return head_losses(hidden, weight, labels, teacher_hidden, teacher_weight, kd_weight=kd_weight,
-                                   temperature=spec.temperature)
+                return head_losses(
+                    hidden,
+                    weight,
+                    labels,
+                    teacher_hidden,
+                    teacher_weight,
+                    kd_weight=kd_weight,
+                    temperature=spec.temperature,
+                )
 
             student = self.accelerator.unwrap_model(self.model)
-            with (self.distiller.capture() if self.distiller else contextlib.nullcontext()) as captured, \
-                    losses_in_lm_head(student, head) as results:
+            with (
+                self.distiller.capture() if self.distiller else contextlib.nullcontext() as captured,
+                losses_in_lm_head(student, head) as results,
+            ):
                 self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         loss, next_token = results[0]
         if spec.name == "hidden" or spec.hidden_weight > 0:
@@ -450,10 +501,18 @@ class AdaptRun:
         totals = accelerator.reduce(totals, reduction="sum")
         eval_loss = float(totals[0] / totals[1])
         self.model.train()
-        self.log({"step": self.state.step, "tokens": self.state.tokens_seen, "eval_loss": eval_loss,
-                  "eval_perplexity": math.exp(min(eval_loss, 50.0))})
+        self.log(
+            {
+                "step": self.state.step,
+                "tokens": self.state.tokens_seen,
+                "eval_loss": eval_loss,
+                "eval_perplexity": math.exp(min(eval_loss, 50.0)),
+            }
+        )
         self.postfix["eval_loss"] = f"{eval_loss:.4f}"
-        message = f"step {self.state.step}: held-out loss {eval_loss:.4f} (perplexity {math.exp(min(eval_loss, 50)):.2f})"
+        message = (
+            f"step {self.state.step}: held-out loss {eval_loss:.4f} (perplexity {math.exp(min(eval_loss, 50)):.2f})"
+        )
         if self.progress is not None and not self.progress.disable:
             self.progress.write(message)
         else:
@@ -527,18 +586,25 @@ class AdaptRun:
         """README.md of the final model: what was rewired, how it was trained (recipe, data, budget)
         and the held-out loss before and after, from metrics.jsonl."""
         recipe = self.recipe
-        evals = [r for r in (json.loads(line) for line in (self.run_dir / METRICS_FILE).read_text().splitlines())
-                 if "eval_loss" in r]
+        evals = [
+            r
+            for r in (json.loads(line) for line in (self.run_dir / METRICS_FILE).read_text().splitlines())
+            if "eval_loss" in r
+        ]
         hub_datasets = [s.path.removeprefix("hf:") for s in recipe.data.train if s.path.startswith("hf:")]
-        sources = ", ".join(f"`{Path(s.path).name if not s.path.startswith('hf:') else s.path}`"
-                            for s in recipe.data.train)
+        sources = ", ".join(
+            f"`{Path(s.path).name if not s.path.startswith('hf:') else s.path}`" for s in recipe.data.train
+        )
         lines = [
-            origin_line(source), "",
+            origin_line(source),
+            "",
             f"Layers {format_layers(self.ladder_layers)} of {self.num_hidden_layers} are ladder layers "
             "(each module reads the residual stream from before the previous module's output was added, so under "
             "tensor parallelism one module's all-reduce overlaps the next module's compute), and the model was "
-            "retrained to win back the accuracy the rewiring costs.", "",
-            "## Training", "",
+            "retrained to win back the accuracy the rewiring costs.",
+            "",
+            "## Training",
+            "",
             f"- recipe `{recipe.name}` (`{RECIPE_FILE}` beside the weights holds all of it)",
             f"- {self.state.tokens_seen:,} tokens in {self.state.step} steps of {self.tokens_per_step:,} "
             f"({recipe.data.seq_len}-token packed blocks), {self.accelerator.num_processes} process(es)",
@@ -548,14 +614,21 @@ class AdaptRun:
         ]
         if evals:
             lines += ["", "## Held-out loss", "", "| step | tokens | loss | perplexity |", "|---|---|---|---|"]
-            lines += [f"| {r['step']} | {r['tokens']:,} | {r['eval_loss']:.4f} | {r['eval_perplexity']:.2f} |"
-                      for r in (evals if len(evals) <= 2 else [evals[0], evals[-1]])]
-            lines += ["", f"On {len(self.data.eval)} held-out blocks of {recipe.data.seq_len} tokens; every "
-                      f"evaluation is in `metrics.jsonl` of the run ({self.run_dir})."]
+            lines += [
+                f"| {r['step']} | {r['tokens']:,} | {r['eval_loss']:.4f} | {r['eval_perplexity']:.2f} |"
+                for r in (evals if len(evals) <= 2 else [evals[0], evals[-1]])
+            ]
+            lines += [
+                "",
+                f"On {len(self.data.eval)} held-out blocks of {recipe.data.seq_len} tokens; every "
+                f"evaluation is in `metrics.jsonl` of the run ({self.run_dir}).",
+            ]
         lines += ["", loading_section()]
         if licences:
-            lines += ["", f"The source's licence terms apply: {', '.join(f'`{name}`' for name in licences)} "
-                      "are copied from it."]
+            lines += [
+                "",
+                f"The source's licence terms apply: {', '.join(f'`{name}`' for name in licences)} are copied from it.",
+            ]
         return render_card(source, f"{recipe.name} (ladder, retrained)", "\n".join(lines), datasets=hub_datasets)
 
     def cleanup(self) -> None:
@@ -596,8 +669,10 @@ def check_model(recipe: Recipe) -> bool:
         if parse_auto_layers(recipe.model.ladder_layers, config["num_hidden_layers"], "model.ladder_layers") is None:
             parse_ladder_layers(recipe.model.ladder_layers, config["num_hidden_layers"], "model.ladder_layers")
     if recipe.objective.needs_teacher() and is_ladder and not recipe.model.teacher:
-        raise UsageError(f"model.teacher: objective {recipe.objective.name} needs the original model as teacher, "
-                         f"and model.path {path} is already a ladder checkpoint")
+        raise UsageError(
+            f"model.teacher: objective {recipe.objective.name} needs the original model as teacher, "
+            f"and model.path {path} is already a ladder checkpoint"
+        )
     if recipe.model.teacher:
         resolve_model_path(model_path(recipe.model.teacher))
     return is_ladder
@@ -621,11 +696,18 @@ def enable_fsdp_on_cpu(process_group: InitProcessGroupKwargs) -> None:
 def warn_single_cpu_launch() -> None:
     """`accelerate launch --cpu --num_processes N` starts one process unless mpirun is set up
     (accelerate issue #2741); say so instead of silently training alone."""
-    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") and "MASTER_ADDR" in os.environ \
-            and "WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
-        print("ladder adapt: warning: `accelerate launch --cpu` started a single process; for several CPU "
-              "processes use `accelerate launch --multi_gpu --num_processes N` (adapt trains on CPU over "
-              "gloo when no GPU is present)", file=sys.stderr)
+    if (
+        os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+        and "MASTER_ADDR" in os.environ
+        and "WORLD_SIZE" not in os.environ
+        and "PMI_SIZE" not in os.environ
+    ):
+        print(
+            "ladder adapt: warning: `accelerate launch --cpu` started a single process; for several CPU "
+            "processes use `accelerate launch --multi_gpu --num_processes N` (adapt trains on CPU over "
+            "gloo when no GPU is present)",
+            file=sys.stderr,
+        )
 
 
 __all__ = ["AdaptRun", "TrainingDiverged", "prepare", "resume_point", "train"]

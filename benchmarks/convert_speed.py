@@ -38,8 +38,9 @@ from ladder.tensor_io import ShardedWriter, TensorSpec, plan_shards, row_blocks
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
-LLAMA_31_8B_SHAPES = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                          vocab_size=128256)
+LLAMA_31_8B_SHAPES = dict(
+    hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256
+)
 CONVERT_IN_CHILD = """
 import json, os, sys, time
 from ladder.convert.convert import convert_checkpoint
@@ -59,8 +60,11 @@ def write_synthetic_checkpoint(directory: Path, config: LlamaConfig, max_shard_s
     """A checkpoint directory of `config`'s shapes with random float32 weights, written the way
     `save_pretrained` lays it out, streaming (one 64 MiB block in memory at a time)."""
     with torch.device("meta"):
-        names_and_shapes = [(name, tuple(tensor.shape)) for name, tensor in LlamaForCausalLM(config).state_dict().items()
-                            if not (config.tie_word_embeddings and name == "lm_head.weight")]
+        names_and_shapes = [
+            (name, tuple(tensor.shape))
+            for name, tensor in LlamaForCausalLM(config).state_dict().items()
+            if not (config.tie_word_embeddings and name == "lm_head.weight")
+        ]
     specs = [TensorSpec(name, torch.float32, shape) for name, shape in names_and_shapes]
     staging = directory.with_name(directory.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
@@ -107,10 +111,20 @@ def time_copy(source: Path, out: Path) -> float:
     return time.perf_counter() - started
 
 
-def time_conversion(source: Path, out: Path, dtype: str, weights: str, verify: bool = False) -> tuple[float, float, int]:
+def time_conversion(
+    source: Path, out: Path, dtype: str, weights: str, verify: bool = False
+) -> tuple[float, float, int]:
     """(seconds inside the process, seconds with start-up, peak RSS in bytes) of one conversion."""
-    command = [sys.executable, "-c", CONVERT_IN_CHILD, str(source), str(out), dtype, weights,
-               "verify" if verify else "no-verify"]
+    command = [
+        sys.executable,
+        "-c",
+        CONVERT_IN_CHILD,
+        str(source),
+        str(out),
+        dtype,
+        weights,
+        "verify" if verify else "no-verify",
+    ]
     started = time.perf_counter()
     child = subprocess.Popen(command, cwd=REPOSITORY, stdout=subprocess.PIPE, text=True)
     stdout = child.stdout.read()
@@ -128,8 +142,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--verify", action="store_true",
-                        help="convert with verification on (layer by layer; goal: peak RSS within 2 shards)")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="convert with verification on (layer by layer; goal: peak RSS within 2 shards)",
+    )
     parser.add_argument("--cache", choices=["cold", "warm"], nargs="+", default=["cold", "warm"])
     parser.add_argument("--mode", choices=["copy", "link", "bfloat16"], nargs="+", default=["copy", "link", "bfloat16"])
     parser.add_argument("--workdir", type=Path, default=REPOSITORY / "runs" / "bench")
@@ -142,10 +159,14 @@ def main() -> None:
         write_synthetic_checkpoint(source, config, max_shard_size=2 * 10**9)
     shards = sorted(source.glob("*.safetensors"))
     total, largest = sum(p.stat().st_size for p in shards), max(p.stat().st_size for p in shards)
-    print(f"checkpoint: {total / 1e9:.2f} GB in {len(shards)} shards, largest {largest / 1e9:.2f} GB; "
-          f"{os.cpu_count()} CPUs; best of {args.repeats}")
-    print(f"{'mode':<9}{'cache':<6}{'cp -r':>8}{'convert':>9}{'ratio':>7}{'+start':>8}{'ratio':>7}"
-          f"{'peak RSS':>10}{'RSS/shard':>10}{'spread cp/conv':>16}")
+    print(
+        f"checkpoint: {total / 1e9:.2f} GB in {len(shards)} shards, largest {largest / 1e9:.2f} GB; "
+        f"{os.cpu_count()} CPUs; best of {args.repeats}"
+    )
+    print(
+        f"{'mode':<9}{'cache':<6}{'cp -r':>8}{'convert':>9}{'ratio':>7}{'+start':>8}{'ratio':>7}"
+        f"{'peak RSS':>10}{'RSS/shard':>10}{'spread cp/conv':>16}"
+    )
     out = args.workdir / "convert-out"
     for mode in args.mode:
         dtype = "keep" if mode in ("copy", "link") else mode
@@ -161,10 +182,12 @@ def main() -> None:
             copy_seconds = min(copies)
             seconds, wall, _ = min(conversions)
             peak_rss = max(rss for _, _, rss in conversions)
-            print(f"{mode:<9}{cache:<6}{copy_seconds:>7.2f}s{seconds:>8.2f}s{seconds / copy_seconds:>7.2f}"
-                  f"{wall:>7.2f}s{wall / copy_seconds:>7.2f}{peak_rss / 1e9:>8.2f}GB{peak_rss / largest:>10.2f}"
-                  f"{max(copies) / copy_seconds:>9.2f}/{max(c[0] for c in conversions) / seconds:.2f}",
-                  flush=True)
+            print(
+                f"{mode:<9}{cache:<6}{copy_seconds:>7.2f}s{seconds:>8.2f}s{seconds / copy_seconds:>7.2f}"
+                f"{wall:>7.2f}s{wall / copy_seconds:>7.2f}{peak_rss / 1e9:>8.2f}GB{peak_rss / largest:>10.2f}"
+                f"{max(copies) / copy_seconds:>9.2f}/{max(c[0] for c in conversions) / seconds:.2f}",
+                flush=True,
+            )
     print("goals: copy ratio <= 1.05 (<= 1.2 with start-up), link ratio < 0.05, RSS/shard < 1.5")
 
 

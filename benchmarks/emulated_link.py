@@ -33,7 +33,9 @@ _BURST, _QUEUE_LATENCY = "4kb", "1s"
 def check_rate(rate: str) -> str:
     """A tc rate in bits per second, e.g. 20mbit, 1gbit; the error says what is accepted."""
     if rate != LOOPBACK and not _RATE.match(rate):
-        raise UsageError(f"link {rate!r} is not '{LOOPBACK}' or a rate in bits per second such as 20mbit, 500kbit, 1gbit")
+        raise UsageError(
+            f"link {rate!r} is not '{LOOPBACK}' or a rate in bits per second such as 20mbit, 500kbit, 1gbit"
+        )
     return rate
 
 
@@ -41,7 +43,9 @@ def check_tools() -> None:
     """Fail early, with what to install, when this machine cannot make a shaped namespace."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise UsageError(f"--link needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2, or use --link {LOOPBACK}")
+        raise UsageError(
+            f"--link needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2, or use --link {LOOPBACK}"
+        )
     if os.geteuid() != 0:
         raise UsageError(f"--link needs root to create a network namespace; run as root or use --link {LOOPBACK}")
 
@@ -77,7 +81,22 @@ def emulated_link(rate: str) -> Iterator[list[str]]:
     try:
         inside = ("ip", "netns", "exec", name)
         _run(*inside, "ip", "link", "set", "lo", "mtu", "1500", "up")
-        _run(*inside, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", _BURST, "latency", _QUEUE_LATENCY)
+        _run(
+            *inside,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            _BURST,
+            "latency",
+            _QUEUE_LATENCY,
+        )
         yield list(inside)
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)

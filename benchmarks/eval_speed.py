@@ -38,14 +38,44 @@ def save_checkpoint(directory: Path) -> None:
 def ladder_command(model: Path, task: str, limit: int, batch: int, out: Path) -> list[str]:
     suite = out.parent / f"{out.name}.yaml"
     suite.write_text(json.dumps({"offline": True, "tasks": [{"task": task, "limit": limit}]}))
-    return [str(BIN / "ladder"), "eval", str(model), "--suite", str(suite), "--no-cache", "--device", "cpu",
-            "--dtype", "float32", "--batch-size", str(batch), "--out", str(out)]
+    return [
+        str(BIN / "ladder"),
+        "eval",
+        str(model),
+        "--suite",
+        str(suite),
+        "--no-cache",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--batch-size",
+        str(batch),
+        "--out",
+        str(out),
+    ]
 
 
 def stock_command(model: Path, task: str, limit: int, batch: int, out: Path) -> list[str]:
-    return [str(BIN / "lm_eval"), "--model", "hf", "--model_args", f"pretrained={model},dtype=float32",
-            "--tasks", task, "--include_path", str(REPO / "eval" / "tasks"), "--limit", str(limit),
-            "--device", "cpu", "--batch_size", str(batch), "--output_path", str(out)]
+    return [
+        str(BIN / "lm_eval"),
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={model},dtype=float32",
+        "--tasks",
+        task,
+        "--include_path",
+        str(REPO / "eval" / "tasks"),
+        "--limit",
+        str(limit),
+        "--device",
+        "cpu",
+        "--batch_size",
+        str(batch),
+        "--output_path",
+        str(out),
+    ]
 
 
 def accuracy(out: Path, task: str) -> float:
@@ -63,8 +93,13 @@ def main() -> None:
 
     from ladder.files import ladder_data_dir
 
-    environment = {**os.environ, "LADDER_DATA": str(ladder_data_dir()), "HF_HUB_OFFLINE": "1",
-                   "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    environment = {
+        **os.environ,
+        "LADDER_DATA": str(ladder_data_dir()),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
     times: dict[str, list[float]] = {"ladder eval": [], "lm_eval": []}
     accuracies: dict[str, set[float]] = {"ladder eval": set(), "lm_eval": set()}
     with tempfile.TemporaryDirectory(prefix="eval-speed-") as scratch:
@@ -83,12 +118,16 @@ def main() -> None:
                 accuracies[side].add(accuracy(out, args.task))
                 print(f"round {round_ + 1}: {side:<11} {seconds:6.1f} s", flush=True)
 
-    print(f"\n{args.task}, {args.limit} items, SmolLM2-135M-Instruct fp32 on CPU, batch {args.batch_size}, "
-          f"median of {args.rounds} (wall time of the whole command: start-up, loading, scoring)")
+    print(
+        f"\n{args.task}, {args.limit} items, SmolLM2-135M-Instruct fp32 on CPU, batch {args.batch_size}, "
+        f"median of {args.rounds} (wall time of the whole command: start-up, loading, scoring)"
+    )
     rates = {}
     for side, seconds in times.items():
         rates[side] = args.limit / statistics.median(seconds)
-        print(f"{side:<11} {statistics.median(seconds):6.1f} s  {rates[side]:6.2f} items/s  acc {sorted(accuracies[side])}")
+        print(
+            f"{side:<11} {statistics.median(seconds):6.1f} s  {rates[side]:6.2f} items/s  acc {sorted(accuracies[side])}"
+        )
     print(f"ratio ladder eval / lm_eval: {rates['ladder eval'] / rates['lm_eval']:.2f}x (goal >= 0.95)")
     if accuracies["ladder eval"] != accuracies["lm_eval"]:
         sys.exit("the two sides disagree on the accuracy")

@@ -78,8 +78,10 @@ def heldout_losses(model: torch.nn.Module, sets: dict[str, np.ndarray], batch: i
     model.eval()
     result = {}
     for name, blocks in sets.items():
-        losses = [block_losses(model, torch.from_numpy(blocks[i : i + batch].astype(np.int64)))
-                  for i in range(0, len(blocks), batch)]
+        losses = [
+            block_losses(model, torch.from_numpy(blocks[i : i + batch].astype(np.int64)))
+            for i in range(0, len(blocks), batch)
+        ]
         result[f"{name}_loss"], result[f"{name}_tokens"] = float(torch.cat(losses).mean()), int(blocks.size)
     return result
 
@@ -100,7 +102,9 @@ def resolve_shape(shape: str, recipe, out: Path) -> dict:
     if auto is None:
         record = {"layers": parse_ladder_layers(shape, model.config.num_hidden_layers)}
     else:
-        train_blocks = load_blocks(recipe.data.train, tokenizer, recipe.data.seq_len, Path(recipe.data.cache_dir), "train")
+        train_blocks = load_blocks(
+            recipe.data.train, tokenizer, recipe.data.seq_len, Path(recipe.data.cache_dir), "train"
+        )
         search = choose_ladder_layers(model, calibration_from_blocks(train_blocks.ids), auto)
         print(search.summary(), flush=True)
         record = {"layers": search.chosen, "search": dataclasses.asdict(search)}
@@ -113,25 +117,37 @@ def run_zero_shot(name: str, layers: list[int] | None, recipe) -> dict:
     if layers is not None:
         model = ladder.to_ladder(model, layers)
     started = time.perf_counter()
-    result = {"condition": name, "layers": layers, **heldout_losses(model, heldout_sets(recipe, tokenizer), recipe.batch.micro_batch)}
+    result = {
+        "condition": name,
+        "layers": layers,
+        **heldout_losses(model, heldout_sets(recipe, tokenizer), recipe.batch.micro_batch),
+    }
     return {**result, "eval_seconds": round(time.perf_counter() - started, 1)}
 
 
 def run_trained(name: str, layers: list[int], extra: list[str], overrides: list[str], recipe, out: Path) -> dict:
     started = time.perf_counter()
-    run_recipe = load_recipe(RECIPE, [*overrides, *extra, f"output_dir={out / name}", "eval_every=100000",
-                                      "data.eval_blocks=0", "resume=true"])
+    run_recipe = load_recipe(
+        RECIPE,
+        [*overrides, *extra, f"output_dir={out / name}", "eval_every=100000", "data.eval_blocks=0", "resume=true"],
+    )
     final = train(run_recipe)
     train_seconds = time.perf_counter() - started
     steps = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     steps = [step for step in steps if "tokens_per_s" in step]
     model, tokenizer = load_model(final)
-    return {"condition": name, "layers": layers, "overrides": [*overrides, *extra], "tokens": steps[-1]["tokens"],
-            "train_seconds": round(train_seconds, 1),
-            # Median over the steps after the first (which pays one-time costs), as seconds per step.
-            "step_seconds": statistics.median(run_recipe.batch.micro_batch * run_recipe.data.seq_len / s["tokens_per_s"]
-                                              for s in steps[1:] or steps),
-            **heldout_losses(model, heldout_sets(recipe, tokenizer), recipe.batch.micro_batch)}
+    return {
+        "condition": name,
+        "layers": layers,
+        "overrides": [*overrides, *extra],
+        "tokens": steps[-1]["tokens"],
+        "train_seconds": round(train_seconds, 1),
+        # Median over the steps after the first (which pays one-time costs), as seconds per step.
+        "step_seconds": statistics.median(
+            run_recipe.batch.micro_batch * run_recipe.data.seq_len / s["tokens_per_s"] for s in steps[1:] or steps
+        ),
+        **heldout_losses(model, heldout_sets(recipe, tokenizer), recipe.batch.micro_batch),
+    }
 
 
 def conditions(args, recipe, out: Path) -> list[tuple[str, callable]]:
@@ -146,13 +162,25 @@ def conditions(args, recipe, out: Path) -> list[tuple[str, callable]]:
             common = [f"budget={budget}"]
             control = ["model.ladder_layers=0", "trainable.mode=layers", f"trainable.layers={layer_list}"]
             name = f"control-{tag}@{budget}"
-            plan.append((name, lambda name=name, extra=common + control, layers=layers:
-                         run_trained(name, layers, extra, args.overrides, recipe, out)))
+            plan.append(
+                (
+                    name,
+                    lambda name=name, extra=common + control, layers=layers: run_trained(
+                        name, layers, extra, args.overrides, recipe, out
+                    ),
+                )
+            )
             for objective in args.objectives:
                 name = f"{tag}+{objective}@{budget}"
                 extra = [*common, f"model.ladder_layers={layer_list}", *OBJECTIVES[objective]]
-                plan.append((name, lambda name=name, extra=extra, layers=layers:
-                             run_trained(name, layers, extra, args.overrides, recipe, out)))
+                plan.append(
+                    (
+                        name,
+                        lambda name=name, extra=extra, layers=layers: run_trained(
+                            name, layers, extra, args.overrides, recipe, out
+                        ),
+                    )
+                )
     return plan
 
 
@@ -160,22 +188,39 @@ def report(results: dict[str, dict], out: Path) -> str:
     if "original" not in results:
         return "(no result for `original` yet: the gaps need it)"
     base = results["original"]
-    lines = ["Zero-shot damage (ladder, no retraining): log-perplexity increase over the original",
-             "", "| shape | layers | overlapped all-reduces | books | wikitext | search |", "|---|---|---|---|---|---|"]
+    lines = [
+        "Zero-shot damage (ladder, no retraining): log-perplexity increase over the original",
+        "",
+        "| shape | layers | overlapped all-reduces | books | wikitext | search |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, row in results.items():
         if not name.startswith("ladder-"):
             continue
         tag = name.removeprefix("ladder-")
         shape_file = out / f"shape-{tag}.json"
         search = json.loads(shape_file.read_text()).get("search") if shape_file.exists() else None
-        cost = (f"{len(search['candidates'])} candidates, {search['forward_passes']:g} forwards of "
-                f"{search['calibration_tokens']} tokens, {search['seconds']:.0f} s") if search else "-"
+        cost = (
+            (
+                f"{len(search['candidates'])} candidates, {search['forward_passes']:g} forwards of "
+                f"{search['calibration_tokens']} tokens, {search['seconds']:.0f} s"
+            )
+            if search
+            else "-"
+        )
         layers = row["layers"]
-        lines.append(f"| {tag} | {format_layers(layers)} | {overlapped_all_reduces(layers)} of {2 * len(layers)} | "
-                     + " | ".join(f"{row[f'{s}_loss'] - base[f'{s}_loss']:+.4f}" for s in HELDOUT) + f" | {cost} |")
-    lines += ["", "Retrained: log-perplexity gap to the equally trained control (share of the zero-shot gap closed)", "",
-              "| shape | objective | tokens | books gap | books closed | wikitext gap | wikitext closed | s/step | vs lm | train wall |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {tag} | {format_layers(layers)} | {overlapped_all_reduces(layers)} of {2 * len(layers)} | "
+            + " | ".join(f"{row[f'{s}_loss'] - base[f'{s}_loss']:+.4f}" for s in HELDOUT)
+            + f" | {cost} |"
+        )
+    lines += [
+        "",
+        "Retrained: log-perplexity gap to the equally trained control (share of the zero-shot gap closed)",
+        "",
+        "| shape | objective | tokens | books gap | books closed | wikitext gap | wikitext closed | s/step | vs lm | train wall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, row in results.items():
         if "+" not in name or name.startswith("control-"):
             continue
@@ -190,20 +235,36 @@ def report(results: dict[str, dict], out: Path) -> str:
                 continue
             gap = row[f"{s}_loss"] - control[f"{s}_loss"]
             cells += [f"{gap:+.4f}", f"{1 - gap / (zero[f'{s}_loss'] - base[f'{s}_loss']):.0%}"]
-        cells += [f"{row['step_seconds']:.2f}", f"{row['step_seconds'] / lm['step_seconds']:.2f}x" if lm else "-",
-                  f"{row['train_seconds']:.0f} s"]
+        cells += [
+            f"{row['step_seconds']:.2f}",
+            f"{row['step_seconds'] / lm['step_seconds']:.2f}x" if lm else "-",
+            f"{row['train_seconds']:.0f} s",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"held-out tokens: books {base['books_tokens']}, wikitext {base['wikitext_tokens']}; "
-              "gaps in nats per token (log-perplexity)"]
+    lines += [
+        "",
+        f"held-out tokens: books {base['books_tokens']}, wikitext {base['wikitext_tokens']}; "
+        "gaps in nats per token (log-perplexity)",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["8", "15", "auto:8", "auto:15"], metavar="SHAPE",
-                        help="ladder layers: N (upper N) or auto:N / auto:N:any")
-    parser.add_argument("--objectives", nargs="*", choices=list(OBJECTIVES), default=list(OBJECTIVES),
-                        help="none: zero-shot damage only")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["8", "15", "auto:8", "auto:15"],
+        metavar="SHAPE",
+        help="ladder layers: N (upper N) or auto:N / auto:N:any",
+    )
+    parser.add_argument(
+        "--objectives",
+        nargs="*",
+        choices=list(OBJECTIVES),
+        default=list(OBJECTIVES),
+        help="none: zero-shot damage only",
+    )
     parser.add_argument("--budgets", nargs="+", type=int, default=[24576, 49152, 98304], metavar="TOKENS")
     parser.add_argument("--suite", help="also score every model of the run on this eval suite (e.g. demo)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "recovery")
@@ -218,9 +279,14 @@ def main(argv: list[str]) -> int:
             continue
         result = compute()
         path.write_text(json.dumps(result, indent=1))
-        print(f"{name}: books loss {result['books_loss']:.4f}, wikitext loss {result['wikitext_loss']:.4f}"
-              + (f", {result['train_seconds']:.0f} s training" if "train_seconds" in result else ""), flush=True)
-    results = {p.stem: json.loads(p.read_text()) for p in sorted(args.out.glob("*.json")) if not p.stem.startswith("shape-")}
+        print(
+            f"{name}: books loss {result['books_loss']:.4f}, wikitext loss {result['wikitext_loss']:.4f}"
+            + (f", {result['train_seconds']:.0f} s training" if "train_seconds" in result else ""),
+            flush=True,
+        )
+    results = {
+        p.stem: json.loads(p.read_text()) for p in sorted(args.out.glob("*.json")) if not p.stem.startswith("shape-")
+    }
     table = report(results, args.out)
     if args.suite and not args.report:
         table += "\n\n" + score_suite(args.suite, results, args.out)
@@ -245,8 +311,9 @@ def score_suite(suite_name: str, results: dict[str, dict], out: Path) -> str:
             models.append(f"{name}={directory}")
         elif name != "original":
             models.append(f"{name}={out / name / 'model'}")
-    evaluation = evaluate_models(models, load_suite(suite_name), out=out / f"suite-{suite_name}", force=True,
-                                 cache_dir=out / "eval-cache")
+    evaluation = evaluate_models(
+        models, load_suite(suite_name), out=out / f"suite-{suite_name}", force=True, cache_dir=out / "eval-cache"
+    )
     return f"`{suite_name}` suite ({evaluation.wall_seconds:.0f} s):\n\n{evaluation.table}"
 
 

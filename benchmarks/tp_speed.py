@@ -48,12 +48,54 @@ from ladder.tp_model import LlamaShard, ShardShape
 # branch, which grouped-query attention makes 3x cheaper: "cpu-gqa" (Llama-3 style) shows the
 # difference. The others are the published shapes, for GPU machines.
 SHAPES = {
-    "cpu": dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=24, num_hidden_layers=8, vocab_size=8192),
-    "cpu-gqa": dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=8, num_hidden_layers=8, vocab_size=8192),
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30, vocab_size=49152),
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=16, vocab_size=128256),
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256),
-    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8, num_hidden_layers=80, vocab_size=128256),
+    "cpu": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_attention_heads=24,
+        num_key_value_heads=24,
+        num_hidden_layers=8,
+        vocab_size=8192,
+    ),
+    "cpu-gqa": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        num_hidden_layers=8,
+        vocab_size=8192,
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        num_hidden_layers=30,
+        vocab_size=49152,
+    ),
+    "llama-3.2-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=16,
+        vocab_size=128256,
+    ),
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=32,
+        vocab_size=128256,
+    ),
+    "llama-3.1-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        num_hidden_layers=80,
+        vocab_size=128256,
+    ),
 }
 SYNTHETIC = "synthetic:"
 STANDARD, BOUND = "standard", "no-comm bound"
@@ -97,7 +139,9 @@ class Plan:
 # --- One rank (runs under torchrun) --------------------------------------------------------------
 
 
-def synthetic_shard(config: LlamaConfig, rank: int, tp_size: int, dtype: torch.dtype, device: torch.device) -> LlamaShard:
+def synthetic_shard(
+    config: LlamaConfig, rank: int, tp_size: int, dtype: torch.dtype, device: torch.device
+) -> LlamaShard:
     """This rank's shard with random weights (the default nn init): speed runs need no checkpoint."""
     torch.manual_seed(rank)
     default_dtype = torch.get_default_dtype()
@@ -200,7 +244,11 @@ def run_rank(plan: Plan, result_path: Path) -> None:
                     samples[variant.name][0].append(1e3 * decode_s / (plan.new_tokens - 1))
                     samples[variant.name][1].append(1e3 * prefill_s)
             if rank == 0:
-                print(f"  [{plan.link}] batch {batch}: round {round_index + 1}/{rounds} ({time.time() - begun:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"  [{plan.link}] batch {batch}: round {round_index + 1}/{rounds} ({time.time() - begun:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         for variant in plan.variants:
             decode_ms, prefill_ms = samples[variant.name]
             median = statistics.median(decode_ms)
@@ -229,15 +277,30 @@ def run_rank(plan: Plan, result_path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=SYNTHETIC + "cpu", help=f"a checkpoint directory (safetensors) or {SYNTHETIC}NAME, NAME in {', '.join(SHAPES)} (default {SYNTHETIC}cpu)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model",
+        default=SYNTHETIC + "cpu",
+        help=f"a checkpoint directory (safetensors) or {SYNTHETIC}NAME, NAME in {', '.join(SHAPES)} (default {SYNTHETIC}cpu)",
+    )
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree: ranks launched (default 2)")
     parser.add_argument("--batch", default="1,4", help="batch sizes, comma-separated (default 1,4)")
     parser.add_argument("--prompt-length", type=int, default=32, help="prompt tokens per sequence (default 32)")
-    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per run; decode is timed over all but the first (default 16)")
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=16,
+        help="tokens generated per run; decode is timed over all but the first (default 16)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds; medians are reported (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
-    parser.add_argument("--link", default=LOOPBACK, help=f"'{LOOPBACK}' and/or tbf-shaped rates, comma-separated, e.g. {LOOPBACK},100mbit (default {LOOPBACK})")
+    parser.add_argument(
+        "--link",
+        default=LOOPBACK,
+        help=f"'{LOOPBACK}' and/or tbf-shaped rates, comma-separated, e.g. {LOOPBACK},100mbit (default {LOOPBACK})",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank (default 1)")
@@ -246,8 +309,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="CPU: scheduling of gloo's communication threads (default realtime as root, else normal; see prioritize_gloo_threads)",
     )  # fmt: skip
     parser.add_argument("--compile", action="store_true", help="torch.compile the attention and MLP branches")
-    parser.add_argument("--cuda-graphs", action="store_true", help="replay each decode step as one CUDA graph (CUDA only)")
-    parser.add_argument("--out", default="runs/bench/tp_speed.json", help="JSON results (default runs/bench/tp_speed.json)")
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="replay each decode step as one CUDA graph (CUDA only)"
+    )
+    parser.add_argument(
+        "--out", default="runs/bench/tp_speed.json", help="JSON results (default runs/bench/tp_speed.json)"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("PLAN", "RESULT"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -284,11 +351,15 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, str]:
         name = args.model[len(SYNTHETIC) :]
         if name not in SHAPES:
             raise UsageError(f"unknown synthetic shape {name!r}; choose from {', '.join(SHAPES)}")
-        config = LlamaConfig(**SHAPES[name], max_position_embeddings=args.prompt_length + args.new_tokens, tie_word_embeddings=False)
+        config = LlamaConfig(
+            **SHAPES[name], max_position_embeddings=args.prompt_length + args.new_tokens, tie_word_embeddings=False
+        )
         described = f"synthetic {name} (random weights)"
     else:
         config = read_config(args.model)
-        described = f"checkpoint {args.model} (its own ladder layers: {getattr(config, 'ladder_layers', None) or 'none'})"
+        described = (
+            f"checkpoint {args.model} (its own ladder layers: {getattr(config, 'ladder_layers', None) or 'none'})"
+        )
     try:
         for rank in range(args.tp):
             ShardShape.of(config, rank, args.tp)
@@ -300,7 +371,10 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, str]:
         f"{config.num_attention_heads} heads / {config.num_key_value_heads} KV, vocab {config.vocab_size}"
     )
     upper_half = list(range(layers - layers // 2, layers))
-    variants = [Variant(STANDARD, [], "all-reduce"), Variant(f"ladder (all {layers})", list(range(layers)), "all-reduce")]
+    variants = [
+        Variant(STANDARD, [], "all-reduce"),
+        Variant(f"ladder (all {layers})", list(range(layers)), "all-reduce"),
+    ]
     if args.tp > 1:  # at TP=1 there is nothing to overlap and the bound equals standard
         variants += [Variant(f"ladder (upper {len(upper_half)})", upper_half, "all-reduce"), Variant(BOUND, [], "none")]
     plan = Plan(
@@ -361,7 +435,13 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         for row in group:
             row["speedup_vs_standard"] = standard / row["decode_ms_per_token"]
             row["share_of_bound_gain"] = (standard - row["decode_ms_per_token"]) / bound_gain if bound_gain else None
-        summaries.append(dict(link=key[0], batch=key[1], communication_share_of_standard=None if bound is None else 1 - bound / standard))
+        summaries.append(
+            dict(
+                link=key[0],
+                batch=key[1],
+                communication_share_of_standard=None if bound is None else 1 - bound / standard,
+            )
+        )
     return summaries
 
 
@@ -379,7 +459,9 @@ def table(rows: list[dict], summaries: list[dict]) -> str:
                 f"{row['speedup_vs_standard']:>10.2f}x {'n/a' if share is None else f'{share:.0%}':>10} {row['prefill_ms']:>10.1f}"
             )
         if summary["communication_share_of_standard"] is not None:
-            lines.append(f"{summary['link']:<10} {summary['batch']:>5}  communication share of standard decode (1 - bound/standard): {summary['communication_share_of_standard']:.0%}")
+            lines.append(
+                f"{summary['link']:<10} {summary['batch']:>5}  communication share of standard decode (1 - bound/standard): {summary['communication_share_of_standard']:.0%}"
+            )
         lines.append("")
     lines.append(
         f"* {BOUND}: all-reduces skipped, so its OUTPUTS ARE WRONG; it only times a free interconnect.\n"
@@ -407,9 +489,14 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         if plan.tp == 1:
-            print("TP=1: no communication, so nothing for ladder to hide: a sanity run and kernel timings, not a TP figure.")
+            print(
+                "TP=1: no communication, so nothing for ladder to hide: a sanity run and kernel timings, not a TP figure."
+            )
         if plan.device == "cpu" and plan.tp * plan.threads > (os.cpu_count() or 1):
-            print(f"warning: {plan.tp} ranks x {plan.threads} threads exceed the {os.cpu_count()} CPUs: ranks will steal each other's time", file=sys.stderr)
+            print(
+                f"warning: {plan.tp} ranks x {plan.threads} threads exceed the {os.cpu_count()} CPUs: ranks will steal each other's time",
+                file=sys.stderr,
+            )
         rows, runs = [], []
         for link in links:
             plan.link = link
@@ -417,9 +504,19 @@ def main(argv: list[str] | None = None) -> int:
             with emulated_link(link) as prefix:
                 link_rows = launch(plan, prefix)
             rows += link_rows
-            runs.append(dict(link=link, seconds=time.time() - started, load_average_before=load_before, load_average_after=os.getloadavg()[0]))
+            runs.append(
+                dict(
+                    link=link,
+                    seconds=time.time() - started,
+                    load_average_before=load_before,
+                    load_average_after=os.getloadavg()[0],
+                )
+            )
             summaries = add_ratios(rows)
-            print(table([row for row in rows if row["link"] == link], [s for s in summaries if s["link"] == link]), flush=True)
+            print(
+                table([row for row in rows if row["link"] == link], [s for s in summaries if s["link"] == link]),
+                flush=True,
+            )
             report = dict(
                 command=["benchmarks/tp_speed.py", *(argv if argv is not None else sys.argv[1:])],
                 model=described,

@@ -34,8 +34,17 @@ def recipe_for(steps: int, overrides: list[str], out: Path):
 
     base = load_recipe(RECIPE, overrides)
     tokens = steps * base.batch.micro_batch * base.batch.grad_accum * base.data.seq_len
-    return load_recipe(RECIPE, [*overrides, f"budget={tokens}", f"output_dir={out}", "data.eval_blocks=0",
-                                f"checkpoint_every={steps + 1}", "logging.progress=false"])
+    return load_recipe(
+        RECIPE,
+        [
+            *overrides,
+            f"budget={tokens}",
+            f"output_dir={out}",
+            "data.eval_blocks=0",
+            f"checkpoint_every={steps + 1}",
+            "logging.progress=false",
+        ],
+    )
 
 
 def run_adapt(steps: int, overrides: list[str], out: Path) -> list[float]:
@@ -82,12 +91,25 @@ def run_trainer(steps: int, overrides: list[str], out: Path) -> list[float]:
 
     timer = StepTimer()
     arguments = TrainingArguments(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=recipe.batch.micro_batch,
-        gradient_accumulation_steps=recipe.batch.grad_accum, learning_rate=recipe.optimizer.lr,
-        adam_beta1=recipe.optimizer.betas[0], adam_beta2=recipe.optimizer.betas[1],
-        weight_decay=recipe.optimizer.weight_decay, max_grad_norm=recipe.grad_clip, lr_scheduler_type="cosine",
-        warmup_steps=recipe.schedule.warmup_steps, optim="adamw_torch", use_cpu=True, save_strategy="no",
-        report_to=[], logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True, seed=recipe.seed,
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=recipe.batch.micro_batch,
+        gradient_accumulation_steps=recipe.batch.grad_accum,
+        learning_rate=recipe.optimizer.lr,
+        adam_beta1=recipe.optimizer.betas[0],
+        adam_beta2=recipe.optimizer.betas[1],
+        weight_decay=recipe.optimizer.weight_decay,
+        max_grad_norm=recipe.grad_clip,
+        lr_scheduler_type="cosine",
+        warmup_steps=recipe.schedule.warmup_steps,
+        optim="adamw_torch",
+        use_cpu=True,
+        save_strategy="no",
+        report_to=[],
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=recipe.seed,
     )
     Trainer(model=model, args=arguments, train_dataset=dataset, callbacks=[timer]).train()
     return timer.seconds
@@ -130,11 +152,15 @@ def main(argv: list[str]) -> int:
     for kind, result in results.items():
         step = statistics.median(result["seconds"])
         result["tokens_per_s"] = tokens / step
-        print(f"{kind:13} median step {step:.2f} s, {tokens / step:.0f} tokens/s, "
-              f"peak RSS {result['peak_rss_mib']:.0f} MiB")
+        print(
+            f"{kind:13} median step {step:.2f} s, {tokens / step:.0f} tokens/s, "
+            f"peak RSS {result['peak_rss_mib']:.0f} MiB"
+        )
     ratio = results["adapt"]["tokens_per_s"] / results["trainer"]["tokens_per_s"]
-    print(f"batch {recipe.batch.micro_batch} x {recipe.data.seq_len} (grad_accum {recipe.batch.grad_accum}), "
-          f"trainable {recipe.trainable.mode}, {args.rounds} x {args.steps - 1} timed steps per side")
+    print(
+        f"batch {recipe.batch.micro_batch} x {recipe.data.seq_len} (grad_accum {recipe.batch.grad_accum}), "
+        f"trainable {recipe.trainable.mode}, {args.rounds} x {args.steps - 1} timed steps per side"
+    )
     memory = results["adapt"]["peak_rss_mib"] / results["trainer"]["peak_rss_mib"]
     print(f"adapt / Trainer tokens/s: {ratio:.2f}  (goal >= 1.0); peak RSS: {memory:.2f}  (goal <= 0.7)")
     if args.compile:

@@ -20,25 +20,57 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rewire a Llama checkpoint (a Hugging Face directory or a .gguf file) into Ladder Residual "
         "form. No weight changes; the output loads with transformers.",
     )
-    parser.add_argument("model", nargs="?", metavar="MODEL", help="checkpoint directory, .gguf file or Hub model ID org/name[@revision] (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--layers", metavar="SPEC", help="ladder layers: N (the upper N), a range 16-31, a list 3,5,7, "
-                        "auto:N (the contiguous N layers the rewiring damages least, measured on calibration text) "
-                        "or auto:N:any (any N layers) (default: the upper half)")
-    parser.add_argument("--calibration", nargs="+", type=Path, metavar="PATH",
-                        help="with --layers auto:N: text files or folders of training text to measure on "
-                        "(default: eight Gutenberg training books from the data folder)")
-    parser.add_argument("--out", type=Path, metavar="DIR", help="output directory (default: runs/convert/<model>-ladder<N>)")
-    parser.add_argument("--dtype", choices=DTYPE_NAMES, help="cast floating weights (default: keep the source's; float32 for GGUF)")
-    parser.add_argument("--max-shard-size", metavar="SIZE", help="reshard into files of at most this size, e.g. 5GB, 500MB, 2GiB (default: the source's shards)")
-    parser.add_argument("--weights", choices=WEIGHT_MODES, default="auto",
-                        help="how unchanged weight files reach the output: copy (read once, hashed on the way), "
-                        "reflink (btrfs/XFS: shares the blocks, copy-on-write), link (hard links: instant, but the "
-                        "output's files ARE the source's, so editing one in place edits the other; same filesystem "
-                        "only), auto (default: reflink where possible, else copy)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help="checkpoint directory, .gguf file or Hub model ID org/name[@revision] (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--layers",
+        metavar="SPEC",
+        help="ladder layers: N (the upper N), a range 16-31, a list 3,5,7, "
+        "auto:N (the contiguous N layers the rewiring damages least, measured on calibration text) "
+        "or auto:N:any (any N layers) (default: the upper half)",
+    )
+    parser.add_argument(
+        "--calibration",
+        nargs="+",
+        type=Path,
+        metavar="PATH",
+        help="with --layers auto:N: text files or folders of training text to measure on "
+        "(default: eight Gutenberg training books from the data folder)",
+    )
+    parser.add_argument(
+        "--out", type=Path, metavar="DIR", help="output directory (default: runs/convert/<model>-ladder<N>)"
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPE_NAMES, help="cast floating weights (default: keep the source's; float32 for GGUF)"
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="reshard into files of at most this size, e.g. 5GB, 500MB, 2GiB (default: the source's shards)",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_MODES,
+        default="auto",
+        help="how unchanged weight files reach the output: copy (read once, hashed on the way), "
+        "reflink (btrfs/XFS: shares the blocks, copy-on-write), link (hard links: instant, but the "
+        "output's files ARE the source's, so editing one in place edits the other; same filesystem "
+        "only), auto (default: reflink where possible, else copy)",
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
-    parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
-                        help="measure the conversion damage on fixed prompts (default: when both models fit in memory)")
-    parser.add_argument("--allow-pickle", action="store_true", help="read pickle .bin weights, with torch.load(weights_only=True)")
+    parser.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure the conversion damage on fixed prompts (default: when both models fit in memory)",
+    )
+    parser.add_argument(
+        "--allow-pickle", action="store_true", help="read pickle .bin weights, with torch.load(weights_only=True)"
+    )
     return parser
 
 
@@ -82,7 +114,11 @@ def format_summary(summary: ConversionSummary) -> str:
     if damage is None:
         lines.append(f"  damage         {summary.verify_skipped}")
     else:
-        before = "all layers (no ladder layer)" if damage.first_ladder_layer is None else f"layer {damage.first_ladder_layer}"
+        before = (
+            "all layers (no ladder layer)"
+            if damage.first_ladder_layer is None
+            else f"layer {damage.first_ladder_layer}"
+        )
         lines += [
             f"  damage         original vs ladder, no retraining, {damage.prompts} prompts ({damage.tokens} tokens):",
             f"    max |Δ| of hidden states before {before}: {damage.hidden_max_abs_diff:g} (must be 0)",

@@ -96,12 +96,19 @@ GGUF_TYPE_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|B?F\d+)$", re.IGNORECASE)
 WEIGHT_MODES = ("auto", "copy", "reflink", "link")
 # What save_pretrained writes beside config.json so that the checkpoint loads with
 # trust_remote_code=True: the files `auto_map` names and their relative imports.
-AUTO_MAP = {"AutoConfig": "configuration_ladder_llama.LadderLlamaConfig",
-            "AutoModelForCausalLM": "modeling_ladder_llama.LadderLlamaForCausalLM"}
+AUTO_MAP = {
+    "AutoConfig": "configuration_ladder_llama.LadderLlamaConfig",
+    "AutoModelForCausalLM": "modeling_ladder_llama.LadderLlamaForCausalLM",
+}
 MODELING_FILES = ("configuration_ladder_llama.py", "modeling_ladder_llama.py", "config_rules.py")
 # LlamaConfig's defaults for the numbers the tensor shapes depend on (a config.json may omit them).
-LLAMA_SHAPE_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-                        "num_hidden_layers": 32, "num_attention_heads": 32}
+LLAMA_SHAPE_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+}
 
 
 @dataclass
@@ -182,14 +189,21 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a Llama with this config holds (lm_head included even when
     tied), from the config's numbers alone: what `LlamaForCausalLM(config).state_dict()` lists,
     without building a model (a test checks that they agree)."""
-    hidden, intermediate, vocab = (config_size(config, key) for key in ("hidden_size", "intermediate_size", "vocab_size"))
+    hidden, intermediate, vocab = (
+        config_size(config, key) for key in ("hidden_size", "intermediate_size", "vocab_size")
+    )
     heads = config_size(config, "num_attention_heads")
     kv_heads = config_size(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
     head_dim = config_size(config, "head_dim") if config.get("head_dim") is not None else hidden // heads
-    projections = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
-                   "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
-                   "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
-                   "mlp.down_proj": (hidden, intermediate)}
+    projections = {
+        "self_attn.q_proj": (heads * head_dim, hidden),
+        "self_attn.k_proj": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj": (kv_heads * head_dim, hidden),
+        "self_attn.o_proj": (hidden, heads * head_dim),
+        "mlp.gate_proj": (intermediate, hidden),
+        "mlp.up_proj": (intermediate, hidden),
+        "mlp.down_proj": (hidden, intermediate),
+    }
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for layer in range(config_size(config, "num_hidden_layers")):
         prefix = f"model.layers.{layer}."
@@ -266,8 +280,10 @@ def check_tensors(source: dict[str, TensorSpec], config: dict) -> dict[str, str]
         if name.endswith("rotary_emb.inv_freq"):
             dropped[name] = "recomputed from the config"
     if unknown := [name for name in source if name not in expected and name not in dropped]:
-        raise UsageError(f"tensor {', '.join(unknown[:3])} is not part of a Llama with this config "
-                         f"({len(unknown)} such tensor{'s' if len(unknown) > 1 else ''})")
+        raise UsageError(
+            f"tensor {', '.join(unknown[:3])} is not part of a Llama with this config "
+            f"({len(unknown)} such tensor{'s' if len(unknown) > 1 else ''})"
+        )
     if missing := [name for name in expected if name not in source]:
         raise UsageError(f"the checkpoint lacks {len(missing)} tensor(s) its config needs: {', '.join(missing[:3])}")
     for name, shape in expected.items():
@@ -281,8 +297,11 @@ def _output_layout(source: Source, kept: list[TensorSpec], max_shard_size: int |
     if source.format != "safetensors" or max_shard_size is not None:
         return plan_shards(kept, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     names = {spec.name: spec for spec in kept}
-    groups = [kept_in_shard for shard in source.shards
-              if (kept_in_shard := tuple(names[s.name] for s in shard.tensors if s.name in names))]
+    groups = [
+        kept_in_shard
+        for shard in source.shards
+        if (kept_in_shard := tuple(names[s.name] for s in shard.tensors if s.name in names))
+    ]
     return [OutputShard(filename, group) for filename, group in zip(shard_filenames(len(groups)), groups)]
 
 
@@ -340,8 +359,10 @@ def _check_link_possible(source: Path, out: Path) -> None:
     while not existing.exists():
         existing = existing.parent
     if existing.stat().st_dev != source.stat().st_dev:
-        raise UsageError(f"--weights link: the output {out} is on another filesystem than {source}, and hard "
-                         "links cannot cross filesystems; use --weights copy")
+        raise UsageError(
+            f"--weights link: the output {out} is on another filesystem than {source}, and hard "
+            "links cannot cross filesystems; use --weights copy"
+        )
 
 
 def _place_weights(shards: list[Shard], directory: Path, weights: str, bar: tqdm) -> tuple[str, dict[str, str] | None]:
@@ -359,8 +380,10 @@ def _place_weights(shards: list[Shard], directory: Path, weights: str, bar: tqdm
                 if error.errno not in UNSUPPORTED_LINK_ERRNOS:
                     raise
                 if how == "reflink":
-                    raise UsageError(f"--weights reflink: cannot reflink {shard.path} into {directory.parent} "
-                                     f"({os.strerror(error.errno)}; btrfs and XFS can); use --weights copy") from None
+                    raise UsageError(
+                        f"--weights reflink: cannot reflink {shard.path} into {directory.parent} "
+                        f"({os.strerror(error.errno)}; btrfs and XFS can); use --weights copy"
+                    ) from None
                 how = "copy"  # this filesystem has no reflinks
         if how == "copy":
             hashes[shard.path.name] = copy_file(shard.path, target, bar.update)
@@ -393,8 +416,13 @@ def ladder_config_dict(config: dict, layers: list[int], dtype: str) -> dict:
         ladder.setdefault("dtype", config["torch_dtype"])
     if dtype in DTYPE_NAMES:
         ladder["dtype"] = dtype
-    ladder.update(model_type=LADDER_MODEL_TYPE, ladder_layers=layers, architectures=["LadderLlamaForCausalLM"],
-                  auto_map=AUTO_MAP, transformers_version=version("transformers"))
+    ladder.update(
+        model_type=LADDER_MODEL_TYPE,
+        ladder_layers=layers,
+        architectures=["LadderLlamaForCausalLM"],
+        auto_map=AUTO_MAP,
+        transformers_version=version("transformers"),
+    )
     return dict(sorted(with_legacy_rope(ladder).items()))
 
 
@@ -423,8 +451,10 @@ def _fits_in_memory(tensors: list[TensorSpec]) -> str | None:
     available = psutil.virtual_memory().available
     if needed < 0.8 * available:
         return None
-    return (f"skipped: one module of each model needs about {needed / 1e9:.1f} GB in float32, "
-            f"{available / 1e9:.1f} GB is available (--verify runs it anyway)")
+    return (
+        f"skipped: one module of each model needs about {needed / 1e9:.1f} GB in float32, "
+        f"{available / 1e9:.1f} GB is available (--verify runs it anyway)"
+    )
 
 
 def _safetensors_reader(directory: Path) -> Callable[[str], torch.Tensor]:
@@ -508,22 +538,28 @@ def _model_card(summary: ConversionSummary, source: SourceFacts, kept_source_car
     """README.md: Hub front matter from the source (base model, licence) over what was rewired and
     the damage measured before any retraining."""
     lines = [
-        origin_line(source), "",
+        origin_line(source),
+        "",
         f"{len(summary.ladder_layers)} of its {summary.num_hidden_layers} layers are rewired "
         f"({format_layers(summary.ladder_layers)}); no weight was changed ({summary.dtype}). In a ladder layer each "
         "module reads the residual stream from before the previous module's output was added, so under tensor "
         "parallelism one module's all-reduce overlaps the next module's compute. Until it is retrained "
-        "(`ladder adapt`) the model is less accurate than the original.", "",
-        loading_section(), "",
-        "## Conversion damage, before retraining", "",
+        "(`ladder adapt`) the model is less accurate than the original.",
+        "",
+        loading_section(),
+        "",
+        "## Conversion damage, before retraining",
+        "",
     ]
     damage = summary.damage
     if damage is None:
         lines.append(f"Not measured ({summary.verify_skipped}).")
     else:
         lines += [
-            f"On {damage.prompts} fixed prompts ({damage.tokens} tokens), against the original:", "",
-            "| measure | value |", "|---|---|",
+            f"On {damage.prompts} fixed prompts ({damage.tokens} tokens), against the original:",
+            "",
+            "| measure | value |",
+            "|---|---|",
             f"| max abs. difference of hidden states before the first ladder layer | {damage.hidden_max_abs_diff:g} |",
             f"| next-token top-1 agreement | {damage.top1_agreement:.1%} |",
             f"| mean KL(original \\|\\| ladder), nats | {damage.mean_kl:.4f} |",
@@ -532,13 +568,16 @@ def _model_card(summary: ConversionSummary, source: SourceFacts, kept_source_car
     if kept_source_card:
         lines.append("The source's own model card is kept as `README.source.md`.")
     if source.license:
-        lines.append(f"The licence is the source's ({source.license_name or source.license}); its licence files, "
-                     "if it had any, are copied beside the weights.")
+        lines.append(
+            f"The licence is the source's ({source.license_name or source.license}); its licence files, "
+            "if it had any, are copied beside the weights."
+        )
     return render_card(source, Path(summary.output).name, "\n".join(lines))
 
 
-def conversion_differences(out: str | Path, source: str | Path | None,
-                           ladder_layers: str | int | list[int] | None = None) -> list[str]:
+def conversion_differences(
+    out: str | Path, source: str | Path | None, ladder_layers: str | int | list[int] | None = None
+) -> list[str]:
     """The settings that `out`'s conversion.json records differently from these (`source` and
     `ladder_layers` as `convert_checkpoint` takes them): what makes an existing conversion stale.
     Lists `conversion.json` itself when `out` has none (nothing says how it was made)."""
@@ -549,8 +588,9 @@ def conversion_differences(out: str | Path, source: str | Path | None,
     num_hidden_layers = recorded["num_hidden_layers"]
     asked = {
         "source": str(resolve_model_path(source).resolve()),
-        "ladder_layers": parse_ladder_layers(num_hidden_layers // 2 if ladder_layers is None else ladder_layers,
-                                             num_hidden_layers, "ladder_layers"),
+        "ladder_layers": parse_ladder_layers(
+            num_hidden_layers // 2 if ladder_layers is None else ladder_layers, num_hidden_layers, "ladder_layers"
+        ),
     }
     return [key for key, value in asked.items() if recorded.get(key) != value]
 
@@ -613,32 +653,59 @@ def convert_checkpoint(
         search = _search_layers(opened, auto, calibration, progress)
         layers = search.chosen
     dropped = check_tensors(opened.tensors, opened.config)
-    kept = [dataclasses.replace(spec, dtype=dtype) if dtype is not None and spec.is_floating_point else spec
-            for spec in opened.tensors.values() if spec.name not in dropped]
-    copy_as_is = (opened.format == "safetensors" and not dropped and max_shard_size is None
-                  and all(spec.dtype == opened.tensors[spec.name].dtype for spec in kept))
+    kept = [
+        dataclasses.replace(spec, dtype=dtype) if dtype is not None and spec.is_floating_point else spec
+        for spec in opened.tensors.values()
+        if spec.name not in dropped
+    ]
+    copy_as_is = (
+        opened.format == "safetensors"
+        and not dropped
+        and max_shard_size is None
+        and all(spec.dtype == opened.tensors[spec.name].dtype for spec in kept)
+    )
     if weights in ("link", "reflink"):
         if not copy_as_is:
-            raise UsageError(f"--weights {weights}: the weights are rewritten here (a dtype cast, resharding, a "
-                             "dropped tensor or a non-safetensors source), so there are no files to link")
+            raise UsageError(
+                f"--weights {weights}: the weights are rewritten here (a dtype cast, resharding, a "
+                "dropped tensor or a non-safetensors source), so there are no files to link"
+            )
         if weights == "link":
             _check_link_possible(source_path, out)
-    layout = [OutputShard(s.path.name, s.tensors) for s in opened.shards] if copy_as_is else \
-        _output_layout(opened, kept, max_shard_size)
+    layout = (
+        [OutputShard(s.path.name, s.tensors) for s in opened.shards]
+        if copy_as_is
+        else _output_layout(opened, kept, max_shard_size)
+    )
     summary = ConversionSummary(
-        source=str(source_path.resolve()), source_format=opened.format, output=str(out.resolve()),
-        num_hidden_layers=num_hidden_layers, ladder_layers=layers, dtype=_dtype_name(kept),
-        weights="copied" if copy_as_is else "rewritten", tensors=len(kept),
-        weight_bytes=sum(spec.nbytes for spec in kept), shards=[shard.filename for shard in layout],
-        dropped=dropped, not_copied=opened.not_copied, source_sha256={}, layer_search=search,
+        source=str(source_path.resolve()),
+        source_format=opened.format,
+        output=str(out.resolve()),
+        num_hidden_layers=num_hidden_layers,
+        ladder_layers=layers,
+        dtype=_dtype_name(kept),
+        weights="copied" if copy_as_is else "rewritten",
+        tensors=len(kept),
+        weight_bytes=sum(spec.nbytes for spec in kept),
+        shards=[shard.filename for shard in layout],
+        dropped=dropped,
+        not_copied=opened.not_copied,
+        source_sha256={},
+        layer_search=search,
     )
     config = ladder_config_dict(opened.config, layers, summary.dtype)
     verify_skipped = _fits_in_memory(kept) if verify is None else None if verify else "skipped: --no-verify"
 
     with atomic_directory(out, force) as staging:
         total = sum(path.stat().st_size for path in opened.weight_files)
-        with tqdm(desc="weights (sha256 on the way)", total=total, unit="B", unit_scale=True, unit_divisor=1024,
-                  disable=None if progress else True) as bar:
+        with tqdm(
+            desc="weights (sha256 on the way)",
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            disable=None if progress else True,
+        ) as bar:
             if copy_as_is:
                 summary.weights, summary.source_sha256 = _place_weights(opened.shards, staging, weights, bar)
             else:
@@ -663,9 +730,12 @@ def convert_checkpoint(
         summary.verify_skipped = verify_skipped
         summary.seconds = round(time.perf_counter() - started, 2)
         (staging / "README.md").write_text(_model_card(summary, source_facts(source_path), kept_source_card))
-        manifest = {"tool": "ladder-llama", "version": ladder.__version__,
-                    "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    **dataclasses.asdict(summary)}
+        manifest = {
+            "tool": "ladder-llama",
+            "version": ladder.__version__,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            **dataclasses.asdict(summary),
+        }
         (staging / "conversion.json").write_text(json.dumps(manifest, indent=2) + "\n")
         _flush_to_disk(staging)
     return summary

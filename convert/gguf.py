@@ -38,9 +38,7 @@ def inspect_llama_gguf(path: Path) -> GGUFInfo:
     field = reader.get_field("general.architecture")
     architecture = field.contents() if field is not None else None
     if architecture != "llama":
-        raise UsageError(
-            f"GGUF file {path} holds a {architecture!r} model; only the 'llama' architecture converts"
-        )
+        raise UsageError(f"GGUF file {path} holds a {architecture!r} model; only the 'llama' architecture converts")
     types = sorted({tensor.tensor_type for tensor in reader.tensors}, key=lambda t: t.name)
     unsupported = [t.name for t in types if not _can_dequantize(t)]
     if unsupported:

@@ -19,7 +19,7 @@ from transformers.masking_utils import create_causal_mask
 PROMPTS = (
     "The capital of France is",
     "Water boils at 100 degrees Celsius at sea level, but on a high mountain it boils at",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "Q: What is 12 times 7?\nA:",
 )
@@ -87,9 +87,14 @@ def _load_module(module: torch.nn.Module, prefix: str, read: TensorReader, dtype
 
 
 @torch.no_grad()
-def measure_damage_layerwise(original: PreTrainedModel, ladder_model: PreTrainedModel, read_original: TensorReader,
-                             read_ladder: TensorReader, dtypes: dict[str, torch.dtype],
-                             prompts: list[torch.Tensor]) -> Damage:
+def measure_damage_layerwise(
+    original: PreTrainedModel,
+    ladder_model: PreTrainedModel,
+    read_original: TensorReader,
+    read_ladder: TensorReader,
+    dtypes: dict[str, torch.dtype],
+    prompts: list[torch.Tensor],
+) -> Damage:
     """What `measure_damage` measures, with both models on the meta device and run one module at a
     time: the embeddings, each decoder layer, then the final norm and LM head are loaded (float32),
     applied to every prompt, and released (`.to("meta")`). Peak memory is about two of the largest
@@ -111,10 +116,16 @@ def measure_damage_layerwise(original: PreTrainedModel, ladder_model: PreTrained
     extras = []
     for states in reference:
         position_ids = torch.arange(states.shape[1])[None]
-        mask = create_causal_mask(config=ladder_model.config, inputs_embeds=states, attention_mask=None,
-                                  cache=None, position_ids=position_ids)
-        extras.append(dict(position_ids=position_ids, attention_mask=mask,
-                           position_embeddings=rotary(states, position_ids=position_ids)))
+        mask = create_causal_mask(
+            config=ladder_model.config, inputs_embeds=states, attention_mask=None, cache=None, position_ids=position_ids
+        )
+        extras.append(
+            dict(
+                position_ids=position_ids,
+                attention_mask=mask,
+                position_embeddings=rotary(states, position_ids=position_ids),
+            )
+        )
     for index in range(ladder_model.config.num_hidden_layers):
         prefix = f"model.layers.{index}."
         plain, rewired = original.model.layers[index], ladder_model.model.layers[index]
@@ -138,7 +149,9 @@ def measure_damage_layerwise(original: PreTrainedModel, ladder_model: PreTrained
 
     logits_diff = kl_sum = 0.0
     agreements = tokens = 0
-    for expected, actual in zip(logits(original, read_original, reference), logits(ladder_model, read_ladder, mlp_streams)):
+    for expected, actual in zip(
+        logits(original, read_original, reference), logits(ladder_model, read_ladder, mlp_streams)
+    ):
         logits_diff = max(logits_diff, (expected - actual).abs().max().item())
         log_p, log_q = F.log_softmax(expected, dim=-1), F.log_softmax(actual, dim=-1)
         kl_sum += F.kl_div(log_q, log_p, log_target=True, reduction="sum").item()

@@ -61,13 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
         "the reference column; each other model gets its difference from it, with a standard error.",
     )
     parser.add_argument(
-        "models", nargs="+", metavar="MODEL",
+        "models",
+        nargs="+",
+        metavar="MODEL",
         help="checkpoint folder, .gguf file, Hub model ID (org/name[@revision]) or `embedded`; LABEL=MODEL names "
         "its column (e.g. original=embedded)",
     )
     parser.add_argument("--baseline", metavar="B", help="the reference model (first column); default: the first MODEL")
     parser.add_argument(
-        "--suite", default="smoke", metavar="S",
+        "--suite",
+        default="smoke",
+        metavar="S",
         help=f"a suite name ({', '.join(suite_names())}) or a suite .yaml file (default: smoke)",
     )
     parser.add_argument("--limit", type=_positive_int, metavar="N", help="score at most N items of each task")
@@ -77,50 +81,76 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", type=Path, metavar="DIR", help="benchmark data folder (default: $LADDER_DATA, else ../shared/data)"
     )
     parser.add_argument(
-        "--batch-size", type=_batch_size, default=8, metavar="N",
+        "--batch-size",
+        type=_batch_size,
+        default=8,
+        metavar="N",
         help="lm-eval batch size per process, or `auto` (lm-eval finds the largest that fits; default 8)",
     )
     parser.add_argument(
-        "--device", default="auto", metavar="D",
+        "--device",
+        default="auto",
+        metavar="D",
         help="auto (a GPU when one is present, else the CPU; the default), cpu, cuda or cuda:N",
     )
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
         help="weights' dtype; auto: bfloat16 on a GPU (float16 where it lacks bf16), float32 on the CPU",
     )
     parser.add_argument(
-        "--processes", type=_positive_int, default=1, metavar="N",
+        "--processes",
+        type=_positive_int,
+        default=1,
+        metavar="N",
         help="score with N processes, each with a copy of the model and a share of the items "
         "(starts `accelerate launch --multi_gpu --num_processes N`; GPUs, or the CPU over gloo)",
     )
     parser.add_argument(
-        "--parallelize", action="store_true",
+        "--parallelize",
+        action="store_true",
         help="split one model over all visible GPUs (transformers' device_map=auto), for a model too large for one",
     )
     parser.add_argument(
-        "--log-samples", action="store_true",
+        "--log-samples",
+        action="store_true",
         help="keep lm-eval's per-item records (prompt, target, output or log-likelihoods) in DIR/samples/",
     )
     chat = parser.add_argument_group("instruct models (lm-eval's chat options; override the suite's)")
     chat.add_argument(
-        "--apply-chat-template", nargs="?", const=True, default=None, metavar="NAME",
+        "--apply-chat-template",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="NAME",
         help="render prompts with the tokenizer's chat template (NAME: one of several templates)",
     )
     chat.add_argument(
-        "--no-apply-chat-template", dest="apply_chat_template", action="store_const", const=False,
+        "--no-apply-chat-template",
+        dest="apply_chat_template",
+        action="store_const",
+        const=False,
         help="plain prompts even where the suite applies the chat template (a base model)",
     )
     chat.add_argument(
-        "--fewshot-as-multiturn", action=argparse.BooleanOptionalAction, default=None,
+        "--fewshot-as-multiturn",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="few-shot examples as alternating user/assistant turns (needs the chat template)",
     )
     chat.add_argument("--system-instruction", metavar="TEXT", help="a system message before every prompt")
     chat.add_argument(
-        "--gen-kwargs", type=_gen_kwargs, metavar="K=V,...",
+        "--gen-kwargs",
+        type=_gen_kwargs,
+        metavar="K=V,...",
         help="generation settings of generating tasks, e.g. max_gen_toks=512,temperature=0",
     )
     parser.add_argument(
-        "--cache", type=Path, default=DEFAULT_RUNS / "cache", metavar="DIR",
+        "--cache",
+        type=Path,
+        default=DEFAULT_RUNS / "cache",
+        metavar="DIR",
         help="results cache, keyed by model hash and task config (default: runs/eval/cache)",
     )
     parser.add_argument("--no-cache", action="store_true", help="score everything again, and cache nothing")
@@ -130,8 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    suite = load_suite(args.suite).with_limit(args.limit).with_chat(
-        args.apply_chat_template, args.fewshot_as_multiturn, args.system_instruction, args.gen_kwargs
+    suite = (
+        load_suite(args.suite)
+        .with_limit(args.limit)
+        .with_chat(args.apply_chat_template, args.fewshot_as_multiturn, args.system_instruction, args.gen_kwargs)
     )
     if args.data is not None and not args.data.is_dir():
         raise UsageError(f"data folder {args.data} does not exist")
@@ -144,9 +176,17 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"--processes {args.processes} under a launcher that started {launched}")
 
     evaluation = evaluate_models(
-        ([args.baseline] if args.baseline else []) + args.models, suite, out=args.out, force=args.force,
-        data_dir=data_dir, batch_size=args.batch_size, cache_dir=None if args.no_cache else args.cache,
-        verbose=args.verbose, device=args.device, dtype=args.dtype, parallelize=args.parallelize,
+        ([args.baseline] if args.baseline else []) + args.models,
+        suite,
+        out=args.out,
+        force=args.force,
+        data_dir=data_dir,
+        batch_size=args.batch_size,
+        cache_dir=None if args.no_cache else args.cache,
+        verbose=args.verbose,
+        device=args.device,
+        dtype=args.dtype,
+        parallelize=args.parallelize,
         log_samples=args.log_samples,
     )
     if evaluation is not None:  # process 0 of several prints for all
@@ -175,9 +215,25 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(args.processes),
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-        "-m", "ladder.eval.cli", *argv, "--out", str(out),
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(args.processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(port),
+        "-m",
+        "ladder.eval.cli",
+        *argv,
+        "--out",
+        str(out),
     ]
     return subprocess.run(command).returncode
 

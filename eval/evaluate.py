@@ -99,9 +99,7 @@ def _score(refs, suite: Suite, data_dir, runtime, cache_dir, samples_dir, datase
     with offline:
         manager = harness.task_manager(suite, data_dir)
         prepared = harness.task_configs(suite, manager)
-        return harness.run_suite(
-            refs, suite, manager, prepared, runtime, cache_dir=cache_dir, samples_dir=samples_dir
-        )
+        return harness.run_suite(refs, suite, manager, prepared, runtime, cache_dir=cache_dir, samples_dir=samples_dir)
 
 
 def _describe(task: SuiteTask) -> str:

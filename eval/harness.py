@@ -182,9 +182,14 @@ def fingerprint(path: Path) -> str:
     """SHA-256 over the files that make the model: a GGUF file, or every top-level file of a
     checkpoint folder (weights, config with the ladder layers, tokenizer, modeling code) but its
     docs and provenance records, so that converting the same weights again hits the cache."""
-    files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir()
-        if p.is_file() and not p.name.startswith(".") and p.suffix != ".md" and p.name not in PROVENANCE_FILES
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(
+            p
+            for p in path.iterdir()
+            if p.is_file() and not p.name.startswith(".") and p.suffix != ".md" and p.name not in PROVENANCE_FILES
+        )
     )
     digest = hashlib.sha256()
     for file in files:
@@ -380,7 +385,11 @@ def cache_key(model: dict, task: dict, runtime: Runtime, batch_size: int | str) 
         "format": CACHE_FORMAT,
         "model": model,
         "task": task,
-        "versions": {"lm_eval": lm_eval.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
+        "versions": {
+            "lm_eval": lm_eval.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        },
         "dtype": runtime.dtype,
         "device": "auto" if runtime.parallelize else runtime.device_type,
         "batch_size": batch_size,
@@ -568,9 +577,12 @@ def run_suite(
         # A rolling window is already max_length tokens: batching them only multiplies the
         # logits' memory (8 x 8192 x 49152 floats for SmolLM2 is 13 GB).
         batch_sizes = {
-            task.task: 1 if any(
-                config.get("output_type") == "loglikelihood_rolling" for config in prepared[task.task]["configs"].values()
-            ) else runtime.batch_size
+            task.task: 1
+            if any(
+                config.get("output_type") == "loglikelihood_rolling"
+                for config in prepared[task.task]["configs"].values()
+            )
+            else runtime.batch_size
             for task in suite.tasks
         }
         if main:
@@ -586,7 +598,9 @@ def run_suite(
         cached = _share(runtime, list(found))
         missing = [task for task in suite.tasks if task.task not in cached]
         if missing:
-            log(f"loading {ref.label} ({runtime.dtype} on {runtime.describe()['device']}, {runtime.processes} process(es))")
+            log(
+                f"loading {ref.label} ({runtime.dtype} on {runtime.describe()['device']}, {runtime.processes} process(es))"
+            )
             lm = load_lm(ref, runtime)
             for task in missing:
                 items = "all items" if task.limit is None else f"at most {task.limit} items"

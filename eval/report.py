@@ -208,8 +208,9 @@ def markdown_report(models: list[ModelResults], rows: list[Row], header: dict) -
     labels = [m.model.label for m in models]
     lines = [f"# Evaluation: suite `{header['suite']}`", ""]
     lines += [f"- {key}: {value}" for key, value in header.items() if key != "suite"]
-    lines += [f"- model `{m.model.label}`: {m.model.path}" + (" (reference)" if i == 0 else "")
-              for i, m in enumerate(models)]
+    lines += [
+        f"- model `{m.model.label}`: {m.model.path}" + (" (reference)" if i == 0 else "") for i, m in enumerate(models)
+    ]
     lines += ["", markdown_table(labels, rows), "", STDERR_NOTE, ""]
     return "\n".join(lines)
 

@@ -165,7 +165,9 @@ def parse_suite(data, name: str) -> Suite:
         if not isinstance(entry, dict) or not isinstance(entry.get("task"), str) or not entry["task"]:
             raise UsageError(f"{where}: expected a task name or a mapping with a `task` name")
         if unknown := set(entry) - _TASK_KEYS:
-            raise UsageError(f"{where} ({entry['task']}): unknown key(s) {sorted(unknown)}; allowed: {sorted(_TASK_KEYS)}")
+            raise UsageError(
+                f"{where} ({entry['task']}): unknown key(s) {sorted(unknown)}; allowed: {sorted(_TASK_KEYS)}"
+            )
         where = f"{where} ({entry['task']})"
         task = SuiteTask(
             task=entry["task"],

@@ -14,9 +14,7 @@ def resolve_ladder_layers(ladder_layers: object, num_hidden_layers: int) -> list
         return []
     if isinstance(ladder_layers, int) and not isinstance(ladder_layers, bool):
         if not 0 <= ladder_layers <= num_hidden_layers:
-            raise ValueError(
-                f"ladder_layers={ladder_layers}: the upper N layers needs 0 <= N <= {num_hidden_layers}"
-            )
+            raise ValueError(f"ladder_layers={ladder_layers}: the upper N layers needs 0 <= N <= {num_hidden_layers}")
         return list(range(num_hidden_layers - ladder_layers, num_hidden_layers))
     if not isinstance(ladder_layers, (list, tuple)):
         raise ValueError(f"ladder_layers must be an int or a list of layer indices, got {ladder_layers!r}")

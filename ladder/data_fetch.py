@@ -43,8 +43,10 @@ def read_manifest(manifest: str | Path = MANIFEST) -> list[DataFile]:
             rows = csv.DictReader((line for line in handle if not line.startswith("#")), delimiter="\t")
             return [DataFile(row["path"], int(row["size"]), row["sha256"], row["url"]) for row in rows]
     except (OSError, KeyError, TypeError, ValueError) as error:
-        raise UsageError(f"cannot read the manifest {manifest}: {first_line(error)} "
-                         "(expected tab-separated columns path, size, sha256, url)") from None
+        raise UsageError(
+            f"cannot read the manifest {manifest}: {first_line(error)} "
+            "(expected tab-separated columns path, size, sha256, url)"
+        ) from None
 
 
 @dataclass
@@ -70,7 +72,9 @@ def _offline_message(files: list[DataFile], destination: Path, manifest: Path, e
 
 
 def fetch_data(
-    destination: str | Path, files: list[DataFile] | None = None, manifest: str | Path = MANIFEST,
+    destination: str | Path,
+    files: list[DataFile] | None = None,
+    manifest: str | Path = MANIFEST,
     progress: bool = False,
 ) -> FetchReport:
     """Fetch every file of `files` (default: the manifest's) missing or wrong in `destination`.
@@ -94,16 +98,23 @@ def fetch_data(
                     report.present.append(item.path)
                     continue
                 target.unlink()
-            pooch.retrieve(item.url, known_hash=f"sha256:{item.sha256}", fname=target.name,
-                           path=target.parent, downloader=downloader)
+            pooch.retrieve(
+                item.url,
+                known_hash=f"sha256:{item.sha256}",
+                fname=target.name,
+                path=target.parent,
+                downloader=downloader,
+            )
         except ValueError as error:
             if "hash" not in str(error).lower():
                 raise
             report.refused.append(item.path)  # pooch deleted the download before raising
             continue
         except requests.exceptions.HTTPError as error:
-            raise UsageError(f"cannot fetch {item.path}: {item.url} answered {first_line(error)}; the source may "
-                             "have moved (the data folder's README names each file's repository)") from None
+            raise UsageError(
+                f"cannot fetch {item.path}: {item.url} answered {first_line(error)}; the source may "
+                "have moved (the data folder's README names each file's repository)"
+            ) from None
         except requests.exceptions.RequestException as error:
             raise UsageError(_offline_message(files, destination, Path(manifest), error)) from None
         except OSError as error:
@@ -120,16 +131,22 @@ def main(argv: list[str] | None = None) -> int:
         description="Fetch the data folder (evaluation sets, training books) from the files' public sources "
         "and verify each file's SHA-256; files already present and correct are kept.",
     )
-    parser.add_argument("--dest", type=Path, default=None,
-                        help="the data folder to fill (default: $LADDER_DATA, else ../shared/data beside the repository)")
+    parser.add_argument(
+        "--dest",
+        type=Path,
+        default=None,
+        help="the data folder to fill (default: $LADDER_DATA, else ../shared/data beside the repository)",
+    )
     parser.add_argument("--manifest", type=Path, default=MANIFEST, help="the list of files (default: %(default)s)")
     args = parser.parse_args(argv)
     destination = args.dest if args.dest is not None else ladder_data_dir()
     report = fetch_data(destination, manifest=args.manifest, progress=True)
     print(report.summary(Path(destination).absolute()))
     if report.refused:
-        raise UsageError(f"{len(report.refused)} file(s) failed their SHA-256 check and were not kept; "
-                         "the source may have changed: see the data folder's README for where each file comes from")
+        raise UsageError(
+            f"{len(report.refused)} file(s) failed their SHA-256 check and were not kept; "
+            "the source may have changed: see the data folder's README for where each file comes from"
+        )
     return 0
 
 

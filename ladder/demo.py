@@ -37,13 +37,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert, retrain and evaluate: the embedded SmolLM2-135M-Instruct with the upper layers the "
         "recipe names made ladder, before and after retraining, against the original.",
     )
-    parser.add_argument("--recipe", type=Path, default=Path("recipes/smollm2-135m-ladder-cpu.yaml"),
-                        help="adapt recipe; its model.path and model.ladder_layers say what to convert "
-                        "(default: %(default)s)")
+    parser.add_argument(
+        "--recipe",
+        type=Path,
+        default=Path("recipes/smollm2-135m-ladder-cpu.yaml"),
+        help="adapt recipe; its model.path and model.ladder_layers say what to convert (default: %(default)s)",
+    )
     parser.add_argument("--suite", default="demo", help="eval suite name or .yaml file (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="working folder (default: %(default)s)")
-    parser.add_argument("--redo", nargs="+", default=[], choices=[*STAGES, "all"], metavar="STAGE",
-                        help=f"do these stages again instead of reusing their results: {', '.join(STAGES)} or all")
+    parser.add_argument(
+        "--redo",
+        nargs="+",
+        default=[],
+        choices=[*STAGES, "all"],
+        metavar="STAGE",
+        help=f"do these stages again instead of reusing their results: {', '.join(STAGES)} or all",
+    )
     return parser
 
 
@@ -75,14 +84,19 @@ def main(argv: list[str]) -> int:
 
     recipe = load_recipe(args.recipe)
     if recipe.model.ladder_layers is None:
-        raise UsageError(f"recipe {args.recipe}: the demo converts model.path, so model.ladder_layers must name the layers")
+        raise UsageError(
+            f"recipe {args.recipe}: the demo converts model.path, so model.ladder_layers must name the layers"
+        )
     suite = load_suite(args.suite)
     original = recipe.model.path or "embedded"
     ladder_dir, adapt_dir, report_dir = args.out / "ladder", args.out / "adapt", args.out / "report"
     data_cache, eval_cache = args.out / "data", args.out / "eval-cache"
     adapt_overrides = [
-        f"model.path={ladder_dir}", "model.ladder_layers=null", f"output_dir={adapt_dir}",
-        f"data.cache_dir={data_cache}", "resume=true",  # resume: a finished run returns its model, a killed one continues
+        f"model.path={ladder_dir}",
+        "model.ladder_layers=null",
+        f"output_dir={adapt_dir}",
+        f"data.cache_dir={data_cache}",
+        "resume=true",  # resume: a finished run returns its model, a killed one continues
     ]
     adapt_recipe = load_recipe(args.recipe, adapt_overrides)
     # A result made under other settings is never reused: it is refused here, before any stage runs,
@@ -90,8 +104,10 @@ def main(argv: list[str]) -> int:
     # model stale too (its recipe names the same folder, so only this order can tell).
     reuse_conversion = "convert" not in redo and (ladder_dir / "config.json").is_file()
     if reuse_conversion and (differences := conversion_differences(ladder_dir, original, recipe.model.ladder_layers)):
-        raise UsageError(f"{ladder_dir} was converted with other settings ({', '.join(differences)} differ from "
-                         f"{args.recipe}'s model.path and model.ladder_layers); --redo convert converts again")
+        raise UsageError(
+            f"{ladder_dir} was converted with other settings ({', '.join(differences)} differ from "
+            f"{args.recipe}'s model.path and model.ladder_layers); --redo convert converts again"
+        )
     if not reuse_conversion:
         redo.add("adapt")
     if "adapt" not in redo:
@@ -147,7 +163,9 @@ def main(argv: list[str]) -> int:
     # The eval stage wrote the report; the demo adds its stage times to it.
     report["pipeline"] = {"seconds": seconds, "reused": reused}
     atomic_write(report_dir / "report.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    atomic_write(report_dir / "report.md", (report_dir / "report.md").read_text().rstrip("\n") + "\n\n" + summary + "\n")
+    atomic_write(
+        report_dir / "report.md", (report_dir / "report.md").read_text().rstrip("\n") + "\n\n" + summary + "\n"
+    )
     return 0
 
 
@@ -158,12 +176,17 @@ def _summary(rows: list[dict], adapt_dir: Path, seconds: dict[str, float], reuse
     if headline:
         original, ladder, retrained = (headline["scores"][label]["value"] for label in LABELS)
         recovered = (ladder - retrained) / (ladder - original) if ladder != original else float("nan")
-        lines += ["", f"Held-out WikiText-2 word perplexity: original {original:.2f}, ladder {ladder:.2f}, "
-                      f"retrained {retrained:.2f}: retraining won back {recovered:.0%} of what the rewiring cost."]
+        lines += [
+            "",
+            f"Held-out WikiText-2 word perplexity: original {original:.2f}, ladder {ladder:.2f}, "
+            f"retrained {retrained:.2f}: retraining won back {recovered:.0%} of what the rewiring cost.",
+        ]
     held_out = _adapt_perplexities(adapt_dir / "metrics.jsonl")
     if held_out:
-        lines += [f"Held-out book perplexity during retraining (adapt's own evaluation): "
-                  f"{' -> '.join(f'{value:.2f}' for value in held_out)}."]
+        lines += [
+            f"Held-out book perplexity during retraining (adapt's own evaluation): "
+            f"{' -> '.join(f'{value:.2f}' for value in held_out)}."
+        ]
     return "\n".join(lines)
 
 

@@ -37,8 +37,11 @@ def _remove_stale_temporaries(final: Path) -> None:
     (`..-old`) with no `final` beside it means the run died between its two renames: the old
     output goes back into place rather than being deleted with the half-installed new one."""
     prefix = f".{final.name}{_TEMPORARY_MARK}"
-    stale = [leftover for leftover in final.parent.glob(prefix + "*")
-             if (pid_text := leftover.name[len(prefix):].split("-", 1)[0]).isdigit() and not _pid_alive(int(pid_text))]
+    stale = [
+        leftover
+        for leftover in final.parent.glob(prefix + "*")
+        if (pid_text := leftover.name[len(prefix) :].split("-", 1)[0]).isdigit() and not _pid_alive(int(pid_text))
+    ]
     for leftover in stale:
         if leftover.name.endswith(_RETIRED_SUFFIX) and not final.exists():
             os.replace(leftover, final)
@@ -114,9 +117,7 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
         raise
 
 
-def sha256_file(
-    path: str | Path, chunk_size: int = 1 << 22, on_chunk: Callable[[int], None] | None = None
-) -> str:
+def sha256_file(path: str | Path, chunk_size: int = 1 << 22, on_chunk: Callable[[int], None] | None = None) -> str:
     """Hex SHA-256 of a file, read in chunks (weight files are many GB). `on_chunk(nbytes)` runs
     after each chunk: a progress bar, or a cancellation check that raises."""
     digest = hashlib.sha256()

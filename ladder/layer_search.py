@@ -42,9 +42,13 @@ CALIBRATION_SEQ_LEN = 512
 # `ladder convert --layers auto:N` without --calibration: training books (the CPU recipe's), never
 # the evaluation sets nor the recipe's held-out books.
 DEFAULT_CALIBRATION_BOOKS = (
-    "1342_pride_and_prejudice/1342-0.txt", "1661_adventures_of_sherlock_holmes/1661-0.txt",
-    "2701_moby_dick/2701-0.txt", "345_dracula/pg345.txt", "120_treasure_island/pg120.txt",
-    "2591_grimms_fairy_tales/2591-0.txt", "1400_great_expectations/1400-0.txt",
+    "1342_pride_and_prejudice/1342-0.txt",
+    "1661_adventures_of_sherlock_holmes/1661-0.txt",
+    "2701_moby_dick/2701-0.txt",
+    "345_dracula/pg345.txt",
+    "120_treasure_island/pg120.txt",
+    "2591_grimms_fairy_tales/2591-0.txt",
+    "1400_great_expectations/1400-0.txt",
     "174_the_picture_of_dorian_gray/pg174.txt",
 )
 
@@ -72,21 +76,27 @@ class LayerSearch:
     candidates: list[Candidate] = field(default_factory=list)
 
     def summary(self) -> str:
-        return (f"{self.spec} chose layers {format_layers(self.chosen)} (KL {self.chosen_kl:.4f} nats/token, "
-                f"log-perplexity +{self.chosen_loss_increase:.4f}; {self.overlapped_all_reduces} of "
-                f"{2 * len(self.chosen)} all-reduces overlapped) from {len(self.candidates)} candidates on "
-                f"{self.calibration_tokens} calibration tokens in {self.seconds:.0f} s")
+        return (
+            f"{self.spec} chose layers {format_layers(self.chosen)} (KL {self.chosen_kl:.4f} nats/token, "
+            f"log-perplexity +{self.chosen_loss_increase:.4f}; {self.overlapped_all_reduces} of "
+            f"{2 * len(self.chosen)} all-reduces overlapped) from {len(self.candidates)} candidates on "
+            f"{self.calibration_tokens} calibration tokens in {self.seconds:.0f} s"
+        )
 
 
 def calibration_from_files(
-    tokenizer: PreTrainedTokenizerBase, paths: list[Path] | None = None,
-    blocks: int = CALIBRATION_BLOCKS, seq_len: int = CALIBRATION_SEQ_LEN,
+    tokenizer: PreTrainedTokenizerBase,
+    paths: list[Path] | None = None,
+    blocks: int = CALIBRATION_BLOCKS,
+    seq_len: int = CALIBRATION_SEQ_LEN,
 ) -> torch.Tensor:
     """`blocks` rows of `seq_len` tokens from text files, one from the middle of each file in turn
     (past licence headers and front matter); default: the CPU recipe's training books."""
     if paths is None:
         paths = [ladder_data_dir() / "train" / "gutenberg" / book for book in DEFAULT_CALIBRATION_BOOKS]
-    paths = sorted(file for path in map(Path, paths) for file in (sorted(path.rglob("*.txt")) if path.is_dir() else [path]))
+    paths = sorted(
+        file for path in map(Path, paths) for file in (sorted(path.rglob("*.txt")) if path.is_dir() else [path])
+    )
     if not paths:
         raise UsageError("calibration: no .txt file found")
     rows = []
@@ -100,7 +110,9 @@ def calibration_from_files(
         middle = len(text) // 2 + (index // len(paths)) * seq_len * 8
         ids = tokenizer(text[middle : middle + seq_len * 8], add_special_tokens=False)["input_ids"][:seq_len]
         if len(ids) < seq_len:
-            raise UsageError(f"calibration file {path} is too short: {len(ids)} tokens from its middle, {seq_len} needed")
+            raise UsageError(
+                f"calibration file {path} is too short: {len(ids)} tokens from its middle, {seq_len} needed"
+            )
         rows.append(ids)
     return torch.tensor(rows, dtype=torch.long)
 
@@ -111,21 +123,28 @@ def calibration_from_blocks(blocks: np.ndarray, count: int = CALIBRATION_BLOCKS)
     return torch.from_numpy(np.asarray(blocks[rows]).astype(np.int64))
 
 
-def layer_inputs(model: PreTrainedModel, input_ids: torch.Tensor,
-                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+def layer_inputs(
+    model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict]:
     """The embeddings and the keyword arguments every decoder layer takes, as `LadderLlamaModel.forward`
     builds them (position ids restarting per packed document make the mask block-diagonal)."""
     inner = model.model
     embeds = inner.embed_tokens(input_ids)
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-    mask = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None,
-                              position_ids=position_ids)
-    return embeds, dict(attention_mask=mask, position_ids=position_ids,
-                        position_embeddings=inner.rotary_emb(embeds, position_ids=position_ids))
+    mask = create_causal_mask(
+        config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=position_ids
+    )
+    return embeds, dict(
+        attention_mask=mask,
+        position_ids=position_ids,
+        position_embeddings=inner.rotary_emb(embeds, position_ids=position_ids),
+    )
 
 
-def forward_from(model: PreTrainedModel, streams: tuple[torch.Tensor, torch.Tensor], start: int, layer_kwargs: dict) -> torch.Tensor:
+def forward_from(
+    model: PreTrainedModel, streams: tuple[torch.Tensor, torch.Tensor], start: int, layer_kwargs: dict
+) -> torch.Tensor:
     """The logits of a ladder model whose layers below `start` produced `streams` (attn_stream, mlp_stream)."""
     attn_stream, mlp_stream = streams
     for layer in model.model.layers[start:]:
@@ -134,14 +153,18 @@ def forward_from(model: PreTrainedModel, streams: tuple[torch.Tensor, torch.Tens
 
 
 @torch.no_grad()
-def measure_candidates(model: PreTrainedModel, calibration: torch.Tensor, candidates: list[list[int]],
-                       batch: int = 2) -> tuple[list[Candidate], float, float]:
+def measure_candidates(
+    model: PreTrainedModel, calibration: torch.Tensor, candidates: list[list[int]], batch: int = 2
+) -> tuple[list[Candidate], float, float]:
     """(each candidate's damage, the original's mean loss, the cost in full forward passes over
     `calibration`, counted in decoder layers) on `calibration` (rows of token ids)."""
     num_layers = model.config.num_hidden_layers
     original = to_ladder(model, []).eval()
     rewired = [to_ladder(model, layers).eval() for layers in candidates]
-    kl_sums, loss_sums = torch.zeros(len(candidates), dtype=torch.float64), torch.zeros(len(candidates), dtype=torch.float64)
+    kl_sums, loss_sums = (
+        torch.zeros(len(candidates), dtype=torch.float64),
+        torch.zeros(len(candidates), dtype=torch.float64),
+    )
     original_loss_sum, tokens, passes = 0.0, 0, 0
     for first_row in range(0, len(calibration), batch):
         input_ids = calibration[first_row : first_row + batch]
@@ -150,7 +173,9 @@ def measure_candidates(model: PreTrainedModel, calibration: torch.Tensor, candid
         streams = [(embeds, embeds)]  # streams[i]: what enters layer i
         for layer in original.model.layers:
             streams.append(layer(*streams[-1], **layer_kwargs))
-        reference = F.log_softmax(original.lm_head(original.model.norm(streams[-1][1]))[:, :-1].float(), dim=-1).flatten(0, 1)
+        reference = F.log_softmax(
+            original.lm_head(original.model.norm(streams[-1][1]))[:, :-1].float(), dim=-1
+        ).flatten(0, 1)
         original_loss_sum += F.nll_loss(reference, labels, reduction="sum").item()
         tokens += labels.numel()
         passes += num_layers * len(input_ids)
@@ -162,12 +187,16 @@ def measure_candidates(model: PreTrainedModel, calibration: torch.Tensor, candid
             loss_sums[index] += F.nll_loss(log_q, labels, reduction="sum").item()
             passes += (num_layers - start) * len(input_ids)
     original_loss = original_loss_sum / tokens
-    measured = [Candidate(layers, float(kl / tokens), float(loss / tokens - original_loss))
-                for layers, kl, loss in zip(candidates, kl_sums, loss_sums, strict=True)]
+    measured = [
+        Candidate(layers, float(kl / tokens), float(loss / tokens - original_loss))
+        for layers, kl, loss in zip(candidates, kl_sums, loss_sums, strict=True)
+    ]
     return measured, original_loss, passes / (num_layers * len(calibration))
 
 
-def choose_ladder_layers(model: PreTrainedModel, calibration: torch.Tensor, auto: AutoLayers, batch: int = 2) -> LayerSearch:
+def choose_ladder_layers(
+    model: PreTrainedModel, calibration: torch.Tensor, auto: AutoLayers, batch: int = 2
+) -> LayerSearch:
     """Run the `auto` search on a loaded Llama (or ladder model: its own wiring is ignored). Deterministic:
     the same weights and calibration give the same choice; ties go to the higher layers (the paper's shape)."""
     started = time.perf_counter()
@@ -182,15 +211,23 @@ def choose_ladder_layers(model: PreTrainedModel, calibration: torch.Tensor, auto
         best = min(reversed(measured), key=lambda candidate: candidate.kl)
     else:
         ranked = sorted(reversed(measured), key=lambda candidate: candidate.kl)
-        chosen_set, _, set_passes = measure_candidates(model, calibration, [sorted(c.layers[0] for c in ranked[:count])], batch)
+        chosen_set, _, set_passes = measure_candidates(
+            model, calibration, [sorted(c.layers[0] for c in ranked[:count])], batch
+        )
         best, passes = chosen_set[0], passes + set_passes
         measured.append(best)
     model.train(was_training)
     return LayerSearch(
-        spec=str(auto), chosen=best.layers, chosen_kl=best.kl, chosen_loss_increase=best.loss_increase,
-        overlapped_all_reduces=overlapped_all_reduces(best.layers), calibration_tokens=int(calibration[:, 1:].numel()),
-        original_loss=original_loss, forward_passes=round(passes, 2),
-        seconds=round(time.perf_counter() - started, 2), candidates=measured,
+        spec=str(auto),
+        chosen=best.layers,
+        chosen_kl=best.kl,
+        chosen_loss_increase=best.loss_increase,
+        overlapped_all_reduces=overlapped_all_reduces(best.layers),
+        calibration_tokens=int(calibration[:, 1:].numel()),
+        original_loss=original_loss,
+        forward_passes=round(passes, 2),
+        seconds=round(time.perf_counter() - started, 2),
+        candidates=measured,
     )
 
 

@@ -46,10 +46,14 @@ def parse_auto_layers(spec: object, num_hidden_layers: int, key: str = "ladder l
         return None
     match = re.fullmatch(r"auto:(\d+)(:any)?", spec.strip())
     if match is None:
-        raise UsageError(f"{key}: {spec!r} is not auto:N (a contiguous window of N layers) or auto:N:any (any N layers)")
+        raise UsageError(
+            f"{key}: {spec!r} is not auto:N (a contiguous window of N layers) or auto:N:any (any N layers)"
+        )
     count = int(match.group(1))
     if not 1 <= count <= num_hidden_layers:
-        raise UsageError(f"{key}: {spec!r} needs 1 <= N <= {num_hidden_layers} (the model has {num_hidden_layers} layers)")
+        raise UsageError(
+            f"{key}: {spec!r} needs 1 <= N <= {num_hidden_layers} (the model has {num_hidden_layers} layers)"
+        )
     return AutoLayers(count, contiguous=match.group(2) is None)
 
 
@@ -58,8 +62,10 @@ def parse_ladder_layers(spec: str | int | list[int], num_hidden_layers: int, key
     indices and ranges `3,5,7` / `3-5,9` (as text, an int or a list). Bad input raises `UsageError` naming `key`.
     `auto:N` needs a model to measure: callers that accept it check `parse_auto_layers` first."""
     if parse_auto_layers(spec, num_hidden_layers, key) is not None:
-        raise UsageError(f"{key}: {spec!r} chooses layers by measuring a model, which is not possible here; "
-                         "name the layers (N, 16-31 or 3,5,7)")
+        raise UsageError(
+            f"{key}: {spec!r} chooses layers by measuring a model, which is not possible here; "
+            "name the layers (N, 16-31 or 3,5,7)"
+        )
     if isinstance(spec, str):
         text = spec.strip()
         try:
@@ -107,6 +113,13 @@ def overlapped_all_reduces(layers: list[int]) -> int:
 
 
 __all__ = [
-    "CONFIG_BOOKKEEPING", "LADDER_MODEL_TYPE", "LLAMA_MODEL_TYPES", "AutoLayers", "check_llama_model_type",
-    "format_layers", "overlapped_all_reduces", "parse_auto_layers", "parse_ladder_layers",
+    "CONFIG_BOOKKEEPING",
+    "LADDER_MODEL_TYPE",
+    "LLAMA_MODEL_TYPES",
+    "AutoLayers",
+    "check_llama_model_type",
+    "format_layers",
+    "overlapped_all_reduces",
+    "parse_auto_layers",
+    "parse_ladder_layers",
 ]

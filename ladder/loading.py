@@ -79,19 +79,25 @@ def hub_model_path(model_id: str) -> Path:
     try:
         return Path(huggingface_hub.snapshot_download(repo, revision=revision, ignore_patterns=HUB_IGNORE_PATTERNS))
     except GatedRepoError:
-        raise UsageError(f"model {model_id} is gated on the Hugging Face Hub: accept its licence on "
-                         f"https://huggingface.co/{repo}, then set HF_TOKEN (or run `hf auth login`)") from None
+        raise UsageError(
+            f"model {model_id} is gated on the Hugging Face Hub: accept its licence on "
+            f"https://huggingface.co/{repo}, then set HF_TOKEN (or run `hf auth login`)"
+        ) from None
     except RepositoryNotFoundError:
-        raise UsageError(f"model {model_id} is neither a local path nor a Hub model this account can read "
-                         "(a private model needs HF_TOKEN or `hf auth login`)") from None
+        raise UsageError(
+            f"model {model_id} is neither a local path nor a Hub model this account can read "
+            "(a private model needs HF_TOKEN or `hf auth login`)"
+        ) from None
     except RevisionNotFoundError:
         raise UsageError(f"model {model_id}: the Hub has no revision {revision!r} of {repo}") from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as error:
         offline = huggingface_hub.constants.HF_HUB_OFFLINE
         why = "HF_HUB_OFFLINE is set" if offline else f"the Hub cannot be reached ({first_line(error)})"
-        raise UsageError(f"model {model_id} is not a local path and not in the Hugging Face cache "
-                         f"({huggingface_hub.constants.HF_HUB_CACHE}), and {why}: download it with {download} "
-                         "where the Hub is reachable (same HF_HOME), or pass a local folder") from None
+        raise UsageError(
+            f"model {model_id} is not a local path and not in the Hugging Face cache "
+            f"({huggingface_hub.constants.HF_HUB_CACHE}), and {why}: download it with {download} "
+            "where the Hub is reachable (same HF_HOME), or pass a local folder"
+        ) from None
 
 
 def hub_model_id(path: Path) -> str | None:
@@ -125,7 +131,9 @@ def resolve_model_path(path: str | Path | None) -> Path:
     if not path.exists():
         raise UsageError(f"model path {path} does not exist")
     if path.is_file() and path.suffix != ".gguf":
-        raise UsageError(f"model path {path} is a file but not a .gguf file; give a checkpoint directory or a .gguf file")
+        raise UsageError(
+            f"model path {path} is a file but not a .gguf file; give a checkpoint directory or a .gguf file"
+        )
     if path.is_dir() and not (path / "config.json").is_file():
         raise UsageError(f"model directory {path} has no config.json: it is not a Hugging Face checkpoint")
     return path

@@ -100,8 +100,9 @@ def copy_licence_files(source: Path, destination: Path) -> list[str]:
     return names
 
 
-def render_card(source: SourceFacts, title: str, body: str, datasets: list[str] | None = None,
-                tags: list[str] | None = None) -> str:
+def render_card(
+    source: SourceFacts, title: str, body: str, datasets: list[str] | None = None, tags: list[str] | None = None
+) -> str:
     """README.md text: Hub front matter (base model and licence from `source`, library, tags,
     datasets) over `body` (markdown without the title)."""
     data = ModelCardData(
@@ -120,22 +121,39 @@ def render_card(source: SourceFacts, title: str, body: str, datasets: list[str] 
 
 def loading_section() -> str:
     """How to load a ladder checkpoint, with and without this package."""
-    return "\n".join([
-        "## Loading", "", "```python",
-        "import ladder.auto  # registers the ladder model with transformers",
-        "from transformers import AutoModelForCausalLM", "",
-        "model = AutoModelForCausalLM.from_pretrained(PATH)", "```", "",
-        "Without the `ladder` package, pass `trust_remote_code=True` to `AutoModelForCausalLM.from_pretrained` "
-        "and `AutoTokenizer.from_pretrained` (the modeling files are included).",
-    ])
+    return "\n".join(
+        [
+            "## Loading",
+            "",
+            "```python",
+            "import ladder.auto  # registers the ladder model with transformers",
+            "from transformers import AutoModelForCausalLM",
+            "",
+            "model = AutoModelForCausalLM.from_pretrained(PATH)",
+            "```",
+            "",
+            "Without the `ladder` package, pass `trust_remote_code=True` to `AutoModelForCausalLM.from_pretrained` "
+            "and `AutoTokenizer.from_pretrained` (the modeling files are included).",
+        ]
+    )
 
 
 def origin_line(source: SourceFacts) -> str:
     """Which model this one was made from, and the tool that made it."""
-    name = f"[`{source.base_model}`](https://huggingface.co/{source.base_model})" if source.base_model \
+    name = (
+        f"[`{source.base_model}`](https://huggingface.co/{source.base_model})"
+        if source.base_model
         else f"`{source.name}`"
+    )
     return f"Made from {name} with {PAPER} by ladder-llama {ladder.__version__}."
 
 
-__all__ = ["SourceFacts", "copy_licence_files", "licence_files", "loading_section", "origin_line", "render_card",
-           "source_facts"]
+__all__ = [
+    "SourceFacts",
+    "copy_licence_files",
+    "licence_files",
+    "loading_section",
+    "origin_line",
+    "render_card",
+    "source_facts",
+]

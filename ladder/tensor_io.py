@@ -48,8 +48,15 @@ SINGLE_NAME = "model.safetensors"
 # Linux's FICLONE ioctl (fcntl.FICLONE from Python 3.12): share the blocks of a file on btrfs/XFS.
 FICLONE = getattr(fcntl, "FICLONE", 0x40049409)
 # Errors meaning "this filesystem cannot link, reflink or copy_file_range here".
-UNSUPPORTED_LINK_ERRNOS = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EBADF,
-                           errno.EPERM}
+UNSUPPORTED_LINK_ERRNOS = {
+    errno.EOPNOTSUPP,
+    errno.ENOTTY,
+    errno.EXDEV,
+    errno.EINVAL,
+    errno.ENOSYS,
+    errno.EBADF,
+    errno.EPERM,
+}
 
 # safetensors dtype code -> (torch's name for the dtype, bytes per element).
 SAFETENSORS_DTYPES = {
@@ -139,7 +146,9 @@ def read_shard(path: Path) -> Shard:
         except (KeyError, TypeError, ValueError):
             raise invalid(f"tensor {name!r} has a malformed entry {entry!r}") from None
         if min(spec.shape, default=0) < 0 or end - begin != spec.nbytes:
-            raise invalid(f"tensor {name!r}: offsets {begin}-{end} do not hold shape {list(spec.shape)} {entry['dtype']}")
+            raise invalid(
+                f"tensor {name!r}: offsets {begin}-{end} do not hold shape {list(spec.shape)} {entry['dtype']}"
+            )
         placed.append((begin, spec))
     placed.sort(key=lambda item: item[0])
     position = 0
@@ -314,8 +323,11 @@ class SafetensorsWriter:
         header: dict = {"__metadata__": {"format": "pt"}}
         offset = 0
         for spec in tensors:
-            header[spec.name] = {"dtype": DTYPE_CODES[spec.dtype], "shape": list(spec.shape),
-                                 "data_offsets": [offset, offset + spec.nbytes]}
+            header[spec.name] = {
+                "dtype": DTYPE_CODES[spec.dtype],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
             offset += spec.nbytes
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the safetensors library aligns tensor data to 8 bytes
@@ -415,8 +427,9 @@ def write_index(directory: Path, shards: Sequence[OutputShard]) -> None:
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def copy_file(source: Path, destination: Path, on_chunk: Callable[[int], None],
-              chunk_bytes: int = COPY_CHUNK_BYTES) -> str:
+def copy_file(
+    source: Path, destination: Path, on_chunk: Callable[[int], None], chunk_bytes: int = COPY_CHUNK_BYTES
+) -> str:
     """Copy a file and return its SHA-256, each byte read from the disk once and never copied
     through Python: the kernel copies a chunk (`copy_file_range`, page cache to page cache) while a
     worker thread hashes the same chunk through a read-only memory map of the source
@@ -455,8 +468,7 @@ def _write_range(reader, writer, offset: int, chunk: memoryview) -> None:
     done = 0
     try:
         while done < len(chunk):
-            step = os.copy_file_range(reader.fileno(), writer.fileno(), len(chunk) - done,
-                                      offset + done, offset + done)
+            step = os.copy_file_range(reader.fileno(), writer.fileno(), len(chunk) - done, offset + done, offset + done)
             if step == 0:
                 raise UsageError(f"{reader.name} became shorter while it was being copied")
             done += step

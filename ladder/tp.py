@@ -59,7 +59,9 @@ def read_config(path: str | Path) -> LlamaConfig:
     """The Llama or ladder config of a checkpoint directory (a ladder config carries `ladder_layers`)."""
     path = Path(path)
     if path.suffix == ".gguf" or not (path / "config.json").is_file():
-        raise UsageError(f"{path} is not a checkpoint directory with config.json and safetensors (convert a .gguf first)")
+        raise UsageError(
+            f"{path} is not a checkpoint directory with config.json and safetensors (convert a .gguf first)"
+        )
     config = AutoConfig.from_pretrained(path)
     check_llama_model_type(config.model_type, str(path))
     return config
@@ -116,7 +118,10 @@ def load_shard(
                 target + "attention.wo.weight": read(attention + "o_proj.weight", columns=q_rows),
                 target + "mlp.norm.weight": read(source + "post_attention_layernorm.weight"),
                 target + "mlp.w13.weight": torch.cat(
-                    [read(mlp + "gate_proj.weight", rows=shape.intermediate), read(mlp + "up_proj.weight", rows=shape.intermediate)]
+                    [
+                        read(mlp + "gate_proj.weight", rows=shape.intermediate),
+                        read(mlp + "up_proj.weight", rows=shape.intermediate),
+                    ]
                 ),
                 target + "mlp.w2.weight": read(mlp + "down_proj.weight", columns=shape.intermediate),
             }
@@ -196,7 +201,9 @@ def decode(
     return torch.cat(produced, dim=1) if produced else tokens[:, :0]
 
 
-def generate(shard: LlamaShard, prompt_ids: torch.Tensor, max_new_tokens: int, step: DecodeStep | None = None) -> torch.Tensor:
+def generate(
+    shard: LlamaShard, prompt_ids: torch.Tensor, max_new_tokens: int, step: DecodeStep | None = None
+) -> torch.Tensor:
     """Greedy generation with the static cache (no early stop at EOS); the new tokens (batch, max_new_tokens)."""
     length = prompt_ids.shape[1]
     if max_new_tokens < 1 or length + max_new_tokens > shard.max_length:

@@ -57,8 +57,14 @@ class ShardShape:
 
     @classmethod
     def of(cls, config: LlamaConfig, rank: int = 0, tp_size: int = 1) -> ShardShape:
-        if config.hidden_act != "silu" or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-            raise ValueError("only Llama's SiLU MLP without biases is supported (hidden_act=silu, no attention/mlp bias)")
+        if (
+            config.hidden_act != "silu"
+            or getattr(config, "attention_bias", False)
+            or getattr(config, "mlp_bias", False)
+        ):
+            raise ValueError(
+                "only Llama's SiLU MLP without biases is supported (hidden_act=silu, no attention/mlp bias)"
+            )
         kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
         if kv_heads < tp_size:
             raise ValueError(f"TP={tp_size} needs at least one KV head per rank; the model has {kv_heads}")
@@ -244,4 +250,16 @@ class LlamaShard(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-__all__ = ["AttentionBranch", "Block", "LlamaShard", "MLPBranch", "Pending", "Ready", "Reduce", "ShardShape", "local_sum", "settle", "shard_range"]
+__all__ = [
+    "AttentionBranch",
+    "Block",
+    "LlamaShard",
+    "MLPBranch",
+    "Pending",
+    "Ready",
+    "Reduce",
+    "ShardShape",
+    "local_sum",
+    "settle",
+    "shard_range",
+]

@@ -36,10 +36,14 @@ def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     `save_pretrained` writes it: config.json, model.safetensors, tokenizer, generation config.
     Shared by the whole session: tests must not modify it (copy it first)."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-    model = tiny_llama(vocab_size=len(tokenizer), num_hidden_layers=4, max_position_embeddings=512,
-                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id)
+    model = tiny_llama(
+        vocab_size=len(tokenizer),
+        num_hidden_layers=4,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     directory = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -34,8 +34,10 @@ from ladder.errors import UsageError
 from tiny import random_ids, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ("the a house river lantern quiet walked under over she he they old new bright small letter "
-         "morning evening garden window road stone bird spoke answered slowly again never always").split()
+WORDS = (
+    "the a house river lantern quiet walked under over she he they old new bright small letter "
+    "morning evening garden window road stone bird spoke answered slowly again never always"
+).split()
 
 
 def prose(seed: int, paragraphs: int) -> str:
@@ -58,8 +60,13 @@ def corpus(tmp_path_factory) -> Path:
 def write_recipe(directory: Path, checkpoint: Path, corpus: Path, **overrides) -> Path:
     recipe = {
         "model": {"path": str(checkpoint), "ladder_layers": 2},
-        "data": {"train": [str(corpus / "train")], "eval": [str(corpus / "heldout.txt")], "seq_len": 64,
-                 "eval_blocks": 8, "cache_dir": str(directory / "cache")},
+        "data": {
+            "train": [str(corpus / "train")],
+            "eval": [str(corpus / "heldout.txt")],
+            "seq_len": 64,
+            "eval_blocks": 8,
+            "cache_dir": str(directory / "cache"),
+        },
         "budget": 8 * 4 * 64,
         "batch": {"micro_batch": 4, "grad_accum": 1},
         "optimizer": {"lr": 3e-3},
@@ -121,8 +128,15 @@ def wandb_history(directory: Path) -> list[tuple[str, dict]]:
                 record.ParseFromString(pending)
                 pending = b""
                 if record.WhichOneof("record_type") == "history":
-                    rows.append((path.parent.name, {item.key or ".".join(item.nested_key): json.loads(item.value_json)
-                                                    for item in record.history.item}))
+                    rows.append(
+                        (
+                            path.parent.name,
+                            {
+                                item.key or ".".join(item.nested_key): json.loads(item.value_json)
+                                for item in record.history.item
+                            },
+                        )
+                    )
     return rows
 
 
@@ -196,22 +210,29 @@ def test_hf_source_streams_a_dataset_and_renders_chats(tmp_path, smollm2_tokeniz
     tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
     dataset = tmp_path / "instruct"
     dataset.mkdir()
-    records = [{"conversations": [{"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": prose(i, 1)}]}
-               for i in range(20)]
+    records = [
+        {"conversations": [{"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": prose(i, 1)}]}
+        for i in range(20)
+    ]
     (dataset / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     source = SourceSpec(path=f"hf:{dataset}", chat_field="conversations", max_tokens=300)
     blocks = load_blocks([source], tokenizer, 32, tmp_path / "cache", "train")
     assert blocks.ids.shape == (300 // 32, 32)
-    first = tokenizer.apply_chat_template([{"role": "user", "content": "Question 0?"},
-                                           {"role": "assistant", "content": prose(0, 1)}], tokenize=False)
+    first = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Question 0?"}, {"role": "assistant", "content": prose(0, 1)}], tokenize=False
+    )
     ids = tokenizer(first, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert blocks.ids.ravel().tolist()[: len(ids)] == ids[: blocks.ids.size]
 
 
 def test_chat_records_train_on_the_assistant_turns_only(tmp_path, smollm2_tokenizer_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-    chat = [{"role": "user", "content": "Name a bird."}, {"role": "assistant", "content": "A lantern-eyed owl."},
-            {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "A heron."}]
+    chat = [
+        {"role": "user", "content": "Name a bird."},
+        {"role": "assistant", "content": "A lantern-eyed owl."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "A heron."},
+    ]
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
     text = tokenizer.apply_chat_template(chat, tokenize=False)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -222,10 +243,10 @@ def test_chat_records_train_on_the_assistant_turns_only(tmp_path, smollm2_tokeni
         turn = tokenizer.apply_chat_template(chat[: k + 1], tokenize=False)
         if chat[k]["role"] == "assistant":
             header = tokenizer.apply_chat_template(chat[:k], tokenize=False, add_generation_prompt=True)
-            expected += [0] * len(tokenizer(header[len(done):], add_special_tokens=False)["input_ids"])
-            expected += [1] * len(tokenizer(turn[len(header):], add_special_tokens=False)["input_ids"])
+            expected += [0] * len(tokenizer(header[len(done) :], add_special_tokens=False)["input_ids"])
+            expected += [1] * len(tokenizer(turn[len(header) :], add_special_tokens=False)["input_ids"])
         else:
-            expected += [0] * len(tokenizer(turn[len(done):], add_special_tokens=False)["input_ids"])
+            expected += [0] * len(tokenizer(turn[len(done) :], add_special_tokens=False)["input_ids"])
         done = turn
     expected.append(1)  # the EOS after the last assistant turn
     assert len(expected) == len(ids) and 0 < sum(expected) < len(expected)
@@ -235,8 +256,9 @@ def test_chat_records_train_on_the_assistant_turns_only(tmp_path, smollm2_tokeni
     assert tokenizer.decode([t for t, keep in zip(ids, expected) if keep]).startswith("A lantern-eyed owl.")
     meta = json.loads(next((tmp_path / "cache").glob("train-*/meta.json")).read_text())
     assert meta["masked_share"] == pytest.approx(1 - sum(expected) / len(expected), abs=1e-6)
-    everything = load_blocks([SourceSpec(path=str(tmp_path / "c.jsonl"), train_on="all")], tokenizer, len(ids),
-                             tmp_path / "cache", "train")
+    everything = load_blocks(
+        [SourceSpec(path=str(tmp_path / "c.jsonl"), train_on="all")], tokenizer, len(ids), tmp_path / "cache", "train"
+    )
     assert everything.targets.all() and len(list((tmp_path / "cache").iterdir())) == 2  # train_on is in the key
 
     # The loss: mean cross-entropy over exactly the positions whose next token is an assistant token.
@@ -250,8 +272,9 @@ def test_chat_records_train_on_the_assistant_turns_only(tmp_path, smollm2_tokeni
 
     (tmp_path / "t.txt").write_text("Plain prose.")
     with pytest.raises(UsageError, match="train_on: assistant needs chat records"):
-        load_blocks([SourceSpec(path=str(tmp_path / "t.txt"), train_on="assistant")], tokenizer, 2,
-                    tmp_path / "cache", "train")
+        load_blocks(
+            [SourceSpec(path=str(tmp_path / "t.txt"), train_on="assistant")], tokenizer, 2, tmp_path / "cache", "train"
+        )
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -273,12 +296,23 @@ def test_isolated_documents_compute_what_each_document_computes_alone(attention)
 
 
 def test_chat_training_with_isolated_documents_runs_and_reports_the_masked_share(tmp_path, tiny_checkpoint, capsys):
-    records = [{"messages": [{"role": "user", "content": prose(i, 1)}, {"role": "assistant", "content": prose(i + 50, 1)}]}
-               for i in range(24)]
+    records = [
+        {"messages": [{"role": "user", "content": prose(i, 1)}, {"role": "assistant", "content": prose(i + 50, 1)}]}
+        for i in range(24)
+    ]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    recipe = write_recipe(tmp_path, tiny_checkpoint, tmp_path, budget=2 * 4 * 64, **{
-        "data.train": [str(tmp_path / "chat.jsonl")], "data.eval": [], "data.heldout_fraction": 0.2,
-        "data.isolate_documents": True})
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        tmp_path,
+        budget=2 * 4 * 64,
+        **{
+            "data.train": [str(tmp_path / "chat.jsonl")],
+            "data.eval": [],
+            "data.heldout_fraction": 0.2,
+            "data.isolate_documents": True,
+        },
+    )
     assert adapt_main([str(recipe), "--prepare-data"]) == 0
     share = float(re.search(r"([\d.]+)% of the training tokens are masked", capsys.readouterr().out).group(1))
     assert 20 < share < 80
@@ -291,8 +325,13 @@ def test_chat_training_with_isolated_documents_runs_and_reports_the_masked_share
 def test_heldout_blocks_come_off_the_end_of_training(tmp_path, smollm2_tokenizer_dir, corpus):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
     all_blocks = load_blocks([SourceSpec(path=str(corpus / "train"))], tokenizer, 64, tmp_path / "cache", "train")
-    spec = DataSpec(train=[SourceSpec(path=str(corpus / "train"))], heldout_fraction=0.1, eval_blocks=1000,
-                    seq_len=64, cache_dir=str(tmp_path / "cache"))
+    spec = DataSpec(
+        train=[SourceSpec(path=str(corpus / "train"))],
+        heldout_fraction=0.1,
+        eval_blocks=1000,
+        seq_len=64,
+        cache_dir=str(tmp_path / "cache"),
+    )
     splits = prepare_data(spec, tokenizer)
     held = int(np.ceil(len(all_blocks) * 0.1))
     assert len(splits.train) == len(all_blocks) - held and len(splits.eval) == held
@@ -304,10 +343,14 @@ def test_heldout_blocks_come_off_the_end_of_training(tmp_path, smollm2_tokenizer
     [
         (lambda d: SourceSpec(path=str(d / "missing.txt")), "does not exist"),
         (lambda d: SourceSpec(path=str(d / "*.md")), "matches no file"),
-        (lambda d: (d / "x.jsonl").write_text('{"body": "x"}\n') and SourceSpec(path=str(d / "x.jsonl")),
-         r"x.jsonl:1: no text field 'text'"),
-        (lambda d: (d / "y.jsonl").write_text('{"text": "x"}\nnot json\n') and SourceSpec(path=str(d / "y.jsonl")),
-         r"y.jsonl:2 is not JSON"),
+        (
+            lambda d: (d / "x.jsonl").write_text('{"body": "x"}\n') and SourceSpec(path=str(d / "x.jsonl")),
+            r"x.jsonl:1: no text field 'text'",
+        ),
+        (
+            lambda d: (d / "y.jsonl").write_text('{"text": "x"}\nnot json\n') and SourceSpec(path=str(d / "y.jsonl")),
+            r"y.jsonl:2 is not JSON",
+        ),
     ],
     ids=["missing", "empty-glob", "no-field", "bad-json"],
 )
@@ -367,8 +410,14 @@ def test_a_run_killed_at_any_step_resumes_exactly(tmp_path, tiny_checkpoint, cor
     # The killed run logs to TensorBoard and to wandb (offline) too; the resumed one must not repeat steps.
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    recipe = write_recipe(tmp_path / "killed", tiny_checkpoint, corpus, budget=10 * 256, checkpoint_every=3,
-                          **{"logging.log_with": ["tensorboard", "wandb"]})
+    recipe = write_recipe(
+        tmp_path / "killed",
+        tiny_checkpoint,
+        corpus,
+        budget=10 * 256,
+        checkpoint_every=3,
+        **{"logging.log_with": ["tensorboard", "wandb"]},
+    )
     run_dir = tmp_path / "killed" / "run"
     process = run_adapt([str(recipe)])
     deadline = time.monotonic() + 120
@@ -392,8 +441,9 @@ def test_a_run_killed_at_any_step_resumes_exactly(tmp_path, tiny_checkpoint, cor
     # after the checkpoint, and any step both wrote (logged by the killed run but not checkpointed) holds
     # the same values, so the synced run has one value per step. (What the killed process had not yet
     # handed to wandb when SIGKILL came is lost: the steps before the checkpoint may have a gap.)
-    assert {path.name.split("-")[-1] for path in (run_dir / "wandb").glob("offline-run-*")} == \
-        {(run_dir / "wandb-run-id").read_text().split("-")[-1]}
+    assert {path.name.split("-")[-1] for path in (run_dir / "wandb").glob("offline-run-*")} == {
+        (run_dir / "wandb-run-id").read_text().split("-")[-1]
+    }
     history = [(run, row) for run, row in wandb_history(run_dir / "wandb") if "loss" in row]
     # The resumed run is the newer of the two run folders. The killed one may hold no row at all: wandb
     # writes from its own service process, which can lose everything not yet written when SIGKILL comes.
@@ -418,9 +468,22 @@ def test_two_processes_give_the_loss_curve_of_one(tmp_path, tiny_checkpoint, cor
     double = write_recipe(tmp_path / "two", tiny_checkpoint, corpus, budget=6 * 256, **{"batch.micro_batch": 2})
     # `--multi_gpu` is what makes accelerate start several processes (through torchrun); with no
     # GPU, adapt runs them on CPU over gloo. (`--cpu --num_processes 2` starts only one.)
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", str(free_port())]
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+    ]
     process = run_adapt([str(double)], launcher=launcher)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output
@@ -434,8 +497,9 @@ def test_two_processes_give_the_loss_curve_of_one(tmp_path, tiny_checkpoint, cor
 
 
 def test_a_diverging_run_stops_and_keeps_its_last_checkpoint(tmp_path, tiny_checkpoint, corpus, capsys):
-    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, checkpoint_every=1, keep_checkpoints=5,
-                          **{"schedule.warmup_steps": 0})
+    recipe = write_recipe(
+        tmp_path, tiny_checkpoint, corpus, checkpoint_every=1, keep_checkpoints=5, **{"schedule.warmup_steps": 0}
+    )
     assert adapt_main([str(recipe), "optimizer.lr=1e30"]) == 1  # the first update overflows the weights
     error = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar
     assert error.startswith("ladder adapt: training stopped at step 2: loss nan")
@@ -446,8 +510,9 @@ def test_a_diverging_run_stops_and_keeps_its_last_checkpoint(tmp_path, tiny_chec
 
 
 def test_trainable_ladder_changes_only_the_ladder_layers(tmp_path, tiny_checkpoint, corpus):
-    final = train(load_recipe(write_recipe(tmp_path, tiny_checkpoint, corpus, budget=2 * 256,
-                                           **{"trainable.mode": "ladder"})))
+    final = train(
+        load_recipe(write_recipe(tmp_path, tiny_checkpoint, corpus, budget=2 * 256, **{"trainable.mode": "ladder"}))
+    )
     before, after = load_file(tiny_checkpoint / "model.safetensors"), load_file(final / "model.safetensors")
     for name, tensor in before.items():
         in_ladder = name.startswith(("model.layers.2.", "model.layers.3."))
@@ -455,8 +520,17 @@ def test_trainable_ladder_changes_only_the_ladder_layers(tmp_path, tiny_checkpoi
 
 
 def test_lora_adapters_are_merged_into_the_weights(tmp_path, tiny_checkpoint, corpus):
-    final = train(load_recipe(write_recipe(tmp_path, tiny_checkpoint, corpus, budget=3 * 256,
-                                           **{"trainable.mode": "lora", "trainable.lora.target_modules": ["q_proj", "v_proj"]})))
+    final = train(
+        load_recipe(
+            write_recipe(
+                tmp_path,
+                tiny_checkpoint,
+                corpus,
+                budget=3 * 256,
+                **{"trainable.mode": "lora", "trainable.lora.target_modules": ["q_proj", "v_proj"]},
+            )
+        )
+    )
     before, after = load_file(tiny_checkpoint / "model.safetensors"), load_file(final / "model.safetensors")
     assert after.keys() == before.keys()  # no adapter tensors left
     for name, tensor in before.items():
@@ -466,13 +540,23 @@ def test_lora_adapters_are_merged_into_the_weights(tmp_path, tiny_checkpoint, co
 def test_distillation_from_an_identical_teacher_starts_at_zero(tmp_path, tiny_checkpoint, corpus):
     # No ladder layer: the student is the teacher, so the KL of the first step is zero, and with
     # mix the loss is (1 - w) times the next-token loss.
-    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=2 * 256,
-                          **{"model.ladder_layers": 0, "objective.name": "kd", "objective.temperature": 2.0})
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        corpus,
+        budget=2 * 256,
+        **{"model.ladder_layers": 0, "objective.name": "kd", "objective.temperature": 2.0},
+    )
     train(load_recipe(recipe))
     first = [r for r in metrics(tmp_path / "run") if "loss" in r][0]
     assert abs(first["loss"]) < 1e-5 and first["lm_loss"] > 5
-    mixed = write_recipe(tmp_path / "mix", tiny_checkpoint, corpus, budget=256,
-                         **{"model.ladder_layers": 2, "objective.name": "mix", "objective.kd_weight": 0.25})
+    mixed = write_recipe(
+        tmp_path / "mix",
+        tiny_checkpoint,
+        corpus,
+        budget=256,
+        **{"model.ladder_layers": 2, "objective.name": "mix", "objective.kd_weight": 0.25},
+    )
     train(load_recipe(mixed))
     first = [r for r in metrics(tmp_path / "mix" / "run") if "loss" in r][0]
     assert first["loss"] > 0.75 * first["lm_loss"]  # plus a positive KL: the ladder student differs
@@ -480,8 +564,9 @@ def test_distillation_from_an_identical_teacher_starts_at_zero(tmp_path, tiny_ch
 
 def test_gradient_checkpointing_computes_the_same_step(tmp_path, tiny_checkpoint, corpus):
     plain = write_recipe(tmp_path / "plain", tiny_checkpoint, corpus, budget=2 * 256)
-    checkpointed = write_recipe(tmp_path / "ckpt", tiny_checkpoint, corpus, budget=2 * 256,
-                                **{"model.gradient_checkpointing": True})
+    checkpointed = write_recipe(
+        tmp_path / "ckpt", tiny_checkpoint, corpus, budget=2 * 256, **{"model.gradient_checkpointing": True}
+    )
     train(load_recipe(plain))
     train(load_recipe(checkpointed))
     assert losses(tmp_path / "ckpt" / "run") == pytest.approx(losses(tmp_path / "plain" / "run"), rel=1e-6)
@@ -529,7 +614,11 @@ def test_resume_refuses_a_changed_recipe(tmp_path, tiny_checkpoint, corpus, caps
         (["budget=100"], "less than one step", True),
         (["data.train=/nonexistent/*.txt"], "matches no file", True),
         (["logging.log_with=[mlflow]"], "logging.log_with: mlflow needs its package (pip install mlflow)", True),
-        (["logging.log_with=[tensorbored]"], "logging.log_with[0]: 'tensorbored' is not one of tensorboard, wandb", True),
+        (
+            ["logging.log_with=[tensorbored]"],
+            "logging.log_with[0]: 'tensorbored' is not one of tensorboard, wandb",
+            True,
+        ),
         (["trainable.mode=lora", "trainable.lora.target_modules=[nothing]"], "trainable.lora.target_modules", False),
     ],
 )
@@ -586,8 +675,15 @@ def test_kd_loss_is_the_forward_kl_at_temperature_times_t_squared(tiny_checkpoin
 def test_merged_lora_model_gives_the_logits_of_the_peft_model(tmp_path, tiny_checkpoint, corpus):
     from ladder.adapt.train import AdaptRun
 
-    recipe = load_recipe(write_recipe(tmp_path, tiny_checkpoint, corpus, budget=3 * 256,
-                                      **{"trainable.mode": "lora", "trainable.lora.target_modules": ["q_proj", "v_proj"]}))
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path,
+            tiny_checkpoint,
+            corpus,
+            budget=3 * 256,
+            **{"trainable.mode": "lora", "trainable.lora.target_modules": ["q_proj", "v_proj"]},
+        )
+    )
     run = AdaptRun(recipe)
     assert run.setup() is None
     run.train()
@@ -630,16 +726,18 @@ def test_chunked_losses_equal_the_full_logits_computation(kd_weight):
     expected = (1 - kd_weight) * ce + kd_weight * kd
     expected_grads = torch.autograd.grad(expected, (hidden, weight))
 
-    loss, next_token = head_losses(hidden, weight, labels, teacher_hidden, teacher_weight, kd_weight, temperature,
-                                   chunk_tokens=10)  # 74 positions: 8 chunks, the last one short
+    loss, next_token = head_losses(
+        hidden, weight, labels, teacher_hidden, teacher_weight, kd_weight, temperature, chunk_tokens=10
+    )  # 74 positions: 8 chunks, the last one short
     grads = torch.autograd.grad(loss, (hidden, weight))
     torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(next_token, ce, rtol=1e-10, atol=1e-12)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(lm_loss(hidden, weight, labels, chunk_tokens=7), ce, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(kd_loss(hidden, weight, teacher_hidden, teacher_weight, temperature, chunk_tokens=7), kd,
-                               rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        kd_loss(hidden, weight, teacher_hidden, teacher_weight, temperature, chunk_tokens=7), kd, rtol=1e-10, atol=1e-12
+    )
 
 
 def test_losses_in_lm_head_computes_no_logits_and_trains_like_the_plain_loss(tiny_checkpoint):

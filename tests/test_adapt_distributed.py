@@ -34,14 +34,34 @@ STEPS = 8  # 256 tokens each; checkpoints at steps 3 and 6
 
 
 def fsdp_launcher() -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG),
-            "--main_process_port", str(free_port())]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(FSDP_CONFIG),
+        "--main_process_port",
+        str(free_port()),
+    ]
 
 
 def ddp_launcher() -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(free_port())]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+    ]
 
 
 def launch(recipe: Path, launcher: list[str], *overrides: str) -> str:
@@ -93,7 +113,10 @@ def test_fsdp_on_two_processes_gives_the_loss_curve_of_one(one_process_run, fsdp
     # The checkpoints are FSDP's sharded form (one DCP folder, a shard per rank), not DDP's.
     checkpoint = fsdp_run / "checkpoints" / "step-000006"
     assert (checkpoint / "pytorch_model_fsdp_0").is_dir() and not (checkpoint / "model.safetensors").exists()
-    assert sorted(p.name for p in checkpoint.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
+    assert sorted(p.name for p in checkpoint.glob("random_states_*.pkl")) == [
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    ]
 
 
 def test_fsdp_final_model_is_the_gathered_trained_model(one_process_run, fsdp_run, tiny_checkpoint):
@@ -154,10 +177,16 @@ def test_gradient_accumulation_makes_the_update_of_one_large_batch(tmp_path, tin
     # gradient norm (a missing 1/grad_accum doubles the norm; a skipped sync changes it).
     budget = 3 * 256
     large = write_recipe(tmp_path / "large", tiny_checkpoint, corpus, budget=budget)
-    accumulated = write_recipe(tmp_path / "accumulated", tiny_checkpoint, corpus, budget=budget,
-                               **{"batch.micro_batch": 2, "batch.grad_accum": 2})
-    shared = write_recipe(tmp_path / "shared", tiny_checkpoint, corpus, budget=budget,
-                          **{"batch.micro_batch": 1, "batch.grad_accum": 2})
+    accumulated = write_recipe(
+        tmp_path / "accumulated",
+        tiny_checkpoint,
+        corpus,
+        budget=budget,
+        **{"batch.micro_batch": 2, "batch.grad_accum": 2},
+    )
+    shared = write_recipe(
+        tmp_path / "shared", tiny_checkpoint, corpus, budget=budget, **{"batch.micro_batch": 1, "batch.grad_accum": 2}
+    )
     train(load_recipe(large))
     train(load_recipe(accumulated))
     launch(shared, ddp_launcher())
@@ -174,8 +203,12 @@ def test_gradient_accumulation_makes_the_update_of_one_large_batch(tmp_path, tin
 # --- a kill while a checkpoint is written -----------------------------------------------------------
 
 
-def test_a_kill_while_a_checkpoint_is_written_keeps_the_previous_one(tmp_path, tiny_checkpoint, corpus,  # noqa: F811
-                                                                      one_process_run):
+def test_a_kill_while_a_checkpoint_is_written_keeps_the_previous_one(
+    tmp_path,
+    tiny_checkpoint,
+    corpus,  # noqa: F811
+    one_process_run,
+):
     # The script dies inside the second checkpoint's save, after accelerate wrote the model,
     # optimizer and RNG states and before the step file and the rename: the checkpoint at step 3
     # must stay the latest, and resuming from it must give the uninterrupted run's losses and weights.

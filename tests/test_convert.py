@@ -88,8 +88,13 @@ def test_tiny_checkpoint_end_to_end(tiny_checkpoint, tmp_path, capsys):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llamaLadder" and config["ladder_layers"] == [2, 3]
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModelForCausalLM"}
-    for name in ("modeling_ladder_llama.py", "configuration_ladder_llama.py", "generation_config.json",
-                 "README.md", *TOKENIZER_FILES):
+    for name in (
+        "modeling_ladder_llama.py",
+        "configuration_ladder_llama.py",
+        "generation_config.json",
+        "README.md",
+        *TOKENIZER_FILES,
+    ):
         assert (out / name).is_file(), name
     # Copied as is: the same bytes, so the same tensors and dtypes.
     assert sha256_file(out / "model.safetensors") == sha256_file(source / "model.safetensors")
@@ -113,7 +118,7 @@ def test_tiny_checkpoint_end_to_end(tiny_checkpoint, tmp_path, capsys):
     script = f"""
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-expected = torch.load({str(tmp_path / 'expected.pt')!r})
+expected = torch.load({str(tmp_path / "expected.pt")!r})
 model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True).eval()
 tokenizer = AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True)
 assert "ladder" not in sys.modules and type(model).__module__.startswith("transformers_modules")
@@ -124,8 +129,9 @@ assert torch.equal(generated, expected["generated"])
 print("ok", model.config.ladder_layers, tokenizer("Hello world")["input_ids"])
 """
     environment = {**os.environ, "HF_HOME": str(tmp_path / "hf_home")}
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=environment,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     hello = AutoTokenizer.from_pretrained(source)("Hello world")["input_ids"]
     assert f"ok [2, 3] {hello}" in result.stdout
@@ -267,8 +273,11 @@ def _truncate(path: Path, keep: int) -> None:
 BAD_INPUTS = {
     # name: (make the source in `work` from a copy of the tiny checkpoint `src`, extra args, message)
     "missing-path": (lambda src, work: work / "nowhere", [], "does not exist"),
-    "not-llama": (lambda src, work: _edit_config(src, model_type="mistral") or src, [],
-                  "model_type 'mistral'; supported: 'llama' or 'llamaLadder'"),
+    "not-llama": (
+        lambda src, work: _edit_config(src, model_type="mistral") or src,
+        [],
+        "model_type 'mistral'; supported: 'llama' or 'llamaLadder'",
+    ),
     "layers-out-of-range": (lambda src, work: src, ["--layers", "5"], "0 <= N <= 4"),
     "layer-index-out-of-range": (lambda src, work: src, ["--layers", "2-4"], "out of range"),
     "layers-duplicated": (lambda src, work: src, ["--layers", "1,1"], "duplicate"),
@@ -276,21 +285,42 @@ BAD_INPUTS = {
     "out-inside-source": (lambda src, work: src, ["--out", "{src}/ladder"], "is inside the source"),
     "out-is-source": (lambda src, work: src, ["--out", "{src}", "--force"], "is inside the source"),
     "out-contains-source": (lambda src, work: src, ["--out", "{work}", "--force"], "contains the source"),
-    "shard-missing": (lambda src, work: sorted((work / "sharded").glob("*.safetensors"))[1].unlink() or work / "sharded",
-                      [], "model-00002-of-00003.safetensors named in model.safetensors.index.json is missing"),
+    "shard-missing": (
+        lambda src, work: sorted((work / "sharded").glob("*.safetensors"))[1].unlink() or work / "sharded",
+        [],
+        "model-00002-of-00003.safetensors named in model.safetensors.index.json is missing",
+    ),
     "truncated": (lambda src, work: _truncate(src / "model.safetensors", 1_000_000) or src, [], "truncated"),
-    "corrupt-header": (lambda src, work: _overwrite_start(src / "model.safetensors", b"\x10" + b"\0" * 7 + b"not json" * 2)
-                       or src, [], "the header is not JSON"),
-    "unexpected-tensor": (lambda src, work: _edit_tensors(src, lambda t: t.update(extra=torch.zeros(2))) or src, [],
-                          "tensor extra is not part of a Llama with this config"),
-    "missing-tensor": (lambda src, work: _edit_tensors(src, lambda t: t.pop("model.norm.weight")) or src, [],
-                       "lacks 1 tensor(s) its config needs: model.norm.weight"),
-    "wrong-shape": (lambda src, work: _edit_config(src, intermediate_size=96) or src, [],
-                    "has shape [128, 64]; the config needs [96, 64]"),
-    "gguf-other-architecture": (lambda src, work: _write_gguf(work / "m.gguf", "gpt2", gguf.GGMLQuantizationType.F32),
-                                [], "holds a 'gpt2' model; only the 'llama' architecture converts"),
-    "gguf-unsupported-type": (lambda src, work: _write_gguf(work / "m.gguf", "llama", gguf.GGMLQuantizationType.Q8_K),
-                              [], "quantization type Q8_K, which gguf"),
+    "corrupt-header": (
+        lambda src, work: _overwrite_start(src / "model.safetensors", b"\x10" + b"\0" * 7 + b"not json" * 2) or src,
+        [],
+        "the header is not JSON",
+    ),
+    "unexpected-tensor": (
+        lambda src, work: _edit_tensors(src, lambda t: t.update(extra=torch.zeros(2))) or src,
+        [],
+        "tensor extra is not part of a Llama with this config",
+    ),
+    "missing-tensor": (
+        lambda src, work: _edit_tensors(src, lambda t: t.pop("model.norm.weight")) or src,
+        [],
+        "lacks 1 tensor(s) its config needs: model.norm.weight",
+    ),
+    "wrong-shape": (
+        lambda src, work: _edit_config(src, intermediate_size=96) or src,
+        [],
+        "has shape [128, 64]; the config needs [96, 64]",
+    ),
+    "gguf-other-architecture": (
+        lambda src, work: _write_gguf(work / "m.gguf", "gpt2", gguf.GGMLQuantizationType.F32),
+        [],
+        "holds a 'gpt2' model; only the 'llama' architecture converts",
+    ),
+    "gguf-unsupported-type": (
+        lambda src, work: _write_gguf(work / "m.gguf", "llama", gguf.GGMLQuantizationType.Q8_K),
+        [],
+        "quantization type Q8_K, which gguf",
+    ),
     "bad-shard-size": (lambda src, work: src, ["--max-shard-size", "lots"], "is not a size like 5GB"),
     "bad-dtype": (lambda src, work: src, ["--dtype", "int8"], "invalid choice: 'int8'"),
 }
@@ -320,8 +350,12 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tiny_checkpoint, sharded
 
 
 def test_console_command_prints_no_traceback(tmp_path):
-    result = subprocess.run([str(Path(sys.executable).parent / "ladder"), "convert", str(tmp_path / "nowhere")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "ladder"), "convert", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "does not exist" in result.stderr
 
@@ -331,13 +365,35 @@ def test_console_command_prints_no_traceback(tmp_path):
 
 def test_sigkill_mid_copy_leaves_no_output_and_a_rerun_works(tmp_path, capsys):
     source = tmp_path / "big"
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
     write_synthetic_checkpoint(source, config, max_shard_size=20 * 2**20)  # ~190 MB in 10 shards
     shards = {p.name: p.stat().st_size for p in source.glob("*.safetensors")}
     out = tmp_path / "out"
-    child = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "ladder.cli", "convert", str(source),
-                              "--out", str(out), "--no-verify"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        [
+            "nice",
+            "-n",
+            "19",
+            sys.executable,
+            "-m",
+            "ladder.cli",
+            "convert",
+            str(source),
+            "--out",
+            str(out),
+            "--no-verify",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".out.tmp-*/*.safetensors")):  # the copy has begun
         assert child.poll() is None and time.monotonic() < deadline, "the conversion ended before it was killed"
@@ -360,8 +416,10 @@ def _mount_namespace_prefix() -> list[str]:
     prefix = ["unshare", "--mount", "--propagation", "private"]
     if os.geteuid() != 0:
         prefix = ["unshare", "--user", "--map-root-user", "--mount"]
-    if shutil.which("unshare") is None or subprocess.run([*prefix, "mount", "-t", "tmpfs", "tmpfs", "/mnt"],
-                                                         capture_output=True).returncode != 0:
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run([*prefix, "mount", "-t", "tmpfs", "tmpfs", "/mnt"], capture_output=True).returncode != 0
+    ):
         pytest.skip("cannot mount a tmpfs in a private mount namespace here")
     return prefix
 
@@ -371,8 +429,10 @@ def test_full_disk_is_one_line_and_leaves_nothing(tiny_checkpoint, tmp_path):
     prefix = _mount_namespace_prefix()
     disk = tmp_path / "disk"
     disk.mkdir()
-    script = (f"mount -t tmpfs -o size=12m tmpfs {disk} && {sys.executable} -m ladder.cli convert "
-              f"{tiny_checkpoint} --out {disk}/out --no-verify; echo exit=$?; ls -A {disk}")
+    script = (
+        f"mount -t tmpfs -o size=12m tmpfs {disk} && {sys.executable} -m ladder.cli convert "
+        f"{tiny_checkpoint} --out {disk}/out --no-verify; echo exit=$?; ls -A {disk}"
+    )
     result = subprocess.run([*prefix, "sh", "-c", script], capture_output=True, text=True, timeout=300)
     assert result.stdout.strip() == "exit=2", result.stdout + result.stderr  # and `ls` listed nothing
     assert result.stderr.strip() == f"ladder convert: error: no space left on the device while writing {disk}/out"
@@ -383,8 +443,12 @@ def test_full_disk_is_one_line_and_leaves_nothing(tiny_checkpoint, tmp_path):
 
 def test_tensor_io_round_trip_against_the_safetensors_library(tmp_path):
     tensors = {
-        "weight": torch.randn(7, 5), "half": torch.randn(3, 4).to(torch.bfloat16), "ids": torch.arange(6),
-        "mask": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+        "weight": torch.randn(7, 5),
+        "half": torch.randn(3, 4).to(torch.bfloat16),
+        "ids": torch.arange(6),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
     }
     save_file(tensors, tmp_path / "library.safetensors")
     shard = read_shard(tmp_path / "library.safetensors")
@@ -401,7 +465,9 @@ def test_tensor_io_round_trip_against_the_safetensors_library(tmp_path):
 
     # Written back in pieces, floating tensors cast to float16 by the writer.
     as_float16 = {name: t.to(torch.float16) if t.is_floating_point() else t for name, t in tensors.items()}
-    writer = SafetensorsWriter(tmp_path / "ours.safetensors", [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in as_float16.items()])
+    writer = SafetensorsWriter(
+        tmp_path / "ours.safetensors", [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in as_float16.items()]
+    )
     for name, tensor in tensors.items():
         if tensor.dim() and len(tensor) > 1:
             writer.write(name, tensor[:1])
@@ -430,13 +496,27 @@ def test_copy_file_hashes_what_it_copies_in_one_pass(tmp_path):
     assert copy_file(tmp_path / "empty", tmp_path / "empty-copy", progress.append) == sha256_file(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("overrides", [
-    {}, {"attention_bias": True, "mlp_bias": True}, {"head_dim": 32, "num_key_value_heads": 1},
-    {"tie_word_embeddings": True, "num_key_value_heads": None},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"attention_bias": True, "mlp_bias": True},
+        {"head_dim": 32, "num_key_value_heads": 1},
+        {"tie_word_embeddings": True, "num_key_value_heads": None},
+    ],
+)
 def test_shapes_from_the_config_match_a_model_built_from_it(overrides):
-    config = LlamaConfig(**{"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
-                            "num_attention_heads": 4, "num_key_value_heads": 2, **overrides})
+    config = LlamaConfig(
+        **{
+            "vocab_size": 300,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            **overrides,
+        }
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -449,15 +529,31 @@ def test_light_config_loads_as_what_save_pretrained_writes(tmp_path):
     from transformers import AutoConfig
     from transformers.dynamic_module_utils import custom_object_save
 
-    source = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=131072, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    source = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 5e5,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     source.save_pretrained(tmp_path / "source")
     heavy = ladder.ladder_config(source, [1, 3])
     heavy.architectures, heavy.dtype = ["LadderLlamaForCausalLM"], "bfloat16"
     with torch.device("meta"):
         skeleton = LadderLlamaForCausalLM(heavy)
-    written = custom_object_save(skeleton, tmp_path / "heavy", config=heavy) if (tmp_path / "heavy").mkdir() is None else []
+    written = (
+        custom_object_save(skeleton, tmp_path / "heavy", config=heavy) if (tmp_path / "heavy").mkdir() is None else []
+    )
     heavy.save_pretrained(tmp_path / "heavy")
     light = ladder_config_dict(json.loads((tmp_path / "source" / "config.json").read_text()), [1, 3], "bfloat16")
     (tmp_path / "light").mkdir()
@@ -467,16 +563,20 @@ def test_light_config_loads_as_what_save_pretrained_writes(tmp_path):
     for name in MODELING_FILES:
         assert (tmp_path / "light" / name).read_bytes() == (tmp_path / "heavy" / name).read_bytes()
     assert json.loads((tmp_path / "light" / "config.json").read_text())["auto_map"] == heavy.auto_map
-    loaded = [{k: v for k, v in AutoConfig.from_pretrained(tmp_path / kind).to_dict().items() if k != "_name_or_path"}
-              for kind in ("heavy", "light")]
+    loaded = [
+        {k: v for k, v in AutoConfig.from_pretrained(tmp_path / kind).to_dict().items() if k != "_name_or_path"}
+        for kind in ("heavy", "light")
+    ]
     assert loaded[0] == loaded[1] and loaded[1]["ladder_layers"] == [1, 3]
 
 
 def test_copy_mode_imports_neither_torch_nor_transformers(tiny_checkpoint, tmp_path):
-    script = (f"import sys; from ladder.cli import main; code = main(['convert', {str(tiny_checkpoint)!r}, '--out', "
-              f"{str(tmp_path / 'out')!r}, '--no-verify']); "
-              "heavy = sorted(m for m in ('torch', 'transformers', 'lm_eval', 'numpy') if m in sys.modules); "
-              "print(code, heavy)")
+    script = (
+        f"import sys; from ladder.cli import main; code = main(['convert', {str(tiny_checkpoint)!r}, '--out', "
+        f"{str(tmp_path / 'out')!r}, '--no-verify']); "
+        "heavy = sorted(m for m in ('torch', 'transformers', 'lm_eval', 'numpy') if m in sys.modules); "
+        "print(code, heavy)"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip().splitlines()[-1] == "0 []", result.stdout + result.stderr
     manifest = json.loads((tmp_path / "out" / "conversion.json").read_text())
@@ -500,8 +600,9 @@ def test_link_mode_hard_links_and_the_result_verifies(sharded_source, tmp_path, 
 
 
 def test_link_mode_refuses_what_it_cannot_link(tiny_checkpoint, tmp_path, capsys):
-    code, _, stderr = run_convert(capsys, tiny_checkpoint, "--out", tmp_path / "cast", "--dtype", "bfloat16",
-                                  "--weights", "link")
+    code, _, stderr = run_convert(
+        capsys, tiny_checkpoint, "--out", tmp_path / "cast", "--dtype", "bfloat16", "--weights", "link"
+    )
     assert code == 2 and "the weights are rewritten here" in stderr and not (tmp_path / "cast").exists()
     other = Path("/dev/shm")
     if not other.is_dir() or other.stat().st_dev == tmp_path.stat().st_dev:
@@ -563,8 +664,14 @@ output = model.generate(**chat, max_new_tokens=16, do_sample=False)
 print(tokenizer.decode(output[0, chat["input_ids"].shape[1]:], skip_special_tokens=True))
 """
     environment = {**os.environ, "HF_HOME": str(tmp_path / "hf_home")}
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=tmp_path, env=environment,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     words = re.findall(r"[A-Za-z]+", result.stdout)
     assert len(words) >= 3, result.stdout

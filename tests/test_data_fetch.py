@@ -69,8 +69,9 @@ def served(tmp_path) -> tuple[Server, list[DataFile]]:
     altered[0] ^= 1
     (root / ALTERED).write_bytes(bytes(altered))
     server = Server(root)
-    entries = [DataFile(path, manifest[path].size, manifest[path].sha256, f"{server.url}/{path}")
-               for path in GOOD + [ALTERED]]
+    entries = [
+        DataFile(path, manifest[path].size, manifest[path].sha256, f"{server.url}/{path}") for path in GOOD + [ALTERED]
+    ]
     yield server, entries
     server.close()
 
@@ -153,8 +154,11 @@ def test_without_network_one_line_says_what_to_fetch_and_where(tmp_path, capsys)
     assert ladder_main(["data", "--dest", str(destination), "--manifest", str(manifest)]) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1
-    assert re.search(rf"cannot download from 127\.0\.0\.1:\d+ \(ConnectionError\): fetch the 3 files listed in "
-                     rf"{re.escape(str(manifest))} .* into {re.escape(str(destination))}", error), error
+    assert re.search(
+        rf"cannot download from 127\.0\.0\.1:\d+ \(ConnectionError\): fetch the 3 files listed in "
+        rf"{re.escape(str(manifest))} .* into {re.escape(str(destination))}",
+        error,
+    ), error
     assert not destination.exists() or files_under(destination) == set()
 
 

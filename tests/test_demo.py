@@ -22,7 +22,8 @@ def _recipe(directory: Path, checkpoint: Path, **model) -> Path:
         "data": {
             "train": [{"path": str(books / "120_treasure_island" / "pg120.txt"), "max_tokens": 4096}],
             "eval": [{"path": str(books / "84_frankenstein" / "84-0.txt"), "max_tokens": 1024}],
-            "seq_len": 64, "eval_blocks": 4,
+            "seq_len": 64,
+            "eval_blocks": 4,
         },
         "budget": 6 * 2 * 64,
         "batch": {"micro_batch": 2},
@@ -47,7 +48,9 @@ def test_demo_runs_the_pipeline_then_reuses_it(tmp_path, tiny_checkpoint, capsys
     assert json.loads((out / "ladder" / "config.json").read_text())["ladder_layers"] == [2, 3]
     assert (out / "adapt" / "model" / "model.safetensors").is_file()
     assert set(report["pipeline"]["seconds"]) == {*demo.STAGES, "total"} and report["pipeline"]["reused"] == []
-    assert "Held-out WikiText-2 word perplexity" in printed and "## Pipeline" in (out / "report" / "report.md").read_text()
+    assert (
+        "Held-out WikiText-2 word perplexity" in printed and "## Pipeline" in (out / "report" / "report.md").read_text()
+    )
 
     # Again: the conversion and the retrained model are reused and every score comes from the cache.
     adapted = (out / "adapt" / "model" / "model.safetensors").stat().st_mtime_ns
@@ -60,7 +63,14 @@ def test_demo_runs_the_pipeline_then_reuses_it(tmp_path, tiny_checkpoint, capsys
 
     # Other settings are never served from the old results: refused before any stage, naming
     # what differs, and redone on --redo.
-    other_layers = ["--recipe", str(_recipe(tmp_path, tiny_checkpoint, ladder_layers=1)), "--suite", "smoke", "--out", str(out)]
+    other_layers = [
+        "--recipe",
+        str(_recipe(tmp_path, tiny_checkpoint, ladder_layers=1)),
+        "--suite",
+        "smoke",
+        "--out",
+        str(out),
+    ]
     with pytest.raises(UsageError, match=r"converted with other settings \(ladder_layers differ.*--redo convert"):
         demo.main(other_layers)
     (tmp_path / "lr").mkdir()

@@ -118,13 +118,23 @@ def test_chat_options_from_the_suite_and_the_command_line():
     # A base model: plain prompts everywhere, and with them no few-shot turns.
     plain = paper.with_chat(apply_chat_template=False)
     assert not any(t.apply_chat_template or t.fewshot_as_multiturn for t in plain.tasks)
-    options = parse_suite({"tasks": ["a"]}, "s").with_chat(
-        "chatml", True, "Be brief.", {"max_gen_toks": 16, "until": ["\n"]}
-    ).tasks[0].chat_options()
-    assert options == {"apply_chat_template": "chatml", "fewshot_as_multiturn": True,
-                       "system_instruction": "Be brief.", "gen_kwargs": {"max_gen_toks": 16, "until": ["\n"]}}
+    options = (
+        parse_suite({"tasks": ["a"]}, "s")
+        .with_chat("chatml", True, "Be brief.", {"max_gen_toks": 16, "until": ["\n"]})
+        .tasks[0]
+        .chat_options()
+    )
+    assert options == {
+        "apply_chat_template": "chatml",
+        "fewshot_as_multiturn": True,
+        "system_instruction": "Be brief.",
+        "gen_kwargs": {"max_gen_toks": 16, "until": ["\n"]},
+    }
     assert cli._gen_kwargs("max_gen_toks=512,temperature=0,do_sample=false") == {
-        "max_gen_toks": 512, "temperature": 0, "do_sample": False}
+        "max_gen_toks": 512,
+        "temperature": 0,
+        "do_sample": False,
+    }
 
 
 # --- offline tasks --------------------------------------------------------------------------
@@ -228,13 +238,17 @@ def test_paired_bootstrap_of_two_models_matches_the_delta_method():
     ppl_a, ppl_b = math.exp(-ll_a.sum() / words.sum()), math.exp(-ll_b.sum() / words.sum())
     ref = _record("w", "word_perplexity,none", range(300), pairs_a, "weighted_perplexity", ppl_a, "N/A")
     other = _record("w", "word_perplexity,none", range(300), pairs_b, "weighted_perplexity", ppl_b, "N/A")
-    score_ref, score = report._score(ref, "w", "word_perplexity,none"), report._score(other, "w", "word_perplexity,none")
+    score_ref, score = (
+        report._score(ref, "w", "word_perplexity,none"),
+        report._score(other, "w", "word_perplexity,none"),
+    )
     difference = report._difference(ref, other, "w", "word_perplexity,none", score_ref, score)
     assert difference.method == "paired" and difference.value == pytest.approx(ppl_b - ppl_a)
 
     total = words.sum()
-    influence = (-ppl_b * (ll_b / total + words / total * math.log(ppl_b))
-                 + ppl_a * (ll_a / total + words / total * math.log(ppl_a)))
+    influence = -ppl_b * (ll_b / total + words / total * math.log(ppl_b)) + ppl_a * (
+        ll_a / total + words / total * math.log(ppl_a)
+    )
     delta_method = math.sqrt((influence**2).sum())
     assert difference.stderr == pytest.approx(delta_method, rel=0.1)
     assert difference.stderr < 0.5 * math.hypot(score_ref.stderr, score.stderr)  # pairing matters here
@@ -265,7 +279,11 @@ def test_ladder_eval_writes_the_report_and_caches_the_baseline(tiny_checkpoint, 
 
     first = tmp_path / "first"
     assert {p.name for p in first.iterdir()} == {
-        "report.md", "report.json", "report.png", f"{tiny_checkpoint.name}.json", "upper2.json"
+        "report.md",
+        "report.json",
+        "report.png",
+        f"{tiny_checkpoint.name}.json",
+        "upper2.json",
     }
     results = json.loads((first / "upper2.json").read_text())
     assert {"results", "configs", "versions", "n-shot", "config", "lm_eval_version"} <= set(results)
@@ -304,15 +322,30 @@ def test_stock_lm_eval_command_line_gives_the_same_numbers(ladder_checkpoints, t
     """`lm_eval --model hf --model_args pretrained=<ladder dir>,trust_remote_code=True --include_path
     eval/tasks` on a converted checkpoint scores what `ladder eval` scores."""
     upper2, _ = ladder_checkpoints
-    suite = _write_suite(tmp_path / "two.yaml", [{"task": "ladder_piqa", "limit": 4}, {"task": "ladder_wikitext", "limit": 4}])
+    suite = _write_suite(
+        tmp_path / "two.yaml", [{"task": "ladder_piqa", "limit": 4}, {"task": "ladder_wikitext", "limit": 4}]
+    )
     assert cli.main([str(upper2), "--suite", str(suite), "--no-cache", "--out", str(tmp_path / "ours")]) == 0
     ours = json.loads((tmp_path / "ours" / "upper2.json").read_text())["results"]
 
     command = [
-        str(Path(sys.executable).with_name("lm_eval")), "--model", "hf",
-        "--model_args", f"pretrained={upper2},trust_remote_code=True",
-        "--tasks", "ladder_piqa,ladder_wikitext", "--include_path", str(harness.TASKS_DIR),
-        "--limit", "4", "--device", "cpu", "--batch_size", "8", "--output_path", str(tmp_path / "stock"),
+        str(Path(sys.executable).with_name("lm_eval")),
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={upper2},trust_remote_code=True",
+        "--tasks",
+        "ladder_piqa,ladder_wikitext",
+        "--include_path",
+        str(harness.TASKS_DIR),
+        "--limit",
+        "4",
+        "--device",
+        "cpu",
+        "--batch_size",
+        "8",
+        "--output_path",
+        str(tmp_path / "stock"),
     ]
     environment = {**os.environ, "LADDER_DATA": str(ladder_data_dir()), "HF_DATASETS_OFFLINE": "1"}
     completed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
@@ -345,7 +378,6 @@ def test_model_names_and_fingerprints(tiny_checkpoint, ladder_checkpoints, tmp_p
     (copy / "README.md").write_text("notes do not change the model")
     (copy / "conversion.json").write_text('{"seconds": 1.5}')  # nor does a record of how it was made
     assert harness.fingerprint(copy) == harness.fingerprint(upper2)
-
 
 
 def test_cache_keys_are_the_same_in_every_process():
@@ -392,7 +424,9 @@ def test_runtime_defaults_to_cpu_float32_without_a_gpu():
 def test_two_processes_score_the_items_of_one(tiny_checkpoint, tmp_path, capfd):
     """`--processes 2` (accelerate launch, gloo on the CPU) splits the items and gives the same
     per-item results and scores as one process."""
-    suite = _write_suite(tmp_path / "s.yaml", [{"task": "ladder_piqa", "limit": 10}, {"task": "ladder_wikitext", "limit": 2}])
+    suite = _write_suite(
+        tmp_path / "s.yaml", [{"task": "ladder_piqa", "limit": 10}, {"task": "ladder_wikitext", "limit": 2}]
+    )
     common = [str(tiny_checkpoint), "--suite", str(suite), "--no-cache", "--log-samples", "--device", "cpu"]
     assert cli.main([*common, "--out", str(tmp_path / "one")]) == 0
     assert cli.main([*common, "--out", str(tmp_path / "two"), "--processes", "2"]) == 0
@@ -420,11 +454,16 @@ def test_chat_template_renders_role_markers_on_the_embedded_instruct_model(tmp_p
     """SmolLM2-Instruct's template (ChatML) marks each turn with <|im_start|>ROLE; a plain task has
     none. One run, one model load: the chat options are per suite task."""
     chat = {"apply_chat_template": True, "fewshot_as_multiturn": True, "system_instruction": "Answer the question."}
-    suite = _write_suite(tmp_path / "s.yaml", [
-        {"task": "ladder_arc_easy", "limit": 2, "num_fewshot": 1, **chat},
-        {"task": "ladder_arc_challenge", "limit": 2, "num_fewshot": 1},
-    ])
-    assert cli.main(["embedded", "--suite", str(suite), "--no-cache", "--log-samples", "--out", str(tmp_path / "o")]) == 0
+    suite = _write_suite(
+        tmp_path / "s.yaml",
+        [
+            {"task": "ladder_arc_easy", "limit": 2, "num_fewshot": 1, **chat},
+            {"task": "ladder_arc_challenge", "limit": 2, "num_fewshot": 1},
+        ],
+    )
+    assert (
+        cli.main(["embedded", "--suite", str(suite), "--no-cache", "--log-samples", "--out", str(tmp_path / "o")]) == 0
+    )
     label = "SmolLM2-135M-Instruct.Q4_1"
     for sample in _samples(tmp_path / "o", label, "ladder_arc_challenge"):
         context = sample["arguments"][0][0]  # (context, continuation) of the first answer choice
@@ -436,7 +475,9 @@ def test_chat_template_renders_role_markers_on_the_embedded_instruct_model(tmp_p
         assert context.count("<|im_start|>user\n") == 2 and context.count("<|im_start|>assistant\n") == 2
         assert context.endswith("<|im_start|>assistant\n")
     report = json.loads((tmp_path / "o" / "report.json").read_text())
-    assert "ladder_arc_easy (1-shot, at most 2, chat template, few-shot as turns, system instruction)" in report["tasks"]
+    assert (
+        "ladder_arc_easy (1-shot, at most 2, chat template, few-shot as turns, system instruction)" in report["tasks"]
+    )
     options = json.loads((tmp_path / "o" / f"{label}.json").read_text())["ladder"]["chat_options"]
     assert options["ladder_arc_easy"] == {**chat, "gen_kwargs": None}
     assert options["ladder_arc_challenge"]["apply_chat_template"] is False
@@ -472,8 +513,25 @@ def test_cache_misses_on_a_data_byte_and_the_dtype_and_hits_unchanged(tiny_check
 
     def run(*extra: str) -> list[str]:
         out = tmp_path / f"run{next(runs)}"
-        assert cli.main([str(tiny_checkpoint), "--suite", str(suite), "--data", str(data), "--cache", str(cache),
-                         "--out", str(out), "--device", "cpu", *extra]) == 0
+        assert (
+            cli.main(
+                [
+                    str(tiny_checkpoint),
+                    "--suite",
+                    str(suite),
+                    "--data",
+                    str(data),
+                    "--cache",
+                    str(cache),
+                    "--out",
+                    str(out),
+                    "--device",
+                    "cpu",
+                    *extra,
+                ]
+            )
+            == 0
+        )
         return _cached(out)
 
     assert run() == []
@@ -521,8 +579,12 @@ def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):
     utils = tasks / "utils.py"
     source = utils.read_text()
     assert "def _read_jsonl" in source
-    utils.write_text(source.replace("def _read_jsonl(path: Path) -> list[dict]:\n",
-                                    "def _read_jsonl(path: Path) -> list[dict]:\n    path = Path(path)\n"))
+    utils.write_text(
+        source.replace(
+            "def _read_jsonl(path: Path) -> list[dict]:\n",
+            "def _read_jsonl(path: Path) -> list[dict]:\n    path = Path(path)\n",
+        )
+    )
     assert key(model) != before
     assert key({**model, "code": "d"}) != key(model)
 
@@ -541,8 +603,12 @@ def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):
         spec.loader.exec_module(module)
         return module.MyLlama
 
-    first = harness.code_digest([load_class("from transformers import LlamaForCausalLM\nclass MyLlama(LlamaForCausalLM):\n    pass\n")])
-    edited = harness.code_digest([load_class("from transformers import LlamaForCausalLM\nclass MyLlama(LlamaForCausalLM):\n    x = 1\n")])
+    first = harness.code_digest(
+        [load_class("from transformers import LlamaForCausalLM\nclass MyLlama(LlamaForCausalLM):\n    pass\n")]
+    )
+    edited = harness.code_digest(
+        [load_class("from transformers import LlamaForCausalLM\nclass MyLlama(LlamaForCausalLM):\n    x = 1\n")]
+    )
     assert first != edited
     assert harness.code_digest([LadderLlamaForCausalLM]) != harness.code_digest([LlamaForCausalLM])
 

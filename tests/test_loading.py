@@ -77,12 +77,18 @@ def test_a_hub_id_resolves_through_the_cache(hub_cache, tiny_checkpoint, tmp_pat
     assert resolve_model_path("test-org/tiny-llama") == Path("test-org/tiny-llama")
 
 
-@pytest.mark.parametrize("model_id, message", [
-    ("test-org/not-downloaded", "model test-org/not-downloaded is not a local path and not in the Hugging Face "
-                                "cache ({cache}), and HF_HUB_OFFLINE is set: download it with "
-                                "`hf download test-org/not-downloaded` where the Hub is reachable"),
-    ("test-org/tiny-llama@v2", "`hf download test-org/tiny-llama --revision v2`"),
-])
+@pytest.mark.parametrize(
+    "model_id, message",
+    [
+        (
+            "test-org/not-downloaded",
+            "model test-org/not-downloaded is not a local path and not in the Hugging Face "
+            "cache ({cache}), and HF_HUB_OFFLINE is set: download it with "
+            "`hf download test-org/not-downloaded` where the Hub is reachable",
+        ),
+        ("test-org/tiny-llama@v2", "`hf download test-org/tiny-llama --revision v2`"),
+    ],
+)
 def test_a_hub_id_that_is_not_cached_says_how_to_download_it(hub_cache, tiny_checkpoint, model_id, message, capsys):
     cache_hub_model(hub_cache, "test-org/tiny-llama", tiny_checkpoint)
     with pytest.raises(UsageError) as error:
@@ -93,7 +99,8 @@ def test_a_hub_id_that_is_not_cached_says_how_to_download_it(hub_cache, tiny_che
 
 
 def test_convert_and_eval_take_a_hub_id_and_cards_carry_base_model_and_licence(
-        hub_cache, tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    hub_cache, tiny_checkpoint, tmp_path, monkeypatch, capsys
+):
     source = tmp_path / "source"
     shutil.copytree(tiny_checkpoint, source)
     (source / "LICENSE").write_text("LLAMA 3.1 COMMUNITY LICENSE AGREEMENT ...")
@@ -117,9 +124,14 @@ def test_convert_and_eval_take_a_hub_id_and_cards_carry_base_model_and_licence(
     # Retraining the converted model: its card names the original as base model, with the data and the
     # held-out losses, and the licence files travel on.
     (tmp_path / "text.txt").write_text(" ".join(["the quiet river under the old stone bridge"] * 120))
-    recipe = {"model": {"path": str(out)}, "budget": 128, "batch": {"micro_batch": 2},
-              "data": {"train": [str(tmp_path / "text.txt")], "seq_len": 32, "heldout_fraction": 0.3},
-              "output_dir": str(tmp_path / "adapted"), "logging": {"progress": False}}
+    recipe = {
+        "model": {"path": str(out)},
+        "budget": 128,
+        "batch": {"micro_batch": 2},
+        "data": {"train": [str(tmp_path / "text.txt")], "seq_len": 32, "heldout_fraction": 0.3},
+        "output_dir": str(tmp_path / "adapted"),
+        "logging": {"progress": False},
+    }
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     assert ladder_main(["adapt", str(tmp_path / "recipe.yaml")]) == 0
     final = tmp_path / "adapted" / "model"
@@ -127,7 +139,10 @@ def test_convert_and_eval_take_a_hub_id_and_cards_carry_base_model_and_licence(
     assert card.data.base_model == "test-org/tiny-llama" and card.data.license == "llama3.1"
     assert "ladder-residual" in card.data.tags and card.data.datasets is None  # local files are not Hub datasets
     assert "Layers 2-3 of 4 are ladder layers" in card.text and "`text.txt`" in card.text
-    evals = [json.loads(line) for line in (tmp_path / "adapted" / "metrics.jsonl").read_text().splitlines()
-             if "eval_loss" in line]
+    evals = [
+        json.loads(line)
+        for line in (tmp_path / "adapted" / "metrics.jsonl").read_text().splitlines()
+        if "eval_loss" in line
+    ]
     assert f"| {evals[0]['eval_loss']:.4f} |" in card.text and f"| {evals[-1]['eval_loss']:.4f} |" in card.text
     assert sorted(p.name for p in final.glob("[LU]*")) == ["LICENSE", "USE_POLICY.md"]

@@ -68,7 +68,9 @@ def naive_ladder_forward(model, input_ids, ladder_layers):
         for is_mlp in (False, True):
             source = streams[-2] if layer_index in ladder_layers else streams[-1]
             if is_mlp:
-                update = naive_mlp(layer, naive_rms_norm(source, layer.post_attention_layernorm.weight, config.rms_norm_eps))
+                update = naive_mlp(
+                    layer, naive_rms_norm(source, layer.post_attention_layernorm.weight, config.rms_norm_eps)
+                )
             else:
                 normed = naive_rms_norm(source, layer.input_layernorm.weight, config.rms_norm_eps)
                 update = naive_attention(layer, normed, config, inv_freq, scaling)
@@ -88,8 +90,16 @@ def test_config_int_means_upper_layers():
 
 @pytest.mark.parametrize(
     "layers, message",
-    [([4], "out of range"), ([-1], "out of range"), ([1, 1], "duplicate"), ([1.5], "integer"),
-     (["2"], "integer"), ([True], "integer"), (5, "0 <= N <= 4"), (-1, "0 <= N <= 4")],
+    [
+        ([4], "out of range"),
+        ([-1], "out of range"),
+        ([1, 1], "duplicate"),
+        ([1.5], "integer"),
+        (["2"], "integer"),
+        ([True], "integer"),
+        (5, "0 <= N <= 4"),
+        (-1, "0 <= N <= 4"),
+    ],
 )
 def test_config_rejects_bad_ladder_layers(layers, message):
     with pytest.raises(ValueError, match=message):
@@ -154,8 +164,14 @@ def test_ladder_layers_match_naive_formula(ladder_layers):
 
 
 def test_llama3_rope_scaling_and_tied_embeddings():
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     base = tiny_llama(rope_parameters=rope, tie_word_embeddings=True)
     assert base.lm_head.weight is base.model.embed_tokens.weight
     ids = random_ids(length=48)  # longer than the original context, so scaling matters
@@ -210,8 +226,9 @@ def test_kv_cache_decoding_matches_full_forward():
     model = to_ladder(tiny_llama(), [2, 3, 4, 5])
     prompt = random_ids(batch=2, length=5)
     with torch.no_grad():
-        cached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True,
-                                output_logits=True, return_dict_in_generate=True)
+        cached = model.generate(
+            prompt, max_new_tokens=8, do_sample=False, use_cache=True, output_logits=True, return_dict_in_generate=True
+        )
         uncached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False)
         full = model(cached.sequences).logits
     assert torch.equal(cached.sequences, uncached)
@@ -224,8 +241,12 @@ def test_left_padded_batch_matches_each_sequence_alone():
     short, long = random_ids(1, 6, seed=2)[0], random_ids(1, 10, seed=3)[0]
     pad = 0
     ids = torch.stack([torch.cat([torch.full((4,), pad), short]), long])
-    mask = torch.stack([torch.cat([torch.zeros(4, dtype=torch.long), torch.ones(6, dtype=torch.long)]),
-                        torch.ones(10, dtype=torch.long)])
+    mask = torch.stack(
+        [
+            torch.cat([torch.zeros(4, dtype=torch.long), torch.ones(6, dtype=torch.long)]),
+            torch.ones(10, dtype=torch.long),
+        ]
+    )
     with torch.no_grad():
         batched = model(ids, attention_mask=mask).logits
         alone_short = model(short[None]).logits[0]
@@ -260,14 +281,18 @@ def test_peft_lora_adapters_save_and_load_on_a_ladder_model(tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
 
     to_ladder(tiny_llama(), 3).save_pretrained(tmp_path / "ladder")
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "ladder"),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "ladder"),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
     with torch.no_grad():  # LoRA's B starts at zero: give the adapter something to carry
         for name, parameter in peft_model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(std=0.1)
     peft_model.save_pretrained(tmp_path / "adapter")
-    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "ladder"), tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "ladder"), tmp_path / "adapter"
+    )
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "ladder")
     ids = random_ids()
     with torch.no_grad():
@@ -317,24 +342,37 @@ model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_cod
 assert "ladder" not in sys.modules, "the ladder package was imported"
 assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
 with torch.no_grad():
-    logits = model(torch.load({str(tmp_path / 'ids.pt')!r})).logits
-assert torch.equal(logits, torch.load({str(tmp_path / 'expected.pt')!r}))
+    logits = model(torch.load({str(tmp_path / "ids.pt")!r})).logits
+assert torch.equal(logits, torch.load({str(tmp_path / "expected.pt")!r}))
 print("ok", model.config.ladder_layers)
 """
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
     # Run from tmp_path so the repository's `ladder` folder is not importable by accident.
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=environment,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "ok [2, 5]" in result.stdout
 
 
 def test_llama31_8b_shape_on_meta_device():
-    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 8192})
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     with torch.device("meta"):
         model = LadderLlamaForCausalLM(ladder.ladder_config(config, 16))
     assert model.config.ladder_layers == list(range(16, 32))

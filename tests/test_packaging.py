@@ -55,25 +55,51 @@ def test_constraints_pin_every_requirement_inside_its_range():
         name = canonicalize_name(requirement.name)
         assert name in pins, f"constraints.txt does not pin {requirement.name}"
         assert requirement.specifier.contains(pins[name], prereleases=True), (
-            f"constraints.txt pins {requirement.name}=={pins[name]}, outside setup.cfg's {requirement.specifier}")
+            f"constraints.txt pins {requirement.name}=={pins[name]}, outside setup.cfg's {requirement.specifier}"
+        )
     assert pins["torch"] == Version("2.13.0")  # the CPU wheel on the project's machines
 
 
 def test_the_wheel_installs_everything_under_ladder(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(tmp_path), str(REPOSITORY)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(tmp_path),
+            str(REPOSITORY),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("ladder_llama-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
     assert top_level == {"ladder"}
-    for module in ("ladder/convert/convert.py", "ladder/adapt/train.py", "ladder/eval/harness.py",
-                   "ladder/eval/tasks/ladder_wikitext.yaml", "ladder/eval/suites/smoke.yaml", "ladder/demo.py"):
+    for module in (
+        "ladder/convert/convert.py",
+        "ladder/adapt/train.py",
+        "ladder/eval/harness.py",
+        "ladder/eval/tasks/ladder_wikitext.yaml",
+        "ladder/eval/suites/smoke.yaml",
+        "ladder/demo.py",
+    ):
         assert module in names
 
 
 def _imports_after(code: str) -> set[str]:
-    done = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
-                          check=True, capture_output=True, text=True, cwd=REPOSITORY)
+    done = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=REPOSITORY,
+    )
     return set(done.stdout.split())
 
 
@@ -96,8 +122,16 @@ def test_data_folder_needs_ladder_data_outside_a_checkout(monkeypatch, tmp_path)
     # The package as pip installs it: no setup.cfg above it, no ../shared beside it.
     site = tmp_path / "site-packages"
     shutil.copytree(REPOSITORY / "ladder", site / "ladder", ignore=shutil.ignore_patterns("__pycache__"))
-    code = ("from ladder.files import ladder_data_dir\n"
-            "try:\n    ladder_data_dir()\nexcept Exception as error:\n    print(type(error).__name__, error)")
-    done = subprocess.run([sys.executable, "-S", "-c", code], check=True, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(site)}, cwd=tmp_path)
+    code = (
+        "from ladder.files import ladder_data_dir\n"
+        "try:\n    ladder_data_dir()\nexcept Exception as error:\n    print(type(error).__name__, error)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(site)},
+        cwd=tmp_path,
+    )
     assert done.stdout.startswith("UsageError no data folder: set LADDER_DATA")

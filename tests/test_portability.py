@@ -85,7 +85,11 @@ def run_worker(python: Path, worker: str, ids_path: Path, checkpoints: list[Path
     environment.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
     completed = subprocess.run(
         [str(python), str(WORKERS / worker), str(ids_path), str(output), *map(str, checkpoints)],
-        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return torch.load(output)

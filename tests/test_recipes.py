@@ -99,8 +99,10 @@ def test_bad_values_name_the_key(overrides, message):
 
 
 def test_overrides_and_numbers_in_e_notation():
-    recipe = load_recipe(RECIPES / "smollm2-135m-ladder-cpu.yaml",
-                         ["budget=2e4", "optimizer.betas=[0.8, 0.9]", "data.train=a/b.txt", "model.ladder_layers=4-7"])
+    recipe = load_recipe(
+        RECIPES / "smollm2-135m-ladder-cpu.yaml",
+        ["budget=2e4", "optimizer.betas=[0.8, 0.9]", "data.train=a/b.txt", "model.ladder_layers=4-7"],
+    )
     assert recipe.budget == 2e4 and recipe.optimizer.betas == [0.8, 0.9]
     assert [s.path for s in recipe.data.train] == ["a/b.txt"] and recipe.model.ladder_layers == "4-7"
     with pytest.raises(UsageError, match="recipe .*missing.yaml does not exist"):
@@ -109,9 +111,15 @@ def test_overrides_and_numbers_in_e_notation():
 
 def test_overrides_address_list_items():
     shipped = load_recipe(RECIPES / "smollm2-135m-ladder-cpu.yaml")
-    recipe = load_recipe(RECIPES / "smollm2-135m-ladder-cpu.yaml",
-                         ["data.train.0.max_tokens=1e6", "data.train[1].documents=blank_line",
-                          f"data.train.{len(shipped.data.train)}=extra.txt", "data.eval.0.path=held.txt"])
+    recipe = load_recipe(
+        RECIPES / "smollm2-135m-ladder-cpu.yaml",
+        [
+            "data.train.0.max_tokens=1e6",
+            "data.train[1].documents=blank_line",
+            f"data.train.{len(shipped.data.train)}=extra.txt",
+            "data.eval.0.path=held.txt",
+        ],
+    )
     assert recipe.data.train[0].max_tokens == 1_000_000 and recipe.data.train[0].path == shipped.data.train[0].path
     assert recipe.data.train[1].documents == "blank_line"
     assert recipe.data.train[2:-1] == shipped.data.train[2:]

@@ -32,8 +32,12 @@ def test_auto_specs_parse_and_plain_parsing_refuses_them():
     assert parse_auto_layers("auto:3", 6) == AutoLayers(3, contiguous=True)
     assert parse_auto_layers(" auto:6:any ", 6) == AutoLayers(6, contiguous=False)
     assert parse_auto_layers("8", 30) is None and parse_auto_layers(8, 30) is None
-    for bad, message in [("auto:0", "1 <= N <= 6"), ("auto:7", "1 <= N <= 6"), ("auto", "is not auto:N"),
-                         ("auto:3:all", "is not auto:N")]:
+    for bad, message in [
+        ("auto:0", "1 <= N <= 6"),
+        ("auto:7", "1 <= N <= 6"),
+        ("auto", "is not auto:N"),
+        ("auto:3:all", "is not auto:N"),
+    ]:
         with pytest.raises(UsageError, match=message):
             parse_auto_layers(bad, 6, "--layers")
     with pytest.raises(UsageError, match="trainable.layers: 'auto:2' chooses layers by measuring a model"):
@@ -67,8 +71,9 @@ def test_a_candidate_started_from_stored_streams_equals_its_full_forward():
         for layers in ([2, 3, 4], [0, 1], [3, 5]):
             rewired = ladder.to_ladder(model, layers)
             start = min(layers)
-            torch.testing.assert_close(forward_from(rewired, streams[start], start, kwargs), rewired(ids).logits,
-                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                forward_from(rewired, streams[start], start, kwargs), rewired(ids).logits, rtol=0, atol=1e-5
+            )
 
 
 def test_contiguous_search_measures_every_window_and_keeps_the_least_damaged():
@@ -77,7 +82,9 @@ def test_contiguous_search_measures_every_window_and_keeps_the_least_damaged():
     assert [c.layers for c in search.candidates] == [[0, 1, 2], [1, 2, 3], [2, 3, 4], [3, 4, 5]]
     for candidate in search.candidates:
         kl, loss_increase = _kl_and_loss(model, ladder.to_ladder(model, candidate.layers), calibration)
-        assert candidate.kl == pytest.approx(kl, rel=1e-4) and candidate.loss_increase == pytest.approx(loss_increase, abs=1e-4)
+        assert candidate.kl == pytest.approx(kl, rel=1e-4) and candidate.loss_increase == pytest.approx(
+            loss_increase, abs=1e-4
+        )
     best = min(search.candidates, key=lambda c: c.kl)
     assert search.chosen == best.layers and search.chosen_kl == best.kl
     assert search.overlapped_all_reduces == 5 and search.calibration_tokens == 3 * 19
@@ -117,20 +124,45 @@ def test_convert_auto_records_the_search_in_conversion_json(tmp_path, tiny_check
     calibration = tmp_path / "calibration.txt"
     calibration.write_text(prose(7, 400))
     out = tmp_path / "out"
-    assert ladder_main(["convert", str(tiny_checkpoint), "--layers", "auto:2", "--calibration", str(calibration),
-                        "--out", str(out)]) == 0
+    assert (
+        ladder_main(
+            [
+                "convert",
+                str(tiny_checkpoint),
+                "--layers",
+                "auto:2",
+                "--calibration",
+                str(calibration),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     manifest = json.loads((out / "conversion.json").read_text())
     search = manifest["layer_search"]
-    assert manifest["ladder_layers"] == search["chosen"] == json.loads((out / "config.json").read_text())["ladder_layers"]
+    assert (
+        manifest["ladder_layers"] == search["chosen"] == json.loads((out / "config.json").read_text())["ladder_layers"]
+    )
     assert [c["layers"] for c in search["candidates"]] == [[0, 1], [1, 2], [2, 3]]
     assert search["chosen"] == min(search["candidates"], key=lambda c: c["kl"])["layers"]
     assert "layer search   auto:2 chose layers" in printed
 
 
 def test_convert_refuses_calibration_without_auto(tmp_path, tiny_checkpoint, capsys):
-    code = ladder_main(["convert", str(tiny_checkpoint), "--layers", "2", "--calibration", str(tmp_path),
-                        "--out", str(tmp_path / "out")])
+    code = ladder_main(
+        [
+            "convert",
+            str(tiny_checkpoint),
+            "--layers",
+            "2",
+            "--calibration",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert code == 2 and "--calibration goes with --layers auto:N" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -175,8 +207,13 @@ def test_the_teacher_started_from_the_student_streams_computes_what_it_computes_
 
 
 def test_adapt_auto_layers_with_the_hidden_objective(tmp_path, tiny_checkpoint, corpus):  # noqa: F811
-    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=3 * 256,
-                          **{"model.ladder_layers": "auto:2", "trainable.mode": "ladder", "objective.name": "hidden"})
+    recipe = write_recipe(
+        tmp_path,
+        tiny_checkpoint,
+        corpus,
+        budget=3 * 256,
+        **{"model.ladder_layers": "auto:2", "trainable.mode": "ladder", "objective.name": "hidden"},
+    )
     final = train(load_recipe(recipe))
     search = json.loads((tmp_path / "run" / LAYER_SEARCH_FILE).read_text())
     assert search["spec"] == "auto:2" and len(search["candidates"]) == 3
@@ -201,7 +238,9 @@ def test_gradient_descent_on_the_hidden_loss_brings_the_streams_closer():
     for _ in range(5):
         with distiller.capture() as captured:
             student(ids)
-        loss = hidden_loss([captured.streams[i] for i in [2, 3, 4, 5]], distiller.teacher_forward(ids, captured, False).streams)
+        loss = hidden_loss(
+            [captured.streams[i] for i in [2, 3, 4, 5]], distiller.teacher_forward(ids, captured, False).streams
+        )
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -212,16 +251,36 @@ def test_gradient_descent_on_the_hidden_loss_brings_the_streams_closer():
 
 def test_lm_plus_hidden_starts_above_lm_and_kd_needs_no_ladder_layer(tmp_path, tiny_checkpoint, corpus):  # noqa: F811
     plain = write_recipe(tmp_path / "lm", tiny_checkpoint, corpus, budget=256, **{"trainable.mode": "ladder"})
-    mixed = write_recipe(tmp_path / "mix", tiny_checkpoint, corpus, budget=256,
-                         **{"trainable.mode": "ladder", "objective.hidden_weight": 2.0})
+    mixed = write_recipe(
+        tmp_path / "mix",
+        tiny_checkpoint,
+        corpus,
+        budget=256,
+        **{"trainable.mode": "ladder", "objective.hidden_weight": 2.0},
+    )
     train(load_recipe(plain))
     train(load_recipe(mixed))
     lm_step, mixed_step = metrics(tmp_path / "lm" / "run")[1], metrics(tmp_path / "mix" / "run")[1]
     assert mixed_step["lm_loss"] == pytest.approx(lm_step["lm_loss"], rel=1e-6)  # the same forward
     assert mixed_step["loss"] > lm_step["loss"] + 1e-4
     with pytest.raises(UsageError, match="objective.name=hidden is that term alone"):
-        load_recipe(write_recipe(tmp_path / "bad", tiny_checkpoint, corpus,
-                                 **{"objective.name": "hidden", "objective.hidden_weight": 1.0}))
+        load_recipe(
+            write_recipe(
+                tmp_path / "bad",
+                tiny_checkpoint,
+                corpus,
+                **{"objective.name": "hidden", "objective.hidden_weight": 1.0},
+            )
+        )
     with pytest.raises(UsageError, match="no ladder layer whose stream"):
-        train(load_recipe(write_recipe(tmp_path / "none", tiny_checkpoint, corpus, budget=256,
-                                       **{"model.ladder_layers": 0, "objective.name": "hidden"})))
+        train(
+            load_recipe(
+                write_recipe(
+                    tmp_path / "none",
+                    tiny_checkpoint,
+                    corpus,
+                    budget=256,
+                    **{"model.ladder_layers": 0, "objective.name": "hidden"},
+                )
+            )
+        )

@@ -70,8 +70,14 @@ def checkpoints(tiny_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-checkpoints")
     standard = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
     to_ladder(standard, LADDER_LAYERS).save_pretrained(root / "ladder")
-    uneven = tiny_llama(hidden_size=96, intermediate_size=129, num_attention_heads=6, num_key_value_heads=3,
-                        num_hidden_layers=3, tie_word_embeddings=True)
+    uneven = tiny_llama(
+        hidden_size=96,
+        intermediate_size=129,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        num_hidden_layers=3,
+        tie_word_embeddings=True,
+    )
     to_ladder(uneven, 2).save_pretrained(root / "uneven")
     return {"standard": tiny_checkpoint, "ladder": root / "ladder", "uneven": root / "uneven"}
 

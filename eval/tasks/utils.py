@@ -29,9 +29,7 @@ def data_file(relative: str, data_dir: str | None = None) -> Path:
     root = Path(data_dir).expanduser() if data_dir else ladder_data_dir()
     path = root / relative
     if not path.is_file():
-        raise FileNotFoundError(
-            f"data file {path} is missing: point --data or $LADDER_DATA at the shared data folder"
-        )
+        raise FileNotFoundError(f"data file {path} is missing: point --data or $LADDER_DATA at the shared data folder")
     return path
 
 
