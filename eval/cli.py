@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--batch-size", type=_positive_int, default=8, metavar="N", help="lm-eval batch size (default 8)")
     parser.add_argument(
+        "--backend", choices=("hf", "vllm"), default="hf",
+        help="hf: transformers in this process (default); vllm: a vLLM engine per model (in .venv-serve: make eval BACKEND=vllm)",
+    )
+    parser.add_argument("--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel ranks of the vllm backend (default 1)")
+    parser.add_argument(
         "--cache", type=Path, default=DEFAULT_RUNS / "cache", metavar="DIR",
         help="results cache, keyed by model hash and task config (default: runs/eval/cache)",
     )
@@ -79,6 +84,12 @@ def main(argv: list[str]) -> int:
     from . import harness, report
 
     models = harness.resolve_models(([args.baseline] if args.baseline else []) + args.models)
+    if args.backend == "vllm":
+        from .vllm_backend import check_models
+
+        check_models(models)
+    elif args.tp != 1:
+        raise UsageError("--tp is for --backend vllm")
     out = args.out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}"
     if not args.verbose:
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
@@ -96,6 +107,7 @@ def main(argv: list[str]) -> int:
             results = harness.run_suite(
                 models, suite, manager, prepared,
                 batch_size=args.batch_size, cache_dir=None if args.no_cache else args.cache,
+                backend=args.backend, tensor_parallel=args.tp,
             )
         shutil.rmtree(datasets_cache, ignore_errors=True)
         for model_results in results:

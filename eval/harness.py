@@ -170,7 +170,7 @@ def task_configs(suite: Suite, manager: TaskManager) -> dict[str, dict]:
     return configs
 
 
-def cache_key(model_fingerprint: str, suite_task: SuiteTask, prepared: dict) -> str:
+def cache_key(model_fingerprint: str, suite_task: SuiteTask, prepared: dict, backend: str = "hf") -> str:
     configs = {
         name: {**config, "metadata": {k: v for k, v in config.get("metadata", {}).items() if k != "config_source"}}
         for name, config in prepared["configs"].items()
@@ -185,6 +185,8 @@ def cache_key(model_fingerprint: str, suite_task: SuiteTask, prepared: dict) -> 
         "configs": configs,
         "lm_eval": lm_eval.__version__,
     }
+    if backend != "hf":  # other kernels, other scores; HF keys stay as they were
+        identity["backend"] = backend
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=_stable_repr).encode()).hexdigest()
 
 
@@ -263,15 +265,19 @@ def run_suite(
     batch_size: int = 8,
     cache_dir: Path | None = None,
     log: Callable[[str], None] = lambda message: print(message, file=sys.stderr),
+    backend: str = "hf",
+    tensor_parallel: int = 1,
 ) -> list[ModelResults]:
-    """Score every model on every suite task; a model whose tasks are all cached is not loaded."""
+    """Score every model on every suite task; a model whose tasks are all cached is not loaded.
+    `backend`: "hf" (transformers, in this process) or "vllm" (an engine with `tensor_parallel`
+    ranks, see vllm_backend.py)."""
     from lm_eval.models.huggingface import HFLM
 
     everything = []
     for ref in models:
         log(f"hashing {ref.path}")
         results = ModelResults(ref, fingerprint(ref.path))
-        keys = {task.task: cache_key(results.fingerprint, task, prepared[task.task]) for task in suite.tasks}
+        keys = {task.task: cache_key(results.fingerprint, task, prepared[task.task], backend) for task in suite.tasks}
         for task in suite.tasks:
             if cache_dir is not None and (record := _read_cache(cache_dir / f"{keys[task.task]}.json")):
                 results.tasks[task.task] = record
@@ -279,7 +285,13 @@ def run_suite(
         missing = [task for task in suite.tasks if task.task not in results.tasks]
         if missing:
             log(f"loading {ref.label}")
-            model, tokenizer = load_model(ref.path)
+            model = tokenizer = engine = None
+            if backend == "vllm":
+                from .vllm_backend import vllm_lm
+
+                engine = vllm_lm(ref.path, tensor_parallel)
+            else:
+                model, tokenizer = load_model(ref.path)
             for task in missing:
                 items = "all items" if task.limit is None else f"at most {task.limit} items"
                 items += f", one in {task.every}" if task.every > 1 else ""
@@ -290,7 +302,9 @@ def run_suite(
                     config.get("output_type") == "loglikelihood_rolling"
                     for config in prepared[task.task]["configs"].values()
                 )
-                lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1 if rolling else batch_size)
+                lm = engine if engine is not None else HFLM(
+                    pretrained=model, tokenizer=tokenizer, batch_size=1 if rolling else batch_size
+                )
                 started = time.monotonic()
                 record = evaluate_task(lm, task, manager, prepared[task.task]["sizes"])
                 log(f"scored {ref.label} on {task.task} in {time.monotonic() - started:.0f} s")
@@ -298,7 +312,7 @@ def run_suite(
                 if cache_dir is not None:
                     cache_dir.mkdir(parents=True, exist_ok=True)
                     atomic_write(cache_dir / f"{keys[task.task]}.json", json.dumps(record))
-            del lm, model, tokenizer
+            del lm, model, tokenizer, engine
             gc.collect()
         if results.cached:
             log(f"{ref.label}: cached results for {', '.join(results.cached)}")

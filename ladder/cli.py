@@ -16,6 +16,7 @@ STAGES = {
     "adapt": ("adapt.cli", "retrain a ladder model from a YAML recipe"),
     "eval": ("eval.cli", "score models side by side with lm-evaluation-harness"),
     "demo": ("demo", "convert, retrain and evaluate the embedded SmolLM2 (make demo)"),
+    "serve": ("ladder.serve", "serve a checkpoint with vLLM's OpenAI-compatible server (make serve)"),
 }
 
 
