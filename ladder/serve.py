@@ -12,6 +12,7 @@ replaces itself with `vllm serve`.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -76,9 +77,17 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(ours)
     if args.tp < 1:
         raise UsageError(f"--tp {args.tp}: the tensor-parallel degree must be at least 1")
+    if not args.model:
+        raise UsageError("name the checkpoint folder to serve: make serve MODEL=DIR")
     model = resolve_model_path(args.model)
     if not model.is_dir():
         raise UsageError(f"{model} is a GGUF file: vLLM serves checkpoint directories; `ladder convert` writes one")
+    # vLLM logs a few warnings when imported (Triton without a CPU backend, ...), some before its
+    # logging is set up: keep them out of this check, so that a refusal is the one line. The
+    # server gets the caller's setting back.
+    logging_level = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    logging.getLogger("vllm").setLevel(logging.ERROR)
     try:
         from vllm.platforms import current_platform
     except ImportError:
@@ -92,6 +101,10 @@ def main(argv: list[str]) -> int:
     if args.check_only:
         print(f"vLLM can serve {model} at TP={args.tp}")
         return 0
+    if logging_level is None:
+        del os.environ["VLLM_LOGGING_LEVEL"]
+    else:
+        os.environ["VLLM_LOGGING_LEVEL"] = logging_level
     command = [
         str(Path(sys.executable).parent / "vllm"), "serve", str(model),
         "--host", args.host, "--port", str(args.port), "--tensor-parallel-size", str(args.tp),
