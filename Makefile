@@ -104,8 +104,8 @@ bench: $(STAMP)
 serve: $(SERVE_STAMP)
 	$(SERVE_BIN)/ladder serve "$(MODEL)" --tp "$(TP)" --port "$(PORT)" $(if $(ARGS),-- $(ARGS))
 
-bench-vllm: $(STAMP) $(SERVE_STAMP)
-	$(BIN)/python benchmarks/vllm_speed.py $(ARGS)
+bench-vllm: $(SERVE_STAMP)
+	$(SERVE_BIN)/python benchmarks/vllm_speed.py $(ARGS)
 
 demo: $(STAMP)
 	$(BIN)/ladder demo $(ARGS)

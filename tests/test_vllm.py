@@ -283,9 +283,12 @@ def test_serve_refuses_a_checkpoint_vllm_cannot_serve(checkpoints):
 
 # --- ladder eval --backend vllm ----------------------------------------------------------------------
 
-# Continuous scores (perplexities, bits per byte) may differ by the kernels' rounding; an accuracy
-# may differ by one item, where two answers' log-likelihoods tie to within that rounding.
-PERPLEXITY_RTOL = 1e-3
+# Log-likelihood scores differ by the kernels' rounding (LAMBADA perplexity: 1e-7 relative, measured)
+# and an accuracy by at most one item, where two answers tie to within it. WikiText is scored in
+# rolling windows, which lm-eval's vllm backend makes 2 tokens shorter than its HF backend
+# (max_length - 2): other contexts for some tokens, 7e-4 relative on word perplexity here.
+PERPLEXITY_RTOL = 1e-4
+ROLLING_PERPLEXITY_RTOL = 1e-2
 
 
 def scores(results_dir: Path) -> dict[str, dict[str, float]]:
@@ -317,7 +320,8 @@ def test_lm_eval_vllm_backend_matches_hf(checkpoints, tmp_path):
             if metric.startswith("acc"):
                 assert abs(vllm[task][metric] - value) <= 1 / sizes.get(task, 8) + 1e-9, (task, metric, value, vllm[task][metric])
             else:
-                assert vllm[task][metric] == pytest.approx(value, rel=PERPLEXITY_RTOL), (task, metric)
+                tolerance = ROLLING_PERPLEXITY_RTOL if task == "ladder_wikitext" else PERPLEXITY_RTOL
+                assert vllm[task][metric] == pytest.approx(value, rel=tolerance), (task, metric)
 
 
 def test_lm_eval_vllm_backend_refuses_gguf():
