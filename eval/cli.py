@@ -113,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="split one model over all visible GPUs (transformers' device_map=auto), for a model too large for one",
     )
     parser.add_argument(
+        "--backend",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf: transformers in this process (default); vllm: a vLLM engine per model (in .venv-serve: "
+        "make eval BACKEND=vllm)",
+    )
+    parser.add_argument(
+        "--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel ranks of the vllm backend (default 1)"
+    )
+    parser.add_argument(
         "--log-samples",
         action="store_true",
         help="keep lm-eval's per-item records (prompt, target, output or log-likelihoods) in DIR/samples/",
@@ -187,6 +197,8 @@ def main(argv: list[str]) -> int:
         device=args.device,
         dtype=args.dtype,
         parallelize=args.parallelize,
+        backend=args.backend,
+        tensor_parallel=args.tp,
         log_samples=args.log_samples,
     )
     if evaluation is not None:  # process 0 of several prints for all

@@ -43,6 +43,8 @@ def evaluate_models(
     dtype: str = "auto",
     parallelize: bool = False,
     log_samples: bool = False,
+    backend: str = "hf",
+    tensor_parallel: int = 1,
 ) -> Evaluation | None:
     """Score `models` (checkpoint folders, .gguf files or `embedded`, each optionally `LABEL=MODEL`;
     the first is the reference column) on `suite` into `out` (default runs/eval/<time>-<suite>).
@@ -60,7 +62,11 @@ def evaluate_models(
     if out.exists() and not force:  # before any work (atomic_directory checks again at the end)
         raise UsageError(f"output {out.absolute()} already exists; pass --force to replace it")
     harness.check_chat_templates(refs, suite)
-    runtime = harness.resolve_runtime(device, dtype, batch_size, parallelize)
+    runtime = harness.resolve_runtime(device, dtype, batch_size, parallelize, backend, tensor_parallel)
+    if backend == "vllm":
+        from .vllm_backend import check_models
+
+        check_models(refs)
     if not verbose:
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
         import datasets

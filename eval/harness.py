@@ -71,6 +71,8 @@ class Runtime:
     batch_size: int | str = 8  # or "auto": lm-eval finds the largest that fits
     parallelize: bool = False  # split one model over every visible GPU (device_map="auto")
     accelerator: object | None = None  # an accelerate.Accelerator when processes > 1
+    backend: str = "hf"  # "hf": transformers in this process; "vllm": a vLLM engine (eval/vllm_backend.py)
+    tensor_parallel: int = 1  # the vllm backend's tensor-parallel ranks
 
     @property
     def processes(self) -> int:
@@ -91,11 +93,17 @@ class Runtime:
             "dtype": self.dtype,
             "batch_size": self.batch_size,
             "processes": self.processes,
+            **({"backend": self.backend, "tensor_parallel": self.tensor_parallel} if self.backend != "hf" else {}),
         }
 
 
 def resolve_runtime(
-    device: str = "auto", dtype: str = "auto", batch_size: int | str = 8, parallelize: bool = False
+    device: str = "auto",
+    dtype: str = "auto",
+    batch_size: int | str = 8,
+    parallelize: bool = False,
+    backend: str = "hf",
+    tensor_parallel: int = 1,
 ) -> Runtime:
     """`auto` picks the GPU in bfloat16 where one is present (float16 on GPUs without bf16), else
     the CPU in float32. Under `accelerate launch` with several processes each takes the device
@@ -138,7 +146,15 @@ def resolve_runtime(
             dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         else:
             dtype = "float32"
-    return Runtime(device, dtype, batch_size, parallelize, accelerator)
+    if backend not in ("hf", "vllm"):
+        raise UsageError(f"--backend {backend!r}: choose hf or vllm")
+    if backend == "hf" and tensor_parallel != 1:
+        raise UsageError("--tp is for --backend vllm")
+    if backend == "vllm" and (accelerator is not None or parallelize):
+        raise UsageError(
+            "--backend vllm runs one engine per model (its own --tp ranks): drop --processes and --parallelize"
+        )
+    return Runtime(device, dtype, batch_size, parallelize, accelerator, backend, tensor_parallel)
 
 
 @dataclass(frozen=True)
@@ -395,6 +411,8 @@ def cache_key(model: dict, task: dict, runtime: Runtime, batch_size: int | str) 
         "batch_size": batch_size,
         "processes": runtime.processes,
     }
+    if runtime.backend != "hf":  # other kernels, other scores; HF keys stay as they were
+        identity["backend"] = runtime.backend
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=_stable_repr).encode()).hexdigest()
 
 
@@ -452,8 +470,12 @@ class _HFLM(HFLM):
 
 
 def load_lm(ref: ModelRef, runtime: Runtime) -> HFLM:
-    """The one place where a model becomes an lm-eval LM (another backend would branch here): the
-    weights are loaded in the run's dtype straight onto its device (or split over the GPUs)."""
+    """The one place where a model becomes an lm-eval LM: lm-eval's vLLM model for the vllm backend,
+    else HFLM over the weights loaded in the run's dtype straight onto its device (or split over the GPUs)."""
+    if runtime.backend == "vllm":
+        from .vllm_backend import vllm_lm
+
+        return vllm_lm(ref.path, runtime.tensor_parallel, runtime.dtype)
     device_map = "auto" if runtime.parallelize else None if runtime.device == "cpu" else {"": runtime.device}
     model, tokenizer = load_model(ref.path, dtype=DTYPES[runtime.dtype], device_map=device_map)
     return _HFLM(model, tokenizer, runtime)
@@ -589,7 +611,12 @@ def run_suite(
             log(f"hashing {ref.path}")
             results.fingerprint = fingerprint(ref.path)
             if cache_dir is not None:
-                model = {"weights": results.fingerprint, "code": code_digest([model_class(ref.path)])}
+                classes = [model_class(ref.path)]
+                if runtime.backend == "vllm":  # the code that runs the weights is the vLLM model's
+                    from ladder.vllm_ladder_llama import LadderLlamaForCausalLM as VLLMLadderLlama
+
+                    classes.append(VLLMLadderLlama)
+                model = {"weights": results.fingerprint, "code": code_digest(classes)}
                 for task in suite.tasks:
                     keys[task.task] = cache_key(model, tasks[task.task], runtime, batch_sizes[task.task])
                     if (hit := _read_cache(cache_dir / f"{keys[task.task]}.json")) is not None:

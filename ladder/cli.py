@@ -17,6 +17,7 @@ STAGES = {
     "eval": ("ladder.eval.cli", "score models side by side with lm-evaluation-harness"),
     "demo": ("ladder.demo", "convert, retrain and evaluate the embedded SmolLM2 (make demo)"),
     "data": ("ladder.data_fetch", "fetch the data folder from its public sources and verify it (make data)"),
+    "serve": ("ladder.serve", "serve a checkpoint with vLLM's OpenAI-compatible server (make serve)"),
 }
 
 

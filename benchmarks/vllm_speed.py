@@ -1,0 +1,302 @@
+"""vLLM decode latency of the same model wired three ways, measured in one run, under vLLM's own
+tensor-parallel runtime:
+
+    standard            vLLM's own LlamaForCausalLM (every all-reduce inside its row-parallel layers)
+    ladder (all)        every layer ladder (ladder/vllm_ladder_llama.py, through the plugin)
+    ladder (upper half) the published conversion shape
+
+It prints per-token decode latency, tokens/s, the speed-up over standard, and the communication
+share of each variant's decode time: the time the ranks spend inside vLLM's all-reduce (waiting
+for the other rank included), timed in every worker by wrapping vLLM's
+`GroupCoordinator._all_reduce_out_place`. Weights are vLLM's dummy weights (`load_format=dummy`,
+the same for every variant), so no checkpoint is written; the models differ only in config.json.
+
+    make bench-vllm                                          # CPU, TP=2, one core per rank
+    .venv-serve/bin/python benchmarks/vllm_speed.py --tp 2 --batch 1,4
+    python benchmarks/vllm_speed.py --tp 8 --shape llama-3.1-70b --dtype bfloat16 --batch 1,16 \\
+        --prompt-length 1024 --new-tokens 128 --compiled                              # 8 GPUs
+
+Runs in the serving environment (.venv-serve). Results go to runs/bench/vllm_speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {
+    # ~100M parameters in 8 layers: a decode step is a few ms per rank on one CPU core, so the
+    # all-reduces weigh as they would on a GPU, and three engines start and run in a few minutes.
+    "cpu": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_hidden_layers=8,
+        vocab_size=8192,
+    ),
+    "llama-3.2-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=16,
+        vocab_size=128256,
+    ),
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=32,
+        vocab_size=128256,
+    ),
+    "llama-3.1-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        num_hidden_layers=80,
+        vocab_size=128256,
+    ),
+}
+STANDARD = "standard"
+
+
+def write_config(directory: Path, shape: dict, ladder_layers: list[int] | None, max_len: int) -> Path:
+    """A config.json only: vLLM's dummy loader makes the weights, and prompts are token ids."""
+    directory.mkdir(parents=True)
+    config = dict(
+        shape,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    if ladder_layers is None:
+        config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    else:
+        config.update(model_type="llamaLadder", architectures=["LadderLlamaForCausalLM"], ladder_layers=ladder_layers)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def all_reduce_timer():
+    """Two functions for `collective_rpc`: one that makes every all-reduce of vLLM's communicator
+    in a worker count its seconds, and one that reads the worker's total. Nested, so that
+    cloudpickle sends them by value: vLLM's engine process re-imports this script under another
+    name, where a module-level function would not be the same object."""
+
+    def install(worker) -> None:
+        from vllm.distributed import parallel_state
+
+        group = parallel_state.GroupCoordinator
+        if hasattr(group, "ladder_untimed_all_reduce"):
+            return
+        group.ladder_untimed_all_reduce = group._all_reduce_out_place
+        group.ladder_all_reduce_seconds = 0.0
+
+        def timed(self, input_):
+            started = time.perf_counter()
+            try:
+                return group.ladder_untimed_all_reduce(self, input_)
+            finally:
+                group.ladder_all_reduce_seconds += time.perf_counter() - started
+
+        group._all_reduce_out_place = timed
+
+    def total(worker) -> float:
+        from vllm.distributed import parallel_state
+
+        return parallel_state.GroupCoordinator.ladder_all_reduce_seconds
+
+    return install, total
+
+
+def measure(llm, total_all_reduce, batch: int, prompt_length: int, new_tokens: int, repeats: int) -> dict:
+    """Decode ms per token = (time of N new tokens - time of 1) / (N - 1): the prefill cancels out.
+    The communication share is measured the same way, per worker, and averaged over workers."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [
+        TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 8000 + 2 for j in range(prompt_length)]) for i in range(batch)
+    ]
+
+    def run(tokens: int) -> tuple[float, float]:
+        before = llm.collective_rpc(total_all_reduce)
+        started = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+        elapsed = time.perf_counter() - started
+        after = llm.collective_rpc(total_all_reduce)
+        return elapsed, statistics.mean(b - a for a, b in zip(before, after))
+
+    run(new_tokens)  # warm-up (and the first prefix-cache miss)
+    decode, communication = [], []
+    for _ in range(repeats):
+        full, full_comm = run(new_tokens)
+        first, first_comm = run(1)
+        decode.append((full - first) / (new_tokens - 1))
+        communication.append((full_comm - first_comm) / (new_tokens - 1))
+    median = statistics.median(decode)
+    return dict(
+        decode_ms_per_token=1000 * median,
+        decode_spread=(max(decode) - min(decode)) / median,
+        tokens_per_s=batch / median,
+        all_reduce_ms_per_token=1000 * statistics.median(communication),
+        communication_share=statistics.median(communication) / median,
+        samples_ms=[1000 * d for d in decode],
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shape", choices=tuple(SHAPES), default="cpu", help="model shape, random (dummy) weights (default cpu)"
+    )
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    parser.add_argument("--batch", default="1,4", help="batch sizes, comma-separated (default 1,4)")
+    parser.add_argument("--prompt-length", type=int, default=32, help="prompt tokens per sequence (default 32)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per timed run (default 32)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported (default 3)")
+    parser.add_argument("--dtype", default="float32", help="float32 (default; bf16 is slow on these CPUs) or bfloat16")
+    parser.add_argument(
+        "--compiled", action="store_true", help="vLLM's default torch.compile (and CUDA graphs on GPU) instead of eager"
+    )
+    parser.add_argument(
+        "--out", default="runs/bench/vllm_speed.json", help="JSON results (default runs/bench/vllm_speed.json)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        args.batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--batch {args.batch!r}: give comma-separated integers")
+    if args.new_tokens < 2 or args.repeats < 1 or args.tp < 1 or not args.batches or min(args.batches) < 1:
+        parser.error("--new-tokens must be at least 2, and --repeats, --tp and every --batch at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+    except ImportError:
+        print(
+            "vllm_speed.py: error: vLLM is not installed here; run it with .venv-serve/bin/python (make bench-vllm)",
+            file=sys.stderr,
+        )
+        return 2
+    from ladder.files import atomic_write
+    from ladder.serve import cpu_binding
+
+    shape = SHAPES[args.shape]
+    layers = shape["num_hidden_layers"]
+    variants = {
+        STANDARD: None,
+        "ladder (all)": list(range(layers)),
+        "ladder (upper half)": list(range(layers // 2, layers)),
+    }
+    if current_platform.is_cpu():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(args.tp, sorted(os.sched_getaffinity(0))))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc ships the timer functions
+    max_len = args.prompt_length + args.new_tokens + 8
+    print(
+        f"vLLM TP={args.tp} on {current_platform.device_name}, {args.dtype}, shape {args.shape} {shape}, "
+        f"{'compiled' if args.compiled else 'eager'}; batch {args.batch}, prompt {args.prompt_length}, "
+        f"{args.new_tokens} new tokens, {args.repeats} timed rounds; binding {os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '-')}",
+        flush=True,
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="vllm-speed-") as root:
+        for name, ladder_layers in variants.items():
+            model = write_config(
+                Path(root) / name.replace(" ", "_").replace("(", "").replace(")", ""), shape, ladder_layers, max_len
+            )
+            started = time.perf_counter()
+            llm = LLM(
+                model=str(model),
+                load_format="dummy",
+                skip_tokenizer_init=True,
+                tensor_parallel_size=args.tp,
+                dtype=args.dtype,
+                enforce_eager=not args.compiled,
+                max_model_len=max_len,
+                seed=0,
+            )
+            startup = time.perf_counter() - started
+            install_timer, total_all_reduce = all_reduce_timer()
+            llm.collective_rpc(install_timer)
+            for batch in args.batches:
+                row = dict(
+                    variant=name,
+                    batch=batch,
+                    startup_s=startup,
+                    **measure(llm, total_all_reduce, batch, args.prompt_length, args.new_tokens, args.repeats),
+                )
+                rows.append(row)
+                print(
+                    f"{name:<20} batch {batch:>3}: {row['decode_ms_per_token']:8.2f} ms/token (spread {row['decode_spread']:.0%}), "
+                    f"all-reduce {row['all_reduce_ms_per_token']:.2f} ms/token = {row['communication_share']:.0%}",
+                    flush=True,
+                )
+            del llm
+    for row in rows:
+        standard = next(r for r in rows if r["variant"] == STANDARD and r["batch"] == row["batch"])
+        row["speedup_vs_standard"] = standard["decode_ms_per_token"] / row["decode_ms_per_token"]
+    print(table(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(
+        out,
+        json.dumps(
+            dict(
+                command=["benchmarks/vllm_speed.py", *(argv if argv is not None else sys.argv[1:])],
+                shape=shape,
+                tp=args.tp,
+                dtype=args.dtype,
+                compiled=args.compiled,
+                prompt_length=args.prompt_length,
+                new_tokens=args.new_tokens,
+                repeats=args.repeats,
+                binding=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                machine=dict(platform=platform.platform(), cpus=os.cpu_count(), device=current_platform.device_name),
+                rows=rows,
+            ),
+            indent=2,
+        )
+        + "\n",
+    )
+    print(f"\nresults in {out}")
+    return 0
+
+
+def table(rows: list[dict]) -> str:
+    header = f"{'batch':>5}  {'variant':<20} {'decode ms/tok':>13} {'spread':>6} {'tok/s':>8} {'vs standard':>11} {'all-reduce share':>16}"
+    lines = ["", header, "-" * len(header)]
+    for row in sorted(rows, key=lambda r: r["batch"]):
+        lines.append(
+            f"{row['batch']:>5}  {row['variant']:<20} {row['decode_ms_per_token']:>13.2f} {row['decode_spread']:>6.0%} "
+            f"{row['tokens_per_s']:>8.1f} {row['speedup_vs_standard']:>10.2f}x {row['communication_share']:>16.0%}"
+        )
+    lines.append(
+        "all-reduce share: time inside vLLM's all-reduce (waiting for the other rank included) / decode time, per rank."
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine and workers: they re-import this file
+    sys.exit(main())

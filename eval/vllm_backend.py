@@ -1,0 +1,45 @@
+"""lm-eval's `vllm` model type for `ladder eval --backend vllm`: one vLLM engine per model, with
+this package's plugin serving ladder checkpoints (vLLM loads it in each of its processes).
+
+It runs in the serving environment (.venv-serve, `make serve-env`), where vLLM is installed;
+`make eval BACKEND=vllm` uses that environment's `ladder`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ladder.errors import UsageError
+
+from .harness import ModelRef
+
+
+def check_models(models: list[ModelRef]) -> None:
+    """Refuse, before anything loads, what the vLLM backend cannot score."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise UsageError(
+            "--backend vllm: vLLM is not installed in this environment; run `make eval BACKEND=vllm ...`, "
+            "which builds and uses .venv-serve"
+        ) from None
+    for ref in models:
+        if not ref.path.is_dir():
+            raise UsageError(
+                f"--backend vllm: {ref.spec} is a GGUF file; vLLM scores checkpoint directories "
+                "(`ladder convert` writes one, with --layers 0 for a plain copy)"
+            )
+
+
+def vllm_lm(path: Path, tensor_parallel: int, dtype: str = "float32"):
+    """lm-eval's `VLLM` over a checkpoint directory, in the run's dtype (float32 on the CPU, like the
+    HF backend's models)."""
+    from lm_eval.models.vllm_causallms import VLLM
+    from vllm.platforms import current_platform
+
+    from ladder.serve import cpu_binding
+
+    if current_platform.is_cpu() and tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel, sorted(os.sched_getaffinity(0)))
+    return VLLM(pretrained=str(path), dtype=dtype, tensor_parallel_size=tensor_parallel, batch_size="auto")

@@ -1,0 +1,124 @@
+"""`ladder serve MODEL [--tp N] [--host H] [--port P] [-- VLLM_ARGS...]`: an OpenAI-compatible HTTP
+server for a ladder (or plain Llama) checkpoint, run by vLLM (`vllm serve`) on its own distributed
+runtime, with this package's plugin loading the ladder architecture.
+
+It runs in the serving environment (`make serve-env` builds .venv-serve: vLLM pins another
+transformers than this package). It checks the checkpoint with vLLM's own configuration checks
+first, so that a checkpoint vLLM cannot serve (an architecture it does not know, heads that do
+not split over the ranks) is one line and exit status 2 instead of a server's traceback, then
+replaces itself with `vllm serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .errors import ArgumentParser, UsageError, first_line
+from .loading import resolve_model_path
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
+        prog="ladder serve",
+        description="Serve a ladder or Llama checkpoint with vLLM's OpenAI-compatible server. "
+        "Arguments after `--` go to `vllm serve` as they are.",
+    )
+    parser.add_argument("model", metavar="MODEL", help="checkpoint directory (safetensors)")
+    parser.add_argument(
+        "--tp", type=int, default=1, metavar="N", help="tensor-parallel degree: worker processes (default 1)"
+    )
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--check-only", action="store_true", help="check that vLLM can serve the checkpoint, then exit")
+    return parser
+
+
+def cpu_binding(tp: int, cores: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` ranks over `cores`: equal contiguous groups, one per rank.
+    vLLM's own "auto" binds by NUMA node and refuses more ranks than nodes (one node here)."""
+    per_rank = len(cores) // tp
+    if per_rank == 0:
+        raise UsageError(f"--tp {tp} needs at least {tp} CPU cores; this process may use {len(cores)}")
+    groups = [cores[rank * per_rank : (rank + 1) * per_rank] for rank in range(tp)]
+    return "|".join(",".join(str(core) for core in group) for group in groups)
+
+
+def vllm_error_message(error: BaseException) -> str:
+    """One line from a vLLM configuration error; pydantic's ValidationError puts it in its entries."""
+    entries = getattr(error, "errors", None)
+    if callable(entries):
+        try:
+            return "; ".join(entry["msg"].removeprefix("Value error, ") for entry in entries())
+        except (TypeError, KeyError):
+            pass
+    return first_line(error)
+
+
+def check_servable(model: Path, tp: int) -> None:
+    """Build vLLM's engine configuration for the checkpoint, as `vllm serve` will: the same checks
+    (architecture known to vLLM or a plugin, heads divisible by the TP size, config readable)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        EngineArgs(model=str(model), tensor_parallel_size=tp).create_engine_config()
+    except Exception as error:  # vLLM raises ValueError, TypeError, pydantic errors, RuntimeError...
+        # vLLM follows an unknown architecture with the list of the ~400 it knows: drop the list.
+        message = vllm_error_message(error).split(" Supported architectures:")[0]
+        raise UsageError(f"vLLM cannot serve {model}: {message}") from None
+
+
+def main(argv: list[str]) -> int:
+    ours, passthrough = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    args = build_parser().parse_args(ours)
+    if args.tp < 1:
+        raise UsageError(f"--tp {args.tp}: the tensor-parallel degree must be at least 1")
+    if not args.model:
+        raise UsageError("name the checkpoint folder to serve: make serve MODEL=DIR")
+    model = resolve_model_path(args.model)
+    if not model.is_dir():
+        raise UsageError(f"{model} is a GGUF file: vLLM serves checkpoint directories; `ladder convert` writes one")
+    # vLLM logs a few warnings when imported (Triton without a CPU backend, ...), some before its
+    # logging is set up: keep them out of this check, so that a refusal is the one line. The
+    # server gets the caller's setting back.
+    logging_level = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        raise UsageError(
+            "vLLM is not installed in this environment: run `make serve MODEL=...`, which builds and uses .venv-serve"
+        ) from None
+
+    if current_platform.is_cpu() and args.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(args.tp, sorted(os.sched_getaffinity(0)))
+    check_servable(model, args.tp)
+    if args.check_only:
+        print(f"vLLM can serve {model} at TP={args.tp}")
+        return 0
+    if logging_level is None:
+        del os.environ["VLLM_LOGGING_LEVEL"]
+    else:
+        os.environ["VLLM_LOGGING_LEVEL"] = logging_level
+    command = [
+        str(Path(sys.executable).parent / "vllm"),
+        "serve",
+        str(model),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--tensor-parallel-size",
+        str(args.tp),
+        *passthrough,
+    ]
+    print(" ".join(command), file=sys.stderr, flush=True)
+    os.execv(command[0], command)
+    return 0  # not reached

@@ -1,0 +1,23 @@
+"""vLLM plugin (entry point group `vllm.general_plugins`, see setup.cfg): lets `vllm serve` and
+`vllm.LLM` load ladder checkpoints.
+
+vLLM calls `register()` in every process it starts (the API server, the engine core and each
+tensor-parallel worker), so registration must be cheap and repeatable: the model class is
+registered by its "module:Class" name and imported only where a model is built.
+"""
+
+ARCHITECTURE = "LadderLlamaForCausalLM"
+MODEL_CLASS = "ladder.vllm_ladder_llama:LadderLlamaForCausalLM"
+
+
+def register() -> None:
+    """Register the ladder config (model_type `llamaLadder`) with transformers' AutoConfig, so
+    vLLM reads a ladder config.json without remote code, and the architecture with vLLM."""
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+
+    from .configuration_ladder_llama import LadderLlamaConfig
+
+    AutoConfig.register(LadderLlamaConfig.model_type, LadderLlamaConfig, exist_ok=True)
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)

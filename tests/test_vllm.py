@@ -1,0 +1,395 @@
+"""Serving ladder checkpoints with vLLM (its CPU backend), against transformers.
+
+vLLM lives in its own environment, .venv-serve (`make serve-env`; `make test` builds it), because it
+pins another transformers than this package. These tests run in the main environment and drive
+vLLM in subprocesses: tests/vllm_runner.py for greedy generation (all engines in one process, one
+after another), `ladder serve` for the HTTP server, `ladder eval --backend vllm` for lm-eval.
+References come from transformers in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from ladder import to_ladder
+from tiny import tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+SERVE_ENV = REPO / ".venv-serve"
+SERVE_PYTHON = SERVE_ENV / "bin" / "python"
+
+NEW_TOKENS = 32
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Question: What is 12 times 7?\nAnswer:",
+]
+# fp32 on both sides; vLLM's kernels (fused add-RMSNorm, paged attention, its matmul tiling) sum in
+# another order than transformers', which moved a log-probability by at most 1.7e-5 on SmolLM2 here.
+LOGPROB_ATOL = 1e-3
+# Greedy paths may part only where the reference's two best tokens are closer than this (a tie
+# that a rounding difference decides); everything before that point must agree.
+TIE_MARGIN = 1e-4
+TINY_LADDER_LAYERS = [0, 2, 3]  # ladder first, ladder -> standard, standard -> ladder, ladder -> ladder
+
+
+def serve_python() -> Path:
+    if not SERVE_PYTHON.is_file():
+        pytest.fail(f"the serving environment {SERVE_ENV} is missing: run `make serve-env` (make test builds it)")
+    return SERVE_PYTHON
+
+
+def serve_env_vars() -> dict[str, str]:
+    """The test session's environment (offline, private HF cache) for a subprocess in .venv-serve."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def reference_greedy(model_dir: Path, prompts: list[list[int]]) -> dict:
+    """transformers' greedy tokens, the log-probability of each, and the margin between the best
+    two tokens at each step."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens, logprobs, margins = [], [], []
+    for ids in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        steps = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+        chosen = out.sequences[0, len(ids) :]
+        top2 = steps.topk(2, dim=-1).values
+        tokens.append(chosen.tolist())
+        logprobs.append(steps.gather(1, chosen[:, None])[:, 0].tolist())
+        margins.append((top2[:, 0] - top2[:, 1]).tolist())
+    return {"tokens": tokens, "logprobs": logprobs, "margins": margins}
+
+
+def compare_greedy(reference: dict, candidate: dict, what: str) -> float:
+    """Same greedy tokens (up to a reference tie) with log-probabilities within LOGPROB_ATOL;
+    returns the largest log-probability difference."""
+    worst = 0.0
+    for prompt, (ref_tokens, tokens) in enumerate(zip(reference["tokens"], candidate["tokens"])):
+        assert len(tokens) == len(ref_tokens) == NEW_TOKENS, f"{what}, prompt {prompt}: {len(tokens)} tokens"
+        agree = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), NEW_TOKENS)
+        if agree < NEW_TOKENS:
+            margin = reference["margins"][prompt][agree]
+            assert margin < TIE_MARGIN, (
+                f"{what}, prompt {prompt}: greedy tokens differ from step {agree} "
+                f"({tokens[agree]} vs reference {ref_tokens[agree]}; reference margin {margin:.2e})"
+            )
+        ref_lp = torch.tensor(reference["logprobs"][prompt][: agree + (agree < NEW_TOKENS)])
+        lp = torch.tensor(candidate["logprobs"][prompt][: len(ref_lp)])
+        difference = (lp - ref_lp).abs().max().item()
+        assert difference <= LOGPROB_ATOL, f"{what}, prompt {prompt}: log-probabilities differ by {difference:.2e}"
+        worst = max(worst, difference)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer(text).input_ids for text in PROMPTS]
+
+
+def save_tiny(directory: Path, model, tokenizer) -> Path:
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    """The embedded SmolLM2 with its upper 8 layers rewired; a random Llama whose 4 query and 2 KV
+    heads split over 2 ranks (head_dim 32, the smallest vLLM's CPU attention takes), plain and with
+    mixed ladder layers."""
+    from ladder.convert.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("vllm-checkpoints")
+    convert_checkpoint(None, root / "smollm2-ladder8", ladder_layers=8, verify=False)
+    plain = tiny_llama(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return {
+        "smollm2-ladder8": root / "smollm2-ladder8",
+        "tiny-plain": save_tiny(root / "tiny-plain", plain, tokenizer),
+        "tiny-ladder": save_tiny(root / "tiny-ladder", to_ladder(plain, TINY_LADDER_LAYERS), tokenizer),
+    }
+
+
+@pytest.fixture(scope="module")
+def vllm_greedy(checkpoints, prompt_ids, tmp_path_factory) -> dict:
+    """Every vLLM engine the greedy tests need, in one subprocess. The tiny ladder model at TP=1 runs
+    with vLLM's default torch.compile (Dynamo traces our layer loop; inductor's C++ build of it
+    costs ~40 s here, minutes for SmolLM2), the others eager."""
+    runs = [
+        dict(name="smollm2-ladder8", model=checkpoints["smollm2-ladder8"], tp=1, eager=True),
+        dict(name="tiny-ladder-tp1", model=checkpoints["tiny-ladder"], tp=1, eager=False),
+        dict(name="tiny-ladder-tp2", model=checkpoints["tiny-ladder"], tp=2, eager=True),
+        dict(name="tiny-plain", model=checkpoints["tiny-plain"], tp=1, eager=True),
+    ]
+    for run in runs:
+        run.update(model=str(run["model"]), prompts=prompt_ids, max_tokens=NEW_TOKENS)
+    work = tmp_path_factory.mktemp("vllm-greedy")
+    (work / "job.json").write_text(json.dumps({"runs": runs}))
+    completed = subprocess.run(
+        [
+            str(serve_python()),
+            str(REPO / "tests" / "vllm_runner.py"),
+            str(work / "job.json"),
+            str(work / "result.json"),
+        ],
+        env=serve_env_vars(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
+    return json.loads((work / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints, prompt_ids) -> dict:
+    return {name: reference_greedy(path, prompt_ids) for name, path in checkpoints.items()}
+
+
+def test_smollm2_ladder_matches_transformers(vllm_greedy, references):
+    result = vllm_greedy["smollm2-ladder8"]
+    assert result["model_classes"] == ["ladder.vllm_ladder_llama.LadderLlamaForCausalLM"]
+    worst = compare_greedy(references["smollm2-ladder8"], result, "SmolLM2 ladder, vLLM TP=1")
+    print(f"SmolLM2 upper-8 ladder, vLLM vs transformers: largest log-probability difference {worst:.2e}")
+
+
+def test_tensor_parallel_ladder_matches(vllm_greedy, references):
+    reference = references["tiny-ladder"]
+    compare_greedy(reference, vllm_greedy["tiny-ladder-tp1"], "tiny ladder, vLLM TP=1")
+    compare_greedy(reference, vllm_greedy["tiny-ladder-tp2"], "tiny ladder, vLLM TP=2")
+    assert vllm_greedy["tiny-ladder-tp2"]["tokens"] == vllm_greedy["tiny-ladder-tp1"]["tokens"]
+    assert vllm_greedy["tiny-ladder-tp2"]["model_classes"] == ["ladder.vllm_ladder_llama.LadderLlamaForCausalLM"] * 2
+
+
+def test_plain_llama_uses_vllms_own_model(vllm_greedy, references):
+    result = vllm_greedy["tiny-plain"]
+    assert result["model_classes"] == ["vllm.model_executor.models.llama.LlamaForCausalLM"]
+    compare_greedy(references["tiny-plain"], result, "tiny plain Llama, vLLM TP=1")
+    # The ladder wiring changes the function: the same weights give other tokens.
+    assert result["tokens"] != vllm_greedy["tiny-ladder-tp1"]["tokens"]
+
+
+# --- make serve ------------------------------------------------------------------------------------
+
+CHAT_CLIENT = """
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=f"http://127.0.0.1:{sys.argv[1]}/v1", api_key="unused")
+model = client.models.list().data[0].id
+reply = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0.0,
+)
+print(json.dumps({"model": model, "content": reply.choices[0].message.content,
+                  "finish_reason": reply.choices[0].finish_reason, "completion_tokens": reply.usage.completion_tokens}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"the server exited with status {server.returncode} before it was ready"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise AssertionError(f"the server did not answer /health within {timeout:.0f} s")
+
+
+def test_make_serve_answers_an_openai_chat_request(checkpoints, tmp_path):
+    """`make serve` on the tiny ladder model: a chat completion through the `openai` client over
+    real HTTP, then SIGTERM to the server (what a process manager sends) stops every process of it
+    without a traceback. (Ctrl-C, SIGINT to the whole group, also stops it, but vLLM's engine
+    process then exits before its API server and the server logs the dead engine.)"""
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    args = "--dtype float32 --max-model-len 512 --enforce-eager"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [
+                "make",
+                "--no-print-directory",
+                "serve",
+                f"MODEL={checkpoints['tiny-ladder']}",
+                f"PORT={port}",
+                f"ARGS={args}",
+            ],
+            cwd=REPO,
+            env=serve_env_vars(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until_healthy(port, server, timeout=600)
+        reply = subprocess.run(
+            [str(serve_python()), "-c", CHAT_CLIENT, str(port)],
+            env=serve_env_vars(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert reply.returncode == 0, reply.stderr[-3000:]
+        answer = json.loads(reply.stdout.strip().splitlines()[-1])
+        assert answer["model"] == str(checkpoints["tiny-ladder"])
+        assert answer["completion_tokens"] > 0 and isinstance(answer["content"], str)
+        assert answer["finish_reason"] in ("length", "stop")
+    finally:
+        if server.poll() is None:
+            # make's child is `ladder serve`, which became `vllm serve` (same process)
+            for pid in subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split():
+                os.kill(int(pid), signal.SIGTERM)
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                raise AssertionError("the server did not stop within 120 s of SIGTERM") from None
+    log_text = log_path.read_text()
+    assert server.returncode == 0, log_text[-3000:]
+    assert "Resolved architecture: LadderLlamaForCausalLM" in log_text
+    assert "Traceback" not in log_text, log_text[-3000:]
+    deadline = time.monotonic() + 60  # the engine and worker processes exit just after the API server
+    while leftovers := subprocess.run(["pgrep", "-g", str(server.pid)], capture_output=True, text=True).stdout.split():
+        assert time.monotonic() < deadline, f"processes of the server still running 60 s after shutdown: {leftovers}"
+        time.sleep(1)
+    with pytest.raises(OSError):  # nothing listens on the port any more
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def test_serve_refuses_a_checkpoint_vllm_cannot_serve(checkpoints):
+    """SmolLM2's 9 attention heads do not split over 2 ranks: one line and exit status 2, before
+    any server starts."""
+    completed = subprocess.run(
+        [str(SERVE_ENV / "bin" / "ladder"), "serve", str(checkpoints["smollm2-ladder8"]), "--tp", "2"],
+        env=serve_env_vars(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 2
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1, completed.stderr[-3000:]
+    assert lines[0].startswith("ladder serve: error: vLLM cannot serve") and "divisible" in lines[0], lines[0]
+
+
+# --- ladder eval --backend vllm ----------------------------------------------------------------------
+
+# Log-likelihood scores differ by the kernels' rounding (LAMBADA perplexity: 1e-7 relative, measured)
+# and an accuracy by at most one item, where two answers tie to within it. WikiText is scored in
+# rolling windows, which lm-eval's vllm backend makes 2 tokens shorter than its HF backend
+# (max_length - 2): other contexts for some tokens, 7e-4 relative on word perplexity here.
+PERPLEXITY_RTOL = 1e-4
+ROLLING_PERPLEXITY_RTOL = 1e-2
+
+
+def scores(results_dir: Path) -> dict[str, dict[str, float]]:
+    (model_json,) = [path for path in results_dir.glob("*.json") if path.name != "report.json"]
+    results = json.loads(model_json.read_text())["results"]
+    return {
+        task: {
+            metric: value for metric, value in values.items() if "_stderr" not in metric and isinstance(value, float)
+        }
+        for task, values in results.items()
+    }
+
+
+def test_lm_eval_vllm_backend_matches_hf(checkpoints, tmp_path):
+    from ladder.eval import cli
+
+    model = checkpoints["tiny-ladder"]
+    common = ["--suite", "smoke", "--no-cache"]
+    assert cli.main([str(model), *common, "--out", str(tmp_path / "hf")]) == 0
+    completed = subprocess.run(
+        [
+            str(SERVE_ENV / "bin" / "ladder"),
+            "eval",
+            str(model),
+            *common,
+            "--out",
+            str(tmp_path / "vllm"),
+            "--backend",
+            "vllm",
+        ],
+        env=serve_env_vars(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    hf, vllm = scores(tmp_path / "hf"), scores(tmp_path / "vllm")
+    assert hf.keys() == vllm.keys() and len(hf) == 6
+    sizes = {"ladder_wikitext": 1, "ladder_lambada_openai": 8}
+    for task, metrics in hf.items():
+        assert metrics.keys() == vllm[task].keys()
+        for metric, value in metrics.items():
+            if metric.startswith("acc"):
+                assert abs(vllm[task][metric] - value) <= 1 / sizes.get(task, 8) + 1e-9, (
+                    task,
+                    metric,
+                    value,
+                    vllm[task][metric],
+                )
+            else:
+                tolerance = ROLLING_PERPLEXITY_RTOL if task == "ladder_wikitext" else PERPLEXITY_RTOL
+                assert vllm[task][metric] == pytest.approx(value, rel=tolerance), (task, metric)
+
+
+def test_lm_eval_vllm_backend_refuses_gguf():
+    completed = subprocess.run(
+        [str(SERVE_ENV / "bin" / "ladder"), "eval", "embedded", "--backend", "vllm"],
+        env=serve_env_vars(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines() == [
+        "ladder eval: error: --backend vllm: embedded is a GGUF file; vLLM scores checkpoint directories "
+        "(`ladder convert` writes one, with --layers 0 for a plain copy)"
+    ]

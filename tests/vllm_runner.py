@@ -1,0 +1,63 @@
+"""Greedy generation through vLLM, run inside the serving environment (.venv-serve) by
+tests/test_vllm.py, which lives in the main environment (another transformers version).
+
+    .venv-serve/bin/python tests/vllm_runner.py JOB.json RESULT.json
+
+JOB.json: {"runs": [{"name", "model", "tp", "eager", "prompts": [[token ids], ...], "max_tokens"}]}.
+RESULT.json: per run name, the generated token ids and their log-probabilities per prompt, the
+model class each worker built, and the engine's start-up time. Runs go one after another in this
+process, each with its own engine (vLLM serves one model per engine).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # One core per rank (this machine has one NUMA node, so vLLM's "auto" binding refuses TP > 1).
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (
+        "|".join(str(core) for core in range(spec["tp"])) if spec["tp"] > 1 else "auto"
+    )
+    started = time.monotonic()
+    llm = LLM(
+        model=spec["model"],
+        tensor_parallel_size=spec["tp"],
+        dtype="float32",
+        enforce_eager=spec["eager"],
+        max_model_len=512,
+        seed=0,
+    )
+    startup = time.monotonic() - started
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=0, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]], params, use_tqdm=False)
+    tokens, logprobs = [], []
+    for output in outputs:
+        completion = output.outputs[0]
+        tokens.append(list(completion.token_ids))
+        logprobs.append([step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)])
+    # `type` itself: apply_model's argument is pickled by reference, and the class comes back the same way.
+    classes = [f"{cls.__module__}.{cls.__qualname__}" for cls in llm.apply_model(type)]
+    del llm
+    gc.collect()
+    return {"tokens": tokens, "logprobs": logprobs, "model_classes": classes, "startup_seconds": startup}
+
+
+def main(job_path: str, result_path: str) -> None:
+    job = json.loads(open(job_path).read())
+    results = {spec["name"]: run(spec) for spec in job["runs"]}
+    with open(result_path, "w") as handle:
+        json.dump(results, handle)
+
+
+if __name__ == "__main__":  # vLLM starts its engine and workers by spawn: they re-import this file
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large share of RAM
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function to the workers
+    main(*sys.argv[1:])
