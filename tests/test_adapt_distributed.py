@@ -134,7 +134,7 @@ def test_fsdp_final_model_is_the_gathered_trained_model(one_process_run, fsdp_ru
     loaded = model.state_dict()
     assert all(torch.equal(loaded[name], gathered[name]) for name in gathered)
 
-    heldout = prepare_data(load_recipe(final / "recipe.yaml").data, AutoTokenizer.from_pretrained(final)).eval
+    heldout = prepare_data(load_recipe(final / "recipe.yaml").data, AutoTokenizer.from_pretrained(final)).eval.ids
     with torch.no_grad():
         logged = block_losses(model, torch.from_numpy(heldout.astype(np.int64))).mean()
     assert float(logged) == pytest.approx([r["eval_loss"] for r in metrics(fsdp_run) if "eval_loss" in r][-1], rel=1e-5)
