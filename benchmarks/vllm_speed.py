@@ -31,6 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import PUBLISHED_SHAPES
+
 SHAPES = {
     # ~100M parameters in 8 layers: a decode step is a few ms per rank on one CPU core, so the
     # all-reduces weigh as they would on a GPU, and three engines start and run in a few minutes.
@@ -42,30 +45,7 @@ SHAPES = {
         num_hidden_layers=8,
         vocab_size=8192,
     ),
-    "llama-3.2-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        num_hidden_layers=16,
-        vocab_size=128256,
-    ),
-    "llama-3.1-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        num_hidden_layers=32,
-        vocab_size=128256,
-    ),
-    "llama-3.1-70b": dict(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        num_hidden_layers=80,
-        vocab_size=128256,
-    ),
+    **PUBLISHED_SHAPES,
 }
 STANDARD = "standard"
 
