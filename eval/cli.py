@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import yaml
 
 from ladder.errors import ArgumentParser, UsageError
 from ladder.files import ladder_data_dir
+from ladder.launch import multi_process_launcher
 
 from .evaluate import DEFAULT_RUNS, evaluate_models
 from .suite import load_suite, suite_names
@@ -223,24 +223,8 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     if gpus and args.processes > gpus:
         raise UsageError(f"--processes {args.processes}: only {gpus} GPU(s) are visible (one process per GPU)")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        str(args.processes),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(port),
+        *multi_process_launcher(args.processes),
         "-m",
         "ladder.eval.cli",
         *argv,

@@ -10,7 +10,6 @@ import json
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from ladder.adapt.recipe import DataSpec, SourceSpec, load_recipe
 from ladder.adapt.train import train
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
+from ladder.launch import multi_process_launcher
 from tiny import random_ids, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,12 +138,6 @@ def wandb_history(directory: Path) -> list[tuple[str, dict]]:
                         )
                     )
     return rows
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_adapt(args: list[str], launcher: list[str] | None = None, **popen) -> subprocess.Popen:
@@ -468,22 +462,7 @@ def test_two_processes_give_the_loss_curve_of_one(tmp_path, tiny_checkpoint, cor
     double = write_recipe(tmp_path / "two", tiny_checkpoint, corpus, budget=6 * 256, **{"batch.micro_batch": 2})
     # `--multi_gpu` is what makes accelerate start several processes (through torchrun); with no
     # GPU, adapt runs them on CPU over gloo. (`--cpu --num_processes 2` starts only one.)
-    launcher = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-    ]
+    launcher = multi_process_launcher(2)
     process = run_adapt([str(double)], launcher=launcher)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_adapt import corpus, free_port, losses, metrics, run_adapt, write_recipe  # noqa: F401 (corpus: a fixture)
+from test_adapt import corpus, losses, metrics, run_adapt, write_recipe  # noqa: F401 (corpus: a fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ladder.adapt.data import prepare_data
@@ -27,6 +27,7 @@ from ladder.adapt.losses import block_losses
 from ladder.adapt.recipe import load_recipe
 from ladder.adapt.train import train
 from ladder.cli import main as ladder_main
+from ladder.launch import free_port, multi_process_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 FSDP_CONFIG = REPO / "recipes" / "accelerate" / "fsdp-cpu-2proc.yaml"
@@ -40,25 +41,6 @@ def fsdp_launcher() -> list[str]:
         "accelerate.commands.launch",
         "--config_file",
         str(FSDP_CONFIG),
-        "--main_process_port",
-        str(free_port()),
-    ]
-
-
-def ddp_launcher() -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
         "--main_process_port",
         str(free_port()),
     ]
@@ -189,7 +171,7 @@ def test_gradient_accumulation_makes_the_update_of_one_large_batch(tmp_path, tin
     )
     train(load_recipe(large))
     train(load_recipe(accumulated))
-    launch(shared, ddp_launcher())
+    launch(shared, multi_process_launcher(2))
     reference = metrics(tmp_path / "large" / "run")
     for other in ("accumulated", "shared"):
         assert_same_curve(reference, metrics(tmp_path / other / "run"), tolerance=1e-5, grad_tolerance=1e-4)

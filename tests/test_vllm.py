@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -23,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from ladder import to_ladder
+from ladder.launch import free_port
 from tiny import tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -220,12 +220,6 @@ reply = client.chat.completions.create(
 print(json.dumps({"model": model, "content": reply.choices[0].message.content,
                   "finish_reason": reply.choices[0].finish_reason, "completion_tokens": reply.usage.completion_tokens}))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_until_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
