@@ -8,11 +8,12 @@ is trained (the last position, and before tokens that are not targets, such as a
 
 Full logits are tokens x vocabulary in float32: for Llama-3.1's 128k vocabulary about 4 GB per
 8k-token micro-batch, and as much again for their gradient. `head_losses` instead computes the
-logits of `CHUNK_TOKENS` positions at a time, takes the loss and its gradient with respect to those
-logits at once (the softmax is needed for both), turns it into the gradients of the hidden states
-and of the head's weight, and drops the chunk: the same FLOPs as the plain computation, the memory
-of one chunk. `lm_loss` and `kd_loss` are its two terms; `losses_in_lm_head` runs it inside a
-model's own forward (where FSDP has the head's weight gathered).
+logits of a chunk of positions at a time (`CHUNK_BYTES` of float32 logits), takes the loss and its
+gradient with respect to those logits at once (the softmax is needed for both, and overwrites the
+logits in place), turns it into the gradients of the hidden states and of the head's weight, and
+drops the chunk: the same FLOPs as the plain computation, the memory of one chunk. `lm_loss` and
+`kd_loss` are its two terms; `losses_in_lm_head` runs it inside a model's own forward (where FSDP
+has the head's weight gathered). Held-out evaluation (`block_loss_sums`) goes the same way.
 """
 
 from __future__ import annotations
@@ -23,9 +24,15 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-# Positions per chunk: 1024 x 128k vocab x 4 bytes = 0.5 GB of float32 logits (and as much gradient).
-CHUNK_TOKENS = 1024
+# Float32 logits per chunk, computed, turned into their gradient in place, and dropped: 341 positions
+# of SmolLM2's 49k vocabulary, 128 of Llama-3's 128k (still a large matmul: 128 x 4096 x 128k).
+CHUNK_BYTES = 64 * 2**20
 IGNORE_INDEX = -100
+
+
+def chunk_positions(vocab_size: int) -> int:
+    """Positions per chunk of `CHUNK_BYTES` float32 logits."""
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
 
 
 def next_token_labels(input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,6 +66,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     ):
         flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         rows = flat.shape[0]
+        chunk_tokens = chunk_tokens or chunk_positions(weight.shape[0])
         dtype = torch.promote_types(flat.dtype, torch.float32)  # logits in float32 at least, as usual
         counted = (targets != IGNORE_INDEX).sum().clamp(min=1).to(dtype)  # a fully masked batch gives 0, not NaN
         ce_sum = flat.new_zeros((), dtype=dtype)
@@ -69,16 +77,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             chunk = flat[start : start + chunk_tokens]
             target = targets[start : start + chunk_tokens]
             logits = (chunk @ weight.T).to(dtype)
-            log_probs = logits.log_softmax(-1)
+            log_probs = logits.sub_(logits.logsumexp(-1, keepdim=True))  # log-softmax in place
             valid = target != IGNORE_INDEX
             safe_target = target.clamp(min=0)
             ce_sum -= (log_probs.gather(1, safe_target[:, None])[:, 0] * valid).sum()
-            if needs_grad[0] or needs_grad[1]:
-                # d(mean CE)/d logits = (softmax - one_hot) / counted, on the counted rows only.
-                grad = log_probs.exp_()
-                grad.scatter_add_(1, safe_target[:, None], -torch.ones_like(grad[:, :1]))
-                grad.mul_((valid.to(dtype) * (lm_weight / counted))[:, None])
-            if kd_weight:
+            if kd_weight:  # before the gradient below overwrites log_probs
                 teacher_log_probs = (
                     (
                         teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[start : start + chunk_tokens]
@@ -86,9 +89,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     ).to(dtype)
                     / temperature
                 ).log_softmax(-1)
-                student_log_probs = (logits / temperature).log_softmax(-1)
+                student_log_probs = (log_probs / temperature).log_softmax(-1)  # that of logits / T: shift-invariant
                 kd_sum += (teacher_log_probs.exp() * (teacher_log_probs - student_log_probs)).sum()
-                if needs_grad[0] or needs_grad[1]:
+            if needs_grad[0] or needs_grad[1]:
+                # d(mean CE)/d logits = (softmax - one_hot) / counted, on the counted rows only.
+                grad = log_probs.exp_()
+                grad.scatter_add_(1, safe_target[:, None], -torch.ones_like(grad[:, :1]))
+                grad.mul_((valid.to(dtype) * (lm_weight / counted))[:, None])
+                if kd_weight:
                     # d(T² KL / rows)/d logits = T (softmax(z / T) - teacher) / rows.
                     grad.add_(
                         (student_log_probs.exp_() - teacher_log_probs.exp_()).mul_(kd_weight * temperature / rows)
@@ -133,7 +141,7 @@ def head_losses(
     teacher_weight: torch.Tensor | None = None,
     kd_weight: float = 0.0,
     temperature: float = 1.0,
-    chunk_tokens: int = CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(training loss, next-token loss) from the final hidden states (batch x seq x hidden, after
     the final norm) and the LM head's weight (vocab x hidden), chunk by chunk.
@@ -159,7 +167,7 @@ def head_losses(
 
 
 def lm_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = CHUNK_TOKENS
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None
 ) -> torch.Tensor:
     """Mean next-token cross-entropy over the labels that are not -100, in float32, chunk by chunk."""
     return head_losses(hidden, weight, labels, chunk_tokens=chunk_tokens)[0]
@@ -171,7 +179,7 @@ def kd_loss(
     teacher_hidden: torch.Tensor,
     teacher_weight: torch.Tensor,
     temperature: float,
-    chunk_tokens: int = CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """KL(teacher || student) of the distributions at `temperature`, per position (every position),
     times T² (so its gradients keep their scale as T changes, Hinton et al. 2015), chunk by chunk."""
@@ -188,7 +196,7 @@ def losses_in_lm_head(
     computed, and its LM head then returns logits for no position. Yields a list that receives
     what `compute` returned. Runs inside the model's forward, so wrappers (DDP, FSDP, which gathers
     the head's weight only there) see an ordinary forward."""
-    head = model.get_output_embeddings()
+    head = getattr(model, "module", model).get_output_embeddings()  # DDP keeps the model in .module
     results: list = []
 
     def replace_input(module: torch.nn.Module, args: tuple) -> tuple:
@@ -203,6 +211,23 @@ def losses_in_lm_head(
         handle.remove()
 
 
+def token_losses(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """Each position's next-token cross-entropy in float32 (0 where the label is -100), from the final
+    hidden states and the head's weight, chunk by chunk; for evaluation (no gradient)."""
+    flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    chunk_tokens = chunk_tokens or chunk_positions(weight.shape[0])
+    losses = torch.empty(targets.shape, dtype=torch.promote_types(flat.dtype, torch.float32), device=flat.device)
+    for start in range(0, targets.shape[0], chunk_tokens):
+        logits = (flat[start : start + chunk_tokens] @ weight.T).to(losses.dtype)
+        losses[start : start + chunk_tokens] = F.cross_entropy(
+            logits, targets[start : start + chunk_tokens], ignore_index=IGNORE_INDEX, reduction="none"
+        )
+    return losses.view(labels.shape)
+
+
+@torch.no_grad()
 def block_loss_sums(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -211,11 +236,9 @@ def block_loss_sums(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `input_ids`: the summed next-token loss over its labelled positions, and their count."""
     labels = next_token_labels(input_ids) if labels is None else labels
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    losses = F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    )
-    return losses.view(input_ids.shape).sum(dim=1), labels.ne(IGNORE_INDEX).sum(dim=1)
+    with losses_in_lm_head(model, lambda hidden, weight: token_losses(hidden, weight, labels)) as results:
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    return results[0].sum(dim=1), labels.ne(IGNORE_INDEX).sum(dim=1)
 
 
 def hidden_loss(student_streams: list[torch.Tensor], teacher_streams: list[torch.Tensor]) -> torch.Tensor:
@@ -241,10 +264,12 @@ __all__ = [
     "IGNORE_INDEX",
     "block_loss_sums",
     "block_losses",
+    "chunk_positions",
     "head_losses",
     "hidden_loss",
     "kd_loss",
     "lm_loss",
     "losses_in_lm_head",
     "next_token_labels",
+    "token_losses",
 ]

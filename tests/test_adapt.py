@@ -736,3 +736,36 @@ def test_losses_in_lm_head_computes_no_logits_and_trains_like_the_plain_loss(tin
     for got, want in zip(grads, plain_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert model(input_ids=ids).logits.shape == (2, 24, model.config.vocab_size)  # the hook is gone
+
+
+def test_held_out_losses_come_chunk_by_chunk_and_equal_the_full_logits(tiny_checkpoint):
+    """`block_loss_sums` (adapt's held-out evaluation) computes its logits a chunk of positions at a
+    time inside the head, with the sums of the plain cross-entropy over full logits; chunks hold
+    CHUNK_BYTES of float32 logits."""
+    from ladder.adapt import losses
+    from ladder.adapt.losses import IGNORE_INDEX, block_loss_sums, chunk_positions, next_token_labels, token_losses
+
+    assert chunk_positions(128_256) == 130 and chunk_positions(49_152) == 341 and chunk_positions(2**40) == 1
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(2))
+    labels = next_token_labels(ids)
+    labels[1, :25] = IGNORE_INDEX
+    with torch.no_grad():
+        plain = torch.nn.functional.cross_entropy(
+            model(input_ids=ids).logits.flatten(0, 1), labels.flatten(), reduction="none"
+        ).view(3, 40)
+    chunk_sizes = []
+    original = token_losses
+
+    def recording(hidden, weight, labels, chunk_tokens=None):
+        chunk_sizes.append(chunk_positions(weight.shape[0]))
+        return original(hidden, weight, labels, chunk_tokens=7)  # 120 positions: 18 chunks, the last short
+
+    losses.token_losses = recording
+    try:
+        sums, counts = block_loss_sums(model, ids, labels)
+    finally:
+        losses.token_losses = original
+    assert chunk_sizes == [chunk_positions(model.config.vocab_size)]
+    torch.testing.assert_close(sums, plain.sum(dim=1), rtol=1e-5, atol=1e-5)
+    assert counts.tolist() == [39, 14, 39]
