@@ -12,6 +12,7 @@ replaces itself with `vllm serve`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -22,6 +23,46 @@ from .loading import resolve_model_path
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+# Seconds in-flight requests may finish after SIGTERM. vLLM's default, 0, aborts them and gives the
+# engine process no time to exit: its manager sends SIGTERM and SIGKILL at once, which leaks the
+# engine's shared memory and semaphores and races with the API server's own shutdown (seen here as
+# an EngineDeadError and a non-zero exit now and then). With a grace period an idle engine exits on
+# its own at once, and a busy one first answers what it was answering.
+SHUTDOWN_TIMEOUT = 30
+# Set for the server's processes; the plugin (ladder/vllm_plugin.py) then applies `quiet_engine_shutdown`.
+SERVE_ENV_FLAG = "LADDER_SERVE"
+
+
+def quiet_engine_shutdown() -> None:
+    """Work around vLLM's shutdown race (vllm-project/vllm#48745, fix proposed in #49000): on SIGTERM,
+    AsyncLLM.shutdown stops the engine before it cancels its output handler, which then reads the
+    EngineDeadError that the stopped engine's output queue leaves for it, logs it as a failure with
+    a traceback and makes the server exit with status 1, after a shutdown that went well. Once
+    shutdown has started, that error waits for the handler's cancellation instead; a real engine
+    death before shutdown is reported as before."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core_client import AsyncMPClient
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if getattr(AsyncLLM.shutdown, "quiet_engine_shutdown", False):
+        return
+    shutdown, get_output_async = AsyncLLM.shutdown, AsyncMPClient.get_output_async
+
+    def quiet_shutdown(self: AsyncLLM, *args, **kwargs) -> None:
+        if getattr(self, "engine_core", None) is not None:
+            self.engine_core.shutting_down = True
+        return shutdown(self, *args, **kwargs)
+
+    async def outputs(self: AsyncMPClient):
+        try:
+            return await get_output_async(self)
+        except EngineDeadError:
+            if getattr(self, "shutting_down", False):
+                await asyncio.Event().wait()  # cancelled by the shutdown in progress
+            raise
+
+    quiet_shutdown.quiet_engine_shutdown = True
+    AsyncLLM.shutdown, AsyncMPClient.get_output_async = quiet_shutdown, outputs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +160,9 @@ def main(argv: list[str]) -> int:
         str(args.tp),
         *passthrough,
     ]
+    if not any(arg.split("=")[0] == "--shutdown-timeout" for arg in passthrough):
+        command += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
     print(" ".join(command), file=sys.stderr, flush=True)
+    os.environ[SERVE_ENV_FLAG] = "1"
     os.execv(command[0], command)
     return 0  # not reached
