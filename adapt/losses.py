@@ -83,24 +83,31 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             ce_sum -= (log_probs.gather(1, safe_target[:, None])[:, 0] * valid).sum()
             if kd_weight:  # before the gradient below overwrites log_probs
                 teacher_log_probs = (
-                    (
-                        teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[start : start + chunk_tokens]
-                        @ teacher_weight.T
-                    ).to(dtype)
-                    / temperature
-                ).log_softmax(-1)
-                student_log_probs = (log_probs / temperature).log_softmax(-1)  # that of logits / T: shift-invariant
-                kd_sum += (teacher_log_probs.exp() * (teacher_log_probs - student_log_probs)).sum()
+                    teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[start : start + chunk_tokens] @ teacher_weight.T
+                ).to(dtype)
+                if temperature != 1:
+                    teacher_log_probs.div_(temperature)
+                    # that of logits / T (log-softmax is shift-invariant); at T = 1 it is log_probs itself
+                    student_log_probs = (log_probs / temperature).log_softmax(-1)
+                else:
+                    student_log_probs = log_probs
+                teacher_log_probs.sub_(teacher_log_probs.logsumexp(-1, keepdim=True))
+                teacher_probs = teacher_log_probs.exp()
+                # KL(teacher || student) = sum p_t (log p_t - log p_s), summed over the chunk without a temporary.
+                kd_sum += torch.dot(teacher_probs.flatten(), teacher_log_probs.sub_(student_log_probs).flatten())
             if needs_grad[0] or needs_grad[1]:
-                # d(mean CE)/d logits = (softmax - one_hot) / counted, on the counted rows only.
+                # d(mean CE)/d logits = (softmax - one_hot) / counted, on the counted rows only;
+                # d(T² KL / rows)/d logits = T (softmax(z / T) - teacher) / rows.
+                ce_scale = valid.to(dtype) * (lm_weight / counted)
+                kd_scale = kd_weight * temperature / rows
                 grad = log_probs.exp_()
-                grad.scatter_add_(1, safe_target[:, None], -torch.ones_like(grad[:, :1]))
-                grad.mul_((valid.to(dtype) * (lm_weight / counted))[:, None])
-                if kd_weight:
-                    # d(T² KL / rows)/d logits = T (softmax(z / T) - teacher) / rows.
-                    grad.add_(
-                        (student_log_probs.exp_() - teacher_log_probs.exp_()).mul_(kd_weight * temperature / rows)
-                    )
+                if kd_weight and temperature == 1:  # softmax(z / T) is the softmax just computed
+                    grad.mul_((ce_scale + kd_scale)[:, None]).sub_(teacher_probs.mul_(kd_scale))
+                else:
+                    grad.mul_(ce_scale[:, None])
+                    if kd_weight:
+                        grad.add_(student_log_probs.exp_().sub_(teacher_probs).mul_(kd_scale))
+                grad.scatter_add_(1, safe_target[:, None], -ce_scale[:, None])
             if needs_grad[0]:
                 grad_hidden[start : start + chunk_tokens] = (grad.to(weight.dtype) @ weight).to(flat.dtype)
             if needs_grad[1]:

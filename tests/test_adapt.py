@@ -684,12 +684,13 @@ def test_merged_lora_model_gives_the_logits_of_the_peft_model(tmp_path, tiny_che
 # --- Chunked losses: equal to the full-logits computation ----------------------------------------
 
 
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
 @pytest.mark.parametrize("kd_weight", [0.0, 0.3, 1.0])
-def test_chunked_losses_equal_the_full_logits_computation(kd_weight):
+def test_chunked_losses_equal_the_full_logits_computation(kd_weight, temperature):
     from ladder.adapt.losses import head_losses, kd_loss, lm_loss, next_token_labels
 
     generator = torch.Generator().manual_seed(0)
-    batch, seq, width, vocab, temperature = 2, 37, 16, 50, 2.0
+    batch, seq, width, vocab = 2, 37, 16, 50
     hidden = torch.randn(batch, seq, width, generator=generator, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(vocab, width, generator=generator, dtype=torch.float64, requires_grad=True)
     teacher_hidden = torch.randn(batch, seq, width, generator=generator, dtype=torch.float64)
