@@ -83,7 +83,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             ce_sum -= (log_probs.gather(1, safe_target[:, None])[:, 0] * valid).sum()
             if kd_weight:  # before the gradient below overwrites log_probs
                 teacher_log_probs = (
-                    teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[start : start + chunk_tokens] @ teacher_weight.T
+                    teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[start : start + chunk_tokens]
+                    @ teacher_weight.T
                 ).to(dtype)
                 if temperature != 1:
                     teacher_log_probs.div_(temperature)
