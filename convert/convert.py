@@ -586,13 +586,15 @@ def conversion_differences(
         return ["conversion.json (missing)"]
     recorded = json.loads(manifest.read_text())
     num_hidden_layers = recorded["num_hidden_layers"]
-    asked = {
-        "source": str(resolve_model_path(source).resolve()),
-        "ladder_layers": parse_ladder_layers(
+    differences = [] if recorded.get("source") == str(resolve_model_path(source).resolve()) else ["source"]
+    if (auto := parse_auto_layers(ladder_layers, num_hidden_layers, "ladder_layers")) is not None:
+        # Searched on convert's default calibration text; the search recorded its spec and choice.
+        same_layers = (recorded.get("layer_search") or {}).get("spec") == str(auto)
+    else:
+        same_layers = recorded.get("ladder_layers") == parse_ladder_layers(
             num_hidden_layers // 2 if ladder_layers is None else ladder_layers, num_hidden_layers, "ladder_layers"
-        ),
-    }
-    return [key for key, value in asked.items() if recorded.get(key) != value]
+        )
+    return differences + ([] if same_layers else ["ladder_layers"])
 
 
 def convert_checkpoint(

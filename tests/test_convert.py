@@ -675,3 +675,27 @@ print(tokenizer.decode(output[0, chat["input_ids"].shape[1]:], skip_special_toke
     assert result.returncode == 0, result.stderr[-3000:]
     words = re.findall(r"[A-Za-z]+", result.stdout)
     assert len(words) >= 3, result.stdout
+
+
+def test_conversion_differences_names_what_a_new_request_changes(tmp_path):
+    """What makes an existing conversion stale (the demo's check): another source, other layers,
+    or another `auto:N` request; the layers an `auto:N` search chose stand for that request."""
+    from ladder.convert.convert import conversion_differences
+
+    source, other, out = tmp_path / "source", tmp_path / "other", tmp_path / "out"
+    for directory in (source, other, out):
+        directory.mkdir()
+    for directory in (source, other):
+        (directory / "config.json").write_text("{}")
+    manifest = {"source": str(source.resolve()), "num_hidden_layers": 30, "ladder_layers": [20, 21, 22, 23]}
+    (out / "conversion.json").write_text(json.dumps(manifest))
+    assert conversion_differences(out, source, "20-23") == []
+    assert conversion_differences(out, source, 4) == ["ladder_layers"]  # the upper 4 are 26-29
+    assert conversion_differences(out, other, "20-23") == ["source"]
+    assert conversion_differences(out, source, "auto:4") == ["ladder_layers"]  # not searched
+    manifest["layer_search"] = {"spec": "auto:4", "chosen": [20, 21, 22, 23]}
+    (out / "conversion.json").write_text(json.dumps(manifest))
+    assert conversion_differences(out, source, "auto:4") == []
+    assert conversion_differences(out, source, "auto:4:any") == ["ladder_layers"]
+    assert conversion_differences(out, source, "auto:5") == ["ladder_layers"]
+    assert conversion_differences(tmp_path / "nothing", source, 4) == ["conversion.json (missing)"]
