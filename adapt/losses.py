@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 # Float32 logits per chunk, computed, turned into their gradient in place, and dropped: 341 positions
-# of SmolLM2's 49k vocabulary, 128 of Llama-3's 128k (still a large matmul: 128 x 4096 x 128k).
+# of SmolLM2's 49k vocabulary, 130 of Llama-3's 128k (still a large matmul: 130 x 4096 x 128k).
 CHUNK_BYTES = 64 * 2**20
 IGNORE_INDEX = -100
 

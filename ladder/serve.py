@@ -25,9 +25,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # Seconds in-flight requests may finish after SIGTERM. vLLM's default, 0, aborts them and gives the
 # engine process no time to exit: its manager sends SIGTERM and SIGKILL at once, which leaks the
-# engine's shared memory and semaphores and races with the API server's own shutdown (seen here as
-# an EngineDeadError and a non-zero exit now and then). With a grace period an idle engine exits on
-# its own at once, and a busy one first answers what it was answering.
+# engine's shared memory and semaphores. With a grace period an idle engine exits on its own at
+# once, and a busy one first answers what it was answering.
 SHUTDOWN_TIMEOUT = 30
 # Set for the server's processes; the plugin (ladder/vllm_plugin.py) then applies `quiet_engine_shutdown`.
 SERVE_ENV_FLAG = "LADDER_SERVE"
