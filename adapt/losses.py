@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import extract_model_from_parallel
 
 # Float32 logits per chunk, computed, turned into their gradient in place, and dropped: 341 positions
 # of SmolLM2's 49k vocabulary, 130 of Llama-3's 128k (still a large matmul: 130 x 4096 x 128k).
@@ -204,7 +205,7 @@ def losses_in_lm_head(
     computed, and its LM head then returns logits for no position. Yields a list that receives
     what `compute` returned. Runs inside the model's forward, so wrappers (DDP, FSDP, which gathers
     the head's weight only there) see an ordinary forward."""
-    head = getattr(model, "module", model).get_output_embeddings()  # DDP keeps the model in .module
+    head = extract_model_from_parallel(model).get_output_embeddings()  # the model inside DDP and the like
     results: list = []
 
     def replace_input(module: torch.nn.Module, args: tuple) -> tuple:

@@ -466,10 +466,9 @@ class AdaptRun:
                     temperature=spec.temperature,
                 )
 
-            student = self.accelerator.unwrap_model(self.model)
             with (
                 self.distiller.capture() if self.distiller else contextlib.nullcontext() as captured,
-                losses_in_lm_head(student, head) as results,
+                losses_in_lm_head(self.model, head) as results,
             ):
                 self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         loss, next_token = results[0]

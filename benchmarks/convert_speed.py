@@ -31,16 +31,15 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
+from shapes import PUBLISHED_SHAPES
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ladder.tensor_io import ShardedWriter, TensorSpec, plan_shards, row_blocks
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
-LLAMA_31_8B_SHAPES = dict(
-    hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256
-)
 CONVERT_IN_CHILD = """
 import json, os, sys, time
 from ladder.convert.convert import convert_checkpoint
@@ -155,7 +154,9 @@ def main() -> None:
     source = args.workdir / f"convert-source-{args.layers}l"
     if not source.exists():
         print(f"writing the synthetic checkpoint into {source} (once) ...", flush=True)
-        config = LlamaConfig(num_hidden_layers=args.layers, tie_word_embeddings=True, **LLAMA_31_8B_SHAPES)
+        config = LlamaConfig(
+            **{**PUBLISHED_SHAPES["llama-3.1-8b"], "num_hidden_layers": args.layers}, tie_word_embeddings=True
+        )
         write_synthetic_checkpoint(source, config, max_shard_size=2 * 10**9)
     shards = sorted(source.glob("*.safetensors"))
     total, largest = sum(p.stat().st_size for p in shards), max(p.stat().st_size for p in shards)
