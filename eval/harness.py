@@ -44,6 +44,7 @@ from ladder.errors import UsageError, first_line
 from ladder.files import atomic_write, sha256_file
 from ladder.loading import DTYPES, from_pretrained_arguments, load_model, load_tokenizer, model_name, resolve_model_path
 
+from .shared_prefix import score_continuations
 from .suite import Suite, SuiteTask
 from .tasks.utils import data_paths
 
@@ -53,8 +54,8 @@ TASKS_DIR = Path(__file__).parent / "tasks"
 BOOTSTRAP_ITERS = 1000
 # What `ladder convert` and `ladder adapt` write beside a model to say how it was made (with times).
 PROVENANCE_FILES = ("conversion.json", "recipe.yaml")
-# Bump when the cached record's layout changes.
-CACHE_FORMAT = 2
+# Bump when the cached record's layout or the scoring code changes.
+CACHE_FORMAT = 3
 # `--device` values; `cuda:N` names one GPU.
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # Where the content hashes of data files are remembered, by path, size and mtime (in the cache folder).
@@ -467,6 +468,28 @@ class _HFLM(HFLM):
             self.accelerator = runtime.accelerator
             self._rank = runtime.accelerator.process_index
             self._world_size = runtime.accelerator.num_processes
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """Llama-family models score with each shared context run once (eval/shared_prefix.py).
+        lm-eval's own path stays for rolling windows (no request string: nothing is shared, every
+        position is read), `--batch-size auto` (its detection) and other architectures."""
+        shared = (
+            isinstance(self.model, transformers.LlamaForCausalLM)
+            and isinstance(override_bs or self.batch_size, int)
+            and all(request is not None for request, _, _ in requests)
+        )
+        if not shared:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        answers = score_continuations(
+            self.model.model,
+            self.model.lm_head,
+            [(context, continuation) for _, context, continuation in requests],
+            max_length=self.max_length,
+            batch_size=override_bs or self.batch_size,
+        )
+        for (request, _, _), answer in zip(requests, answers):
+            self.cache_hook.add_partial("loglikelihood", request, answer)
+        return answers
 
 
 def load_lm(ref: ModelRef, runtime: Runtime) -> HFLM:

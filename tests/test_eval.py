@@ -406,6 +406,43 @@ def _samples(folder: Path, label: str, task: str) -> list[dict]:
     return sorted((json.loads(line) for line in lines), key=lambda sample: sample["doc_id"])
 
 
+@pytest.mark.parametrize("which", ["llama", "ladder"])
+def test_shared_context_scoring_equals_lm_evals_per_request(tiny_checkpoint, ladder_checkpoints, which):
+    """`_HFLM` runs each shared context once and the head only on continuation positions; per
+    request it gives lm-eval's own HFLM numbers: 4 choices of different lengths on one context,
+    one-token continuations, a context of one token, contexts longer than max_length (left
+    truncation, so that two different contexts share their truncated tail), batches that split a
+    group's requests from the next group's."""
+    from lm_eval.models.huggingface import HFLM
+
+    path = tiny_checkpoint if which == "llama" else ladder_checkpoints[0]
+    model, tokenizer = harness.load_model(path, dtype=harness.DTYPES["float32"])
+    lm = harness._HFLM(model, tokenizer, harness.Runtime("cpu", "float32", batch_size=3))
+    lm._max_length = 24
+    rng = np.random.default_rng(0)
+
+    def tokens(count: int) -> list[int]:
+        return rng.integers(1, len(tokenizer), count).tolist()
+
+    shared, long_tail = tokens(9), tokens(21)
+    requests = [
+        *[(shared, tokens(count)) for count in (1, 3, 5, 2)],
+        (tokens(14), tokens(1)),
+        (tokens(14), tokens(1)),
+        (tokens(7) + long_tail, tokens(4)),  # both truncate to long_tail + the continuation
+        (tokens(3) + long_tail, tokens(4)),
+        (tokens(8), tokens(3)),  # one batch of three contexts of different lengths
+        (tokens(5), tokens(2)),
+        (tokens(1), tokens(6)),
+        (tokens(2), tokens(24)),  # the continuation alone fills max_length
+    ]
+    requests = [((f"c{index}", "x"), context, continuation) for index, (context, continuation) in enumerate(requests)]
+    ours = lm._loglikelihood_tokens(requests)
+    stock = HFLM._loglikelihood_tokens(lm, requests)
+    assert [greedy for _, greedy in ours] == [greedy for _, greedy in stock]
+    np.testing.assert_allclose([value for value, _ in ours], [value for value, _ in stock], rtol=1e-5)
+
+
 def test_runtime_defaults_to_cpu_float32_without_a_gpu():
     import torch
 

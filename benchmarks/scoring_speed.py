@@ -1,0 +1,89 @@
+"""Scoring speed of `ladder eval`'s shared-context log-likelihoods against lm-eval's HFLM, in one run.
+
+For each task of a suite (default: `demo`, the items `make demo` scores), lm-eval builds the
+task's requests once; lm-eval's own `HFLM` and `ladder eval`'s (eval/shared_prefix.py) then
+score the same requests on the same loaded model (the embedded SmolLM2-135M-Instruct, float32,
+CPU, the same batch size), alternating for `--rounds` rounds so that a change in the machine's
+load hits both. Prints per task the median seconds of each, the ratio, the largest difference in
+any request's log-likelihood and whether every greedy flag agrees. Rolling log-likelihoods
+(WikiText) take lm-eval's path on both sides and are not timed.
+
+    .venv/bin/python benchmarks/scoring_speed.py [--suite demo] [--batch-size 8] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from lm_eval.models.huggingface import HFLM
+
+from ladder.eval import harness
+from ladder.eval.suite import load_suite
+from ladder.loading import load_model
+
+
+def requests_of(suite_name: str) -> dict[str, list]:
+    """{leaf task: its log-likelihood requests (lm-eval Instances)} for the suite's items."""
+    suite = load_suite(suite_name)
+    manager = harness.task_manager(suite)
+    requests = {}
+    for suite_task in suite.tasks:
+        for name, task in manager.load([suite_task.task])["tasks"].items():
+            items = list(range(0, len(task.eval_docs), suite_task.every))[: suite_task.limit]
+            task.build_all_requests(samples=items)
+            chosen = [instance for instance in task.instances if instance.request_type == "loglikelihood"]
+            if chosen:
+                requests[name] = chosen
+    return requests
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", default="demo", help="a shipped suite or a suite YAML (default demo)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating (default 2)")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="scoring-speed-") as scratch, harness.hub_offline(Path(scratch)):
+        tasks = requests_of(args.suite)
+    model, tokenizer = load_model("embedded", dtype=torch.float32)
+    sides = {
+        "lm-eval HFLM": HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.batch_size),
+        "ladder eval": harness._HFLM(model, tokenizer, harness.Runtime("cpu", "float32", args.batch_size)),
+    }
+    print(
+        f"suite {args.suite}, SmolLM2-135M-Instruct fp32 on CPU ({torch.get_num_threads()} threads), "
+        f"batch {args.batch_size}, median of {args.rounds} rounds\n"
+    )
+    print(f"{'task':<22} {'requests':>8} {'HFLM s':>8} {'ours s':>8} {'speed-up':>8} {'max |dlogp|':>11}  greedy")
+    for lm in sides.values():  # first calls pay one-time costs (thread pools, allocations): untimed
+        lm.loglikelihood(next(iter(tasks.values()))[:16], disable_tqdm=True)
+    totals = {side: 0.0 for side in sides}
+    for name, instances in tasks.items():
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        answers = {}
+        for _ in range(args.rounds):
+            for side, lm in sides.items():
+                started = time.perf_counter()
+                answers[side] = lm.loglikelihood(instances, disable_tqdm=True)
+                times[side].append(time.perf_counter() - started)
+        stock, ours = (statistics.median(times[side]) for side in sides)
+        totals["lm-eval HFLM"] += stock
+        totals["ladder eval"] += ours
+        reference, shared = answers.values()
+        difference = max(abs(a[0] - b[0]) for a, b in zip(reference, shared))
+        greedy = "same" if all(a[1] == b[1] for a, b in zip(reference, shared)) else "DIFFERENT"
+        print(
+            f"{name:<22} {len(instances):>8} {stock:>8.1f} {ours:>8.1f} {stock / ours:>7.2f}x {difference:>11.2e}  {greedy}"
+        )
+    stock, ours = totals.values()
+    print(f"{'all':<22} {'':>8} {stock:>8.1f} {ours:>8.1f} {stock / ours:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Log-likelihoods of continuations with each shared context run once, and the head only where it is read.
+
+lm-eval's HFLM scores a multiple-choice item by running context + choice through the whole model
+once per choice, and computes logits and a log-softmax over the vocabulary at every position,
+though it reads only the continuation's. Here the requests that share a context (after lm-eval's
+left truncation) are one group. Where sharing saves at least a third of a group's positions
+(ARC's and HellaSwag's 4 choices after a longer context), the context runs once and its
+key/value cache serves every choice; otherwise (LAMBADA's single continuation, PIQA's two long
+solutions after a short goal) each request runs whole, as in lm-eval, which costs fewer forward
+calls. Either way the head and the log-softmax run only on the positions that predict a
+continuation token.
+
+Same numbers as HFLM up to float rounding (tests/test_eval.py compares them per request), same
+left truncation to `max_length + 1` tokens. Sequences are right-padded, so that every real token
+keeps its position and, under the causal mask, never sees padding; where a continuation reads a
+padded context from the cache, the padded keys are masked out.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ladder.modeling_ladder_llama import CACHE_ARGUMENT
+
+Request = tuple[Sequence[int], Sequence[int]]  # (context tokens, continuation tokens)
+Group = tuple[tuple[int, ...], list[int]]  # (context tokens, indices of the requests that share it)
+
+
+def score_continuations(
+    backbone: nn.Module, head: nn.Module, requests: Sequence[Request], max_length: int, batch_size: int
+) -> list[tuple[float, bool]]:
+    """(sum of the continuation's log-probabilities, whether greedy decoding would produce it) for
+    each request, in order. `backbone` maps token ids to the final-normed hidden states (a Llama's
+    `model.model`), `head` maps those to logits (`lm_head`). A batch holds `batch_size` contexts
+    and all their continuations, or `batch_size` whole requests."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    continuations = []
+    for index, (context, continuation) in enumerate(requests):
+        if not context or not continuation or len(continuation) > max_length:
+            raise ValueError(f"request {index}: a non-empty context and 1-{max_length} continuation tokens")
+        whole = (list(context) + list(continuation))[-(max_length + 1) :]
+        groups.setdefault(tuple(whole[: -len(continuation)]), []).append(index)
+        continuations.append(list(continuation))
+
+    shared: list[Group] = []
+    whole_requests: list[tuple[tuple[int, ...], int]] = []
+    for context, members in groups.items():
+        positions = sum(len(context) + len(continuations[index]) for index in members)
+        if 3 * (len(members) - 1) * len(context) >= positions:
+            shared.append((context, members))
+        else:
+            whole_requests += [(context, index) for index in members]
+
+    results: list[tuple[float, bool] | None] = [None] * len(requests)
+    # Longest first, as lm-eval does: similar lengths share a batch (less padding), and an
+    # out-of-memory error comes at once.
+    shared.sort(key=lambda group: (-len(group[0]), group[0]))
+    for start in range(0, len(shared), batch_size):
+        _score_shared(backbone, head, shared[start : start + batch_size], continuations, results)
+    whole_requests.sort(key=lambda request: (-len(request[0]) - len(continuations[request[1]]), request))
+    for start in range(0, len(whole_requests), batch_size):
+        _score_whole(backbone, head, whole_requests[start : start + batch_size], continuations, results)
+    return results  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def _score_shared(
+    backbone: nn.Module, head: nn.Module, groups: list[Group], continuations: list[list[int]], results: list
+) -> None:
+    device = backbone.get_input_embeddings().weight.device
+    # Pass 1: each context once. The logits at its last token predict every member's first token.
+    context_lengths = torch.tensor([len(context) for context, _ in groups], device=device)
+    context_ids, context_mask = _right_padded([list(context) for context, _ in groups], device)
+    output = backbone(input_ids=context_ids, use_cache=True)
+    last = output.last_hidden_state[torch.arange(len(groups), device=device), context_lengths - 1]
+    first_logprobs = torch.log_softmax(head(last).float(), dim=-1)  # [groups, vocab]
+    members = {index: group_index for group_index, (_, indices) in enumerate(groups) for index in indices}
+    rest_logprobs: dict[int, torch.Tensor] = {}
+
+    # Pass 2: each member's continuation but its last token, after its group's cached context; in
+    # chunks of similar length (the longest at most twice the shortest), since a chunk is padded
+    # to its longest.
+    rows = sorted((index for index in members if len(continuations[index]) > 1), key=lambda i: -len(continuations[i]))
+    while rows:
+        longest = len(continuations[rows[0]])
+        chunk = [index for index in rows if 2 * len(continuations[index]) > longest]
+        rows = rows[len(chunk) :]
+        cache = copy.deepcopy(output[CACHE_ARGUMENT])
+        chunk_groups = torch.tensor([members[index] for index in chunk], device=device)
+        cache.batch_select_indices(chunk_groups)
+        inputs, inputs_mask = _right_padded([continuations[index][:-1] for index in chunk], device)
+        hidden = backbone(
+            input_ids=inputs,
+            attention_mask=torch.cat([context_mask[chunk_groups], inputs_mask], dim=1),
+            position_ids=context_lengths[chunk_groups, None] + torch.arange(inputs.shape[1], device=device),
+            use_cache=True,
+            **{CACHE_ARGUMENT: cache},
+        ).last_hidden_state
+        logprobs = torch.log_softmax(head(hidden[inputs_mask.bool()]).float(), dim=-1)
+        rest_logprobs.update(zip(chunk, logprobs.split([len(continuations[index]) - 1 for index in chunk])))
+
+    for index, group_index in members.items():
+        predicted = first_logprobs[group_index, None]
+        if index in rest_logprobs:
+            predicted = torch.cat([predicted, rest_logprobs[index]])
+        results[index] = _answer(predicted, continuations[index])
+
+
+@torch.no_grad()
+def _score_whole(
+    backbone: nn.Module,
+    head: nn.Module,
+    requests: list[tuple[tuple[int, ...], int]],
+    continuations: list[list[int]],
+    results: list,
+) -> None:
+    device = backbone.get_input_embeddings().weight.device
+    ids, _ = _right_padded([list(context) + continuations[index][:-1] for context, index in requests], device)
+    hidden = backbone(input_ids=ids).last_hidden_state
+    predicting = torch.zeros(ids.shape, dtype=torch.bool, device=device)
+    for row, (context, index) in enumerate(requests):
+        predicting[row, len(context) - 1 : len(context) - 1 + len(continuations[index])] = True
+    logprobs = torch.log_softmax(head(hidden[predicting]).float(), dim=-1)
+    for (_, index), predicted in zip(requests, logprobs.split([len(continuations[index]) for _, index in requests])):
+        results[index] = _answer(predicted, continuations[index])
+
+
+def _answer(logprobs: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
+    """(log-probability of the continuation, whether it is the greedy one) from the log-softmax at
+    the positions that predict its tokens ([tokens, vocab])."""
+    tokens = torch.tensor(continuation, device=logprobs.device)
+    return float(logprobs.gather(1, tokens[:, None]).sum()), bool((logprobs.argmax(dim=-1) == tokens).all())
+
+
+def _right_padded(sequences: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids right-padded with token 0, and the mask of real tokens (1) and padding (0)."""
+    width = max(len(sequence) for sequence in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = torch.tensor(sequence, device=device)
+        mask[row, : len(sequence)] = 1
+    return ids, mask
