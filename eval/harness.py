@@ -1,7 +1,8 @@
 """Score models on a suite with lm-evaluation-harness, one (model, task) at a time, with a cache.
 
 Each model is loaded once (`load_lm`: `ladder.loading.load_model` in the run's dtype, onto its
-device) and handed to lm-eval as an `HFLM` over the loaded model and tokenizer; each suite task
+device) and handed to lm-eval as an `HFLM` over the loaded model and tokenizer (whose model calls
+for log-likelihoods run each shared context once: eval/shared_prefix.py); each suite task
 is one `simple_evaluate` call through a `TaskManager` that has our task folder (eval/tasks/) on
 its include path. Under `accelerate launch` with several processes each process holds a copy of
 the model and lm-eval splits the items between them (data parallel), gathering the results on
