@@ -76,7 +76,9 @@ def _score_shared(
     context_lengths = torch.tensor([len(context) for context, _ in groups], device=device)
     context_ids, context_mask = _right_padded([list(context) for context, _ in groups], device)
     output = backbone(input_ids=context_ids, use_cache=True)
-    last = output.last_hidden_state[torch.arange(len(groups), device=device), context_lengths - 1]
+    # Selections index with CPU tensors, which torch accepts for a tensor on any device: under
+    # `--parallelize` the hidden states come out on the last GPU, not the inputs' first.
+    last = output.last_hidden_state[torch.arange(len(groups)), context_lengths.cpu() - 1]
     first_logprobs = torch.log_softmax(head(last).float(), dim=-1)  # [groups, vocab]
     members = {index: group_index for group_index, (_, indices) in enumerate(groups) for index in indices}
     rest_logprobs: dict[int, torch.Tensor] = {}
@@ -100,7 +102,7 @@ def _score_shared(
             use_cache=True,
             **{CACHE_ARGUMENT: cache},
         ).last_hidden_state
-        logprobs = torch.log_softmax(head(hidden[inputs_mask.bool()]).float(), dim=-1)
+        logprobs = torch.log_softmax(head(hidden[inputs_mask.bool().cpu()]).float(), dim=-1)
         rest_logprobs.update(zip(chunk, logprobs.split([len(continuations[index]) - 1 for index in chunk])))
 
     for index, group_index in members.items():
@@ -121,7 +123,7 @@ def _score_whole(
     device = backbone.get_input_embeddings().weight.device
     ids, _ = _right_padded([list(context) + continuations[index][:-1] for context, index in requests], device)
     hidden = backbone(input_ids=ids).last_hidden_state
-    predicting = torch.zeros(ids.shape, dtype=torch.bool, device=device)
+    predicting = torch.zeros(ids.shape, dtype=torch.bool)
     for row, (context, index) in enumerate(requests):
         predicting[row, len(context) - 1 : len(context) - 1 + len(continuations[index])] = True
     logprobs = torch.log_softmax(head(hidden[predicting]).float(), dim=-1)
