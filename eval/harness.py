@@ -474,9 +474,10 @@ class _HFLM(HFLM):
         """Llama-family models score with each shared context run once (eval/shared_prefix.py).
         lm-eval's own path stays for rolling windows (no request string: nothing is shared, every
         position is read), `--batch-size auto` (its detection) and other architectures."""
+        batch_size = override_bs or self.batch_size
         shared = (
             isinstance(self.model, transformers.LlamaForCausalLM)
-            and isinstance(override_bs or self.batch_size, int)
+            and isinstance(batch_size, int)
             and all(request is not None for request, _, _ in requests)
         )
         if not shared:
@@ -486,7 +487,7 @@ class _HFLM(HFLM):
             self.model.lm_head,
             [(context, continuation) for _, context, continuation in requests],
             max_length=self.max_length,
-            batch_size=override_bs or self.batch_size,
+            batch_size=batch_size,
         )
         for (request, _, _), answer in zip(requests, answers):
             self.cache_hook.add_partial("loglikelihood", request, answer)

@@ -239,8 +239,9 @@ def wait_until_healthy(port: int, server: subprocess.Popen, timeout: float) -> N
 def test_make_serve_answers_an_openai_chat_request(checkpoints, tmp_path):
     """`make serve` on the tiny ladder model: a chat completion through the `openai` client over
     real HTTP, then SIGTERM to the server (what a process manager sends) stops every process of it
-    without a traceback, none killed (`ladder serve` gives vLLM a shutdown grace period). (Ctrl-C, SIGINT to the whole group, also stops it, but vLLM's engine
-    process then exits before its API server and the server logs the dead engine.)"""
+    without a traceback, none killed (`ladder serve` gives vLLM a shutdown grace period). (Ctrl-C,
+    SIGINT to the whole group, also stops it, but vLLM's engine process then exits before its API
+    server and the server logs the dead engine.)"""
     port = free_port()
     log_path = tmp_path / "server.log"
     args = "--dtype float32 --max-model-len 512 --enforce-eager"
