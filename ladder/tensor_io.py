@@ -27,7 +27,6 @@ import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,6 +48,8 @@ SINGLE_NAME = "model.safetensors"
 FICLONE = getattr(fcntl, "FICLONE", 0x40049409)
 # sync_file_range(2)'s "start writing these pages back, do not wait" (Linux; Python has no binding).
 SYNC_FILE_RANGE_WRITE = 2
+# Direct I/O (Linux; 0 elsewhere, where copies take the other way).
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Errors meaning "this filesystem cannot link, reflink or copy_file_range here".
 UNSUPPORTED_LINK_ERRNOS = {
     errno.EOPNOTSUPP,
@@ -433,36 +434,72 @@ def copy_file(
     source: Path, destination: Path, on_chunk: Callable[[int], None], chunk_bytes: int = COPY_CHUNK_BYTES
 ) -> str:
     """Copy a file and return its SHA-256, each byte read from the disk once and never copied
-    through Python: the kernel copies a chunk (`copy_file_range`, page cache to page cache) while a
-    worker thread hashes the same chunk through a read-only memory map of the source
-    (`StreamingSha256`), so the two read the same cached pages and overlap on two cores. The hash
-    may lag at most two chunks, so its pages are still cached when it reads them. `on_chunk(nbytes)`
-    reports progress; `chunk_bytes` must be a multiple of the page size."""
+    through Python. The source is memory-mapped read-only; a worker thread hashes each chunk from
+    the map (`StreamingSha256`) while the same chunk is written with direct I/O (`O_DIRECT`), so
+    that the disk takes the bytes from the source's cached pages: no copy into the page cache, and
+    no write-back left for the final fsync. Where the filesystem refuses direct I/O (tmpfs), the
+    kernel copies the chunk (`copy_file_range`) and its write-back starts at once. Each chunk is
+    unmapped once written and hashed, so that the RSS holds one chunk per file. `on_chunk(nbytes)` reports progress (and may
+    raise to cancel); `chunk_bytes` must be a multiple of the page size."""
     digest = StreamingSha256()
     with open(source, "rb") as reader, open(destination, "wb") as writer:
         size = os.fstat(reader.fileno()).st_size
         if size == 0:
             return digest.hexdigest()
+        direct = _set_direct(writer.fileno(), True)
         with mmap.mmap(reader.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             mapped.madvise(mmap.MADV_SEQUENTIAL)
             chunks = [memoryview(mapped)[offset : offset + chunk_bytes] for offset in range(0, size, chunk_bytes)]
-            hashed: list[Future] = []
             try:
                 for index, chunk in enumerate(chunks):
-                    hashed.append(digest.update(chunk))
-                    _write_range(reader, writer, index * chunk_bytes, chunk)
-                    _start_writeback(writer.fileno(), index * chunk_bytes, len(chunk))
+                    hashed = digest.update(chunk)  # while the chunk is written
+                    offset = index * chunk_bytes
+                    if not (direct and _write_direct(writer.fileno(), offset, chunk)):
+                        direct = False
+                        _write_range(reader, writer, offset, chunk)
+                        _start_writeback(writer.fileno(), offset, len(chunk))
+                    hashed.result()
+                    # Unmap the chunk (its pages stay in the page cache): a mapped page counts in
+                    # the process's RSS, which would grow to the file's size.
+                    mapped.madvise(mmap.MADV_DONTNEED, offset, len(chunk))
                     on_chunk(len(chunk))
-                    if len(hashed) > 2:
-                        hashed[-3].result()
-                        # Unmap what was hashed (the pages stay in the page cache): a mapped page
-                        # counts in the process's RSS, which would grow to the file's size.
-                        mapped.madvise(mmap.MADV_DONTNEED, (index - 2) * chunk_bytes, chunk_bytes)
                 return digest.hexdigest()
             finally:
                 digest.close()  # the worker is done with the map before it closes
                 for chunk in chunks:
                     chunk.release()
+
+
+def _set_direct(descriptor: int, on: bool) -> bool:
+    """Turn direct I/O on or off for an open file; False where the filesystem has none."""
+    flags = fcntl.fcntl(descriptor, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(descriptor, fcntl.F_SETFL, flags | O_DIRECT if on else flags & ~O_DIRECT)
+    except OSError as error:
+        if error.errno != errno.EINVAL:
+            raise
+        return False
+    return on and O_DIRECT != 0
+
+
+def _write_direct(descriptor: int, offset: int, chunk: memoryview) -> bool:
+    """Write a chunk with direct I/O, which moves whole blocks from page-aligned memory: its whole
+    pages, then (buffered) the part of the file's last page. False, with nothing written and direct
+    I/O turned off, where the filesystem took the flag but refuses the write."""
+    aligned = len(chunk) - len(chunk) % mmap.PAGESIZE
+    done = 0
+    try:
+        while done < aligned:
+            done += os.pwrite(descriptor, chunk[done:aligned], offset + done)
+    except OSError as error:
+        if error.errno != errno.EINVAL or done:
+            raise
+        _set_direct(descriptor, False)
+        return False
+    if aligned < len(chunk):
+        _set_direct(descriptor, False)
+        os.pwrite(descriptor, chunk[aligned:], offset + aligned)
+    return True
 
 
 @functools.cache

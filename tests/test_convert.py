@@ -1,6 +1,9 @@
 """convert/: the real CLI on tiny checkpoints (copies of the `tiny_checkpoint` fixture, made sharded,
 tied, pickled, broken), every bad input, SIGKILL and a full disk, and the embedded SmolLM2 once."""
 
+import errno
+import fcntl
+import io
 import json
 import os
 import re
@@ -17,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import ladder
@@ -27,6 +31,7 @@ from ladder.convert.convert import MODELING_FILES, default_output_dir, expected_
 from ladder.convert.verify import Damage, damage_problems, measure_damage, prompt_ids
 from ladder.files import sha256_file
 from ladder.loading import embedded_model_path
+from ladder import tensor_io
 from ladder.tensor_io import SafetensorsWriter, TensorSpec, copy_file, read_chunks, read_shard
 from tiny import random_ids
 
@@ -479,21 +484,80 @@ def test_tensor_io_round_trip_against_the_safetensors_library(tmp_path):
     assert all(torch.equal(written[name], tensor) for name, tensor in as_float16.items())
 
 
-def test_copy_file_hashes_what_it_copies_in_one_pass(tmp_path):
+def _refuse(errno_: int, what: str):
+    def refuse(*args, **kwargs):
+        raise OSError(errno_, what)
+
+    return refuse
+
+
+COPY_WAYS = {
+    # where the filesystem has direct I/O (ext4, XFS, btrfs): whole pages straight from the map
+    "direct": lambda patch, writes: None,
+    # it takes the O_DIRECT flag but refuses the write (some FUSE filesystems)
+    "direct-refused": lambda patch, writes: writes.append("refuse direct"),
+    # no direct I/O (tmpfs before Linux 6.6, not Linux): the kernel copies (copy_file_range)
+    "kernel-copy": lambda patch, writes: patch.setattr(tensor_io, "O_DIRECT", 0),
+    # nor copy_file_range between the two files (EXDEV, as between some filesystems): written from the map
+    "written-from-map": lambda patch, writes: (
+        patch.setattr(tensor_io, "O_DIRECT", 0),
+        patch.setattr(os, "copy_file_range", _refuse(18, "cross-device")),
+    ),
+}
+
+
+@pytest.mark.parametrize("way", list(COPY_WAYS))
+def test_copy_file_hashes_what_it_copies_in_one_pass(tmp_path, monkeypatch, way):
     source = tmp_path / "source"
-    source.write_bytes(os.urandom((3 << 20) + 12345))
+    source.write_bytes(os.urandom((3 << 20) + 12345))  # 13 chunks of 256 KiB, the last not whole pages
+    writes, pwrite = [], os.pwrite
+
+    def recorded_pwrite(descriptor, data, offset):
+        direct = bool(fcntl.fcntl(descriptor, fcntl.F_GETFL) & tensor_io.O_DIRECT)
+        if direct and "refuse direct" in writes:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        writes.append((direct, len(data)))
+        return pwrite(descriptor, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", recorded_pwrite)
+    COPY_WAYS[way](monkeypatch, writes)
     progress = []
-    digest = copy_file(source, tmp_path / "copy", progress.append, chunk_bytes=1 << 18)  # 13 chunks
+    digest = copy_file(source, tmp_path / "copy", progress.append, chunk_bytes=1 << 18)
     assert (tmp_path / "copy").read_bytes() == source.read_bytes()
     assert digest == sha256_file(source) and sum(progress) == source.stat().st_size and len(progress) == 13
-    # Where the kernel cannot copy between the two files (EXDEV, as between some filesystems), the
-    # bytes are written from the map.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(os, "copy_file_range", lambda *args: (_ for _ in ()).throw(OSError(18, "cross-device")))
-        assert copy_file(source, tmp_path / "written", progress.append, chunk_bytes=1 << 20) == digest
-    assert (tmp_path / "written").read_bytes() == source.read_bytes()
+    written = [write for write in writes if write != "refuse direct"]
+    if way == "direct":
+        # whole pages direct, the last page's part buffered
+        assert written[:-1] == [(True, 1 << 18)] * 12 + [(True, 12288)] and written[-1] == (False, 57)
+    else:
+        assert not any(direct for direct, _ in written)
+        # the kernel copies unless it cannot; then every byte is written from the map
+        assert sum(size for _, size in written) == (source.stat().st_size if way == "written-from-map" else 0)
     (tmp_path / "empty").write_bytes(b"")
     assert copy_file(tmp_path / "empty", tmp_path / "empty-copy", progress.append) == sha256_file(tmp_path / "empty")
+
+
+def test_weight_files_copy_side_by_side_and_the_first_error_stops_the_others(tmp_path):
+    # Files are copied (and hashed) at once on worker threads; when one fails, the others stop at
+    # their next chunk instead of running to the end, and the error is the caller's.
+    shards = [tensor_io.Shard(tmp_path / f"{index}", 0, ()) for index in range(3)]
+    chunks_done = []
+
+    def work(shard, progress):
+        if shard.path.name == "1":
+            time.sleep(0.05)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        for chunk in range(10_000):
+            progress(1)
+            chunks_done.append(chunk)
+            time.sleep(0.001)
+        return "finished"
+
+    bar = tqdm(file=io.StringIO())  # counts, prints nowhere
+    with pytest.raises(OSError, match="No space left"):
+        convert_module._each_file(work, shards, bar)
+    assert len(chunks_done) < 1_000 and bar.n == len(chunks_done)
+    assert convert_module._each_file(lambda shard, progress: shard.path.name, shards, bar) == {"0": "0", "1": "1", "2": "2"}
 
 
 @pytest.mark.parametrize(
