@@ -387,10 +387,15 @@ def _place_weights(shards: list[Shard], directory: Path, weights: str, bar: tqdm
                 ) from None
             how = "copy"  # this filesystem has no reflinks; a copy replaces what was linked
     hashes = None
-    if how == "copy":
-        hashes = _each_file(lambda shard, progress: copy_file(shard.path, directory / shard.path.name, progress), shards, bar)
-    elif how == "reflink":
-        hashes = _each_file(lambda shard, progress: sha256_file(shard.path, on_chunk=progress), shards, bar)
+
+    def copy(shard: Shard, progress: Callable[[int], None]) -> str:
+        return copy_file(shard.path, directory / shard.path.name, progress)
+
+    def hash_only(shard: Shard, progress: Callable[[int], None]) -> str:  # reflinked: only read
+        return sha256_file(shard.path, on_chunk=progress)
+
+    if how in ("copy", "reflink"):
+        hashes = _each_file(copy if how == "copy" else hash_only, shards, bar)
     else:
         for shard in shards:
             link_file(shard.path, directory / shard.path.name, "link")

