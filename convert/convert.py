@@ -3,8 +3,8 @@ function the CLI calls.
 
 Conversion changes no weight, only the wiring (`ladder_layers` in config.json). Where no dtype
 change and no resharding is asked, the source's safetensors files go over as they are: copied
-side by side (each byte read once, written with direct I/O and hashed on another thread), reflinked where the
-filesystem allows, or hard-linked on request (`weights`); otherwise the tensors stream through
+side by side (each byte read once, written with direct I/O and hashed on another thread),
+reflinked where the filesystem allows, or hard-linked on request (`weights`); otherwise the tensors stream through
 `tensor_io` one 64 MiB block at a time, hashed as they are read. Either way every source tensor is
 checked against the shapes the config implies and is used or dropped on purpose, the manifest
 records the sha256 of every source weight file (not for hard links, which would cost a read of

@@ -437,10 +437,11 @@ def copy_file(
     through Python. The source is memory-mapped read-only; a worker thread hashes each chunk from
     the map (`StreamingSha256`) while the same chunk is written with direct I/O (`O_DIRECT`), so
     that the disk takes the bytes from the source's cached pages: no copy into the page cache, and
-    no write-back left for the final fsync. Where the filesystem refuses direct I/O (tmpfs), the
-    kernel copies the chunk (`copy_file_range`) and its write-back starts at once. Each chunk is
-    unmapped once written and hashed, so that the RSS holds one chunk per file. `on_chunk(nbytes)` reports progress (and may
-    raise to cancel); `chunk_bytes` must be a multiple of the page size."""
+    no write-back left for the final fsync. Where the filesystem refuses direct I/O (tmpfs before
+    Linux 6.6), the kernel copies the chunk (`copy_file_range`) and its write-back starts at once.
+    Each chunk is unmapped once written and hashed, so that the RSS holds one chunk per file.
+    `on_chunk(nbytes)` reports progress (and may raise to cancel); `chunk_bytes` must be a multiple
+    of the page size."""
     digest = StreamingSha256()
     with open(source, "rb") as reader, open(destination, "wb") as writer:
         size = os.fstat(reader.fileno()).st_size
