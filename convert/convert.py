@@ -53,7 +53,7 @@ from ladder.layers import (
     parse_auto_layers,
     parse_ladder_layers,
 )
-from ladder.loading import DTYPE_NAMES, load_model, model_name, read_config_dict, resolve_model_path
+from ladder.loading import DTYPE_NAMES, gguf_parsed_once, load_model, model_name, read_config_dict, resolve_model_path
 from ladder.model_card import SourceFacts, loading_section, origin_line, render_card, source_facts
 from ladder.tensor_io import (
     INDEX_NAME,
@@ -664,117 +664,119 @@ def convert_checkpoint(
     dtype = None if dtype is None else str(dtype).removeprefix("torch.")
     source_path = resolve_model_path(source)
     is_gguf = source_path.suffix == ".gguf"
-    if is_gguf:
-        from .gguf import inspect_llama_gguf
+    # A GGUF file is read for its checks, its tokenizer, config and weights, and its licence: parsed once.
+    with gguf_parsed_once() if is_gguf else contextlib.nullcontext():
+        if is_gguf:
+            from .gguf import inspect_llama_gguf
 
-        num_hidden_layers = inspect_llama_gguf(source_path).num_hidden_layers
-    else:
-        directory_config = _read_config(source_path)
-        num_hidden_layers = config_size(directory_config, "num_hidden_layers")
-    # By default the upper half, as in the paper's 16 of 32.
-    spec = num_hidden_layers // 2 if ladder_layers is None else ladder_layers
-    auto = parse_auto_layers(spec, num_hidden_layers, "--layers")
-    if calibration is not None and auto is None:
-        raise UsageError("--calibration goes with --layers auto:N (it is the text the layer search measures on)")
-    layers = parse_ladder_layers(spec, num_hidden_layers, "--layers") if auto is None else None
-    out = Path(out) if out is not None else default_output_dir(source_path, auto.count if auto else len(layers))
-    _check_output_location(source_path, out)
-    if out.exists() and not force:
-        raise UsageError(f"output {out} already exists; pass --force to replace it")
+            num_hidden_layers = inspect_llama_gguf(source_path).num_hidden_layers
+        else:
+            directory_config = _read_config(source_path)
+            num_hidden_layers = config_size(directory_config, "num_hidden_layers")
+        # By default the upper half, as in the paper's 16 of 32.
+        spec = num_hidden_layers // 2 if ladder_layers is None else ladder_layers
+        auto = parse_auto_layers(spec, num_hidden_layers, "--layers")
+        if calibration is not None and auto is None:
+            raise UsageError("--calibration goes with --layers auto:N (it is the text the layer search measures on)")
+        layers = parse_ladder_layers(spec, num_hidden_layers, "--layers") if auto is None else None
+        out = Path(out) if out is not None else default_output_dir(source_path, auto.count if auto else len(layers))
+        _check_output_location(source_path, out)
+        if out.exists() and not force:
+            raise UsageError(f"output {out} already exists; pass --force to replace it")
 
-    if is_gguf:
-        _say(progress, f"dequantizing {source_path.name} ...")
-        opened = _load_gguf(source_path, dtype or "float32")
-    else:
-        opened = _open_directory(source_path, directory_config, allow_pickle)
-    search = None
-    if auto is not None:
-        search = _search_layers(opened, auto, calibration, progress)
-        layers = search.chosen
-    dropped = check_tensors(opened.tensors, opened.config)
-    kept = [
-        dataclasses.replace(spec, dtype=dtype) if dtype is not None and spec.is_floating_point else spec
-        for spec in opened.tensors.values()
-        if spec.name not in dropped
-    ]
-    copy_as_is = (
-        opened.format == "safetensors"
-        and not dropped
-        and max_shard_size is None
-        and all(spec.dtype == opened.tensors[spec.name].dtype for spec in kept)
-    )
-    if weights in ("link", "reflink"):
-        if not copy_as_is:
-            raise UsageError(
-                f"--weights {weights}: the weights are rewritten here (a dtype cast, resharding, a "
-                "dropped tensor or a non-safetensors source), so there are no files to link"
-            )
-        if weights == "link":
-            _check_link_possible(source_path, out)
-    layout = (
-        [OutputShard(s.path.name, s.tensors) for s in opened.shards]
-        if copy_as_is
-        else _output_layout(opened, kept, max_shard_size)
-    )
-    summary = ConversionSummary(
-        source=str(source_path.resolve()),
-        source_format=opened.format,
-        output=str(out.resolve()),
-        num_hidden_layers=num_hidden_layers,
-        ladder_layers=layers,
-        dtype=_dtype_name(kept),
-        weights="copied" if copy_as_is else "rewritten",
-        tensors=len(kept),
-        weight_bytes=sum(spec.nbytes for spec in kept),
-        shards=[shard.filename for shard in layout],
-        dropped=dropped,
-        not_copied=opened.not_copied,
-        source_sha256={},
-        layer_search=search,
-    )
-    config = ladder_config_dict(opened.config, layers, summary.dtype)
-    verify_skipped = _fits_in_memory(kept) if verify is None else None if verify else "skipped: --no-verify"
+        if is_gguf:
+            _say(progress, f"dequantizing {source_path.name} ...")
+            opened = _load_gguf(source_path, dtype or "float32")
+        else:
+            opened = _open_directory(source_path, directory_config, allow_pickle)
+        search = None
+        if auto is not None:
+            search = _search_layers(opened, auto, calibration, progress)
+            layers = search.chosen
+        dropped = check_tensors(opened.tensors, opened.config)
+        kept = [
+            dataclasses.replace(spec, dtype=dtype) if dtype is not None and spec.is_floating_point else spec
+            for spec in opened.tensors.values()
+            if spec.name not in dropped
+        ]
+        copy_as_is = (
+            opened.format == "safetensors"
+            and not dropped
+            and max_shard_size is None
+            and all(spec.dtype == opened.tensors[spec.name].dtype for spec in kept)
+        )
+        if weights in ("link", "reflink"):
+            if not copy_as_is:
+                raise UsageError(
+                    f"--weights {weights}: the weights are rewritten here (a dtype cast, resharding, a "
+                    "dropped tensor or a non-safetensors source), so there are no files to link"
+                )
+            if weights == "link":
+                _check_link_possible(source_path, out)
+        layout = (
+            [OutputShard(s.path.name, s.tensors) for s in opened.shards]
+            if copy_as_is
+            else _output_layout(opened, kept, max_shard_size)
+        )
+        summary = ConversionSummary(
+            source=str(source_path.resolve()),
+            source_format=opened.format,
+            output=str(out.resolve()),
+            num_hidden_layers=num_hidden_layers,
+            ladder_layers=layers,
+            dtype=_dtype_name(kept),
+            weights="copied" if copy_as_is else "rewritten",
+            tensors=len(kept),
+            weight_bytes=sum(spec.nbytes for spec in kept),
+            shards=[shard.filename for shard in layout],
+            dropped=dropped,
+            not_copied=opened.not_copied,
+            source_sha256={},
+            layer_search=search,
+        )
+        config = ladder_config_dict(opened.config, layers, summary.dtype)
+        verify_skipped = _fits_in_memory(kept) if verify is None else None if verify else "skipped: --no-verify"
 
-    with atomic_directory(out, force) as staging:
-        total = sum(path.stat().st_size for path in opened.weight_files)
-        with tqdm(
-            desc="weights (sha256 on the way)",
-            total=total,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            disable=None if progress else True,
-        ) as bar:
-            if copy_as_is:
-                summary.weights, summary.source_sha256 = _place_weights(opened.shards, staging, weights, bar)
-            else:
-                summary.source_sha256 = _rewrite_weights(opened, layout, staging, bar)
-        _write_config(staging, config)
-        for path in opened.other_files:
-            shutil.copyfile(path, staging / path.name)
-        kept_source_card = (source_path / "README.md").is_file()
-        if kept_source_card:
-            shutil.copyfile(source_path / "README.md", staging / "README.source.md")
-        if opened.tokenizer is not None:
-            opened.tokenizer.save_pretrained(staging)
-            opened.model.generation_config.save_pretrained(staging)
+        with atomic_directory(out, force) as staging:
+            total = sum(path.stat().st_size for path in opened.weight_files)
+            with tqdm(
+                desc="weights (sha256 on the way)",
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                disable=None if progress else True,
+            ) as bar:
+                if copy_as_is:
+                    summary.weights, summary.source_sha256 = _place_weights(opened.shards, staging, weights, bar)
+                else:
+                    summary.source_sha256 = _rewrite_weights(opened, layout, staging, bar)
+            _write_config(staging, config)
+            for path in opened.other_files:
+                shutil.copyfile(path, staging / path.name)
+            kept_source_card = (source_path / "README.md").is_file()
+            if kept_source_card:
+                shutil.copyfile(source_path / "README.md", staging / "README.source.md")
+            if opened.tokenizer is not None:
+                opened.tokenizer.save_pretrained(staging)
+                opened.model.generation_config.save_pretrained(staging)
 
-        if verify_skipped is None:
-            _say(progress, "verifying: both models on fixed prompts ...")
-            from .verify import damage_problems
+            if verify_skipped is None:
+                _say(progress, "verifying: both models on fixed prompts ...")
+                from .verify import damage_problems
 
-            summary.damage = _verify(opened, staging, kept)
-            if problems := damage_problems(summary.damage):
-                raise RuntimeError(f"verification failed, nothing written: {'; '.join(problems)}")
-        summary.verify_skipped = verify_skipped
-        summary.seconds = round(time.perf_counter() - started, 2)
-        (staging / "README.md").write_text(_model_card(summary, source_facts(source_path), kept_source_card))
-        manifest = {
-            "tool": "ladder-llama",
-            "version": ladder.__version__,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            **dataclasses.asdict(summary),
-        }
-        (staging / "conversion.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        _flush_to_disk(staging)
-    return summary
+                summary.damage = _verify(opened, staging, kept)
+                if problems := damage_problems(summary.damage):
+                    raise RuntimeError(f"verification failed, nothing written: {'; '.join(problems)}")
+            summary.verify_skipped = verify_skipped
+            summary.seconds = round(time.perf_counter() - started, 2)
+            (staging / "README.md").write_text(_model_card(summary, source_facts(source_path), kept_source_card))
+            manifest = {
+                "tool": "ladder-llama",
+                "version": ladder.__version__,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                **dataclasses.asdict(summary),
+            }
+            (staging / "conversion.json").write_text(json.dumps(manifest, indent=2) + "\n")
+            _flush_to_disk(staging)
+        return summary

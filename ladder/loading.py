@@ -11,6 +11,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,7 +186,7 @@ def load_model(
 
     path = resolve_model_path(path)
     location, extra = from_pretrained_arguments(path)
-    with _gguf_read_once() if extra else contextlib.nullcontext():
+    with gguf_parsed_once() if extra else contextlib.nullcontext():
         tokenizer = load_tokenizer(path)
         try:
             model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, device_map=device_map, **extra)
@@ -200,17 +201,19 @@ def load_model(
 
 
 @contextlib.contextmanager
-def _gguf_read_once() -> Iterator[None]:
-    """Within one load, each GGUF file is parsed once and gguf's tensor-name table built once per
-    architecture. transformers parses the file for the tokenizer, the config and the weights (2-3 s
-    each for SmolLM2's 49k-token vocabulary, read field by field) and rebuilds the table for each of
-    the model's modules (397 times): the embedded model loaded in 14.9 s, now 7.6 s. Both functions
-    are read-only, looked up on the `gguf` module at each call, and restored on the way out (the
-    parsed file, memory-mapped, is then released)."""
+def gguf_parsed_once() -> Iterator[None]:
+    """Within this block (a load, a conversion; blocks nest), each GGUF file is parsed once and
+    gguf's tensor-name table built once per architecture. transformers parses the file for the
+    tokenizer, the config and the weights (2-3 s each for SmolLM2's 49k-token vocabulary, read field
+    by field) and rebuilds the table for each of the model's modules (397 times): the embedded
+    model loaded in 14.9 s, now 7.6 s. Both functions are read-only, looked up on the `gguf` module
+    at each call, and restored on the way out (the parsed file, memory-mapped, is then released)."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = functools.lru_cache(maxsize=None)(reader)
+    parse = functools.lru_cache(maxsize=None)(reader)
+    # Keyed by the path's text: callers pass a Path or a str for the same file.
+    gguf.GGUFReader = lambda path, *args, **kwargs: parse(os.fspath(path), *args, **kwargs)
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
     try:
         yield
