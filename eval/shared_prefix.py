@@ -91,7 +91,8 @@ def _score_shared(
         longest = len(continuations[rows[0]])
         chunk = [index for index in rows if 2 * len(continuations[index]) > longest]
         rows = rows[len(chunk) :]
-        cache = copy.deepcopy(output[CACHE_ARGUMENT])
+        # Selecting a chunk's rows changes the cache in place: copied while later chunks need it.
+        cache = copy.deepcopy(output[CACHE_ARGUMENT]) if rows else output[CACHE_ARGUMENT]
         chunk_groups = torch.tensor([members[index] for index in chunk], device=device)
         cache.batch_select_indices(chunk_groups)
         inputs, inputs_mask = _right_padded([continuations[index][:-1] for index in chunk], device)
