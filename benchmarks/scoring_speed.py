@@ -5,7 +5,8 @@ task's requests once; lm-eval's own `HFLM` and `ladder eval`'s (eval/shared_pref
 score the same requests on the same loaded model (the embedded SmolLM2-135M-Instruct, float32,
 CPU, the same batch size), alternating for `--rounds` rounds so that a change in the machine's
 load hits both. Prints per task the median seconds of each, the ratio, the largest difference in
-any request's log-likelihood and whether every greedy flag agrees. Rolling log-likelihoods
+any request's log-likelihood and whether every greedy flag agrees; exits 1 when a task's flags
+differ or a log-likelihood differs by more than MAX_DIFFERENCE. Rolling log-likelihoods
 (WikiText) take lm-eval's path on both sides and are not timed.
 
     .venv/bin/python benchmarks/scoring_speed.py [--suite demo] [--batch-size 8] [--rounds 2]
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +27,8 @@ from lm_eval.models.huggingface import HFLM
 from ladder.eval import harness
 from ladder.eval.suite import load_suite
 from ladder.loading import load_model
+
+MAX_DIFFERENCE = 1e-3  # nats; float32 rounding between the two paths measured 1.1e-4 at most
 
 
 def requests_of(suite_name: str) -> dict[str, list]:
@@ -42,7 +46,7 @@ def requests_of(suite_name: str) -> dict[str, list]:
     return requests
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", default="demo", help="a shipped suite or a suite YAML (default demo)")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -64,6 +68,7 @@ def main() -> None:
     for lm in sides.values():  # first calls pay one-time costs (thread pools, allocations): untimed
         lm.loglikelihood(next(iter(tasks.values()))[:16], disable_tqdm=True)
     totals = {side: 0.0 for side in sides}
+    differing = []
     for name, instances in tasks.items():
         times: dict[str, list[float]] = {side: [] for side in sides}
         answers = {}
@@ -79,11 +84,17 @@ def main() -> None:
         reference, shared = answers.values()
         difference = max(abs(a[0] - b[0]) for a, b in zip(reference, shared))
         greedy = "same" if all(a[1] == b[1] for a, b in zip(reference, shared)) else "DIFFERENT"
+        if greedy != "same" or difference > MAX_DIFFERENCE:
+            differing.append(name)
         row = f"{stock:>8.1f} {ours:>8.1f} {stock / ours:>7.2f}x {difference:>11.2e}  {greedy}"
         print(f"{name:<22} {len(instances):>8} {row}")
     stock, ours = totals.values()
     print(f"{'all':<22} {'':>8} {stock:>8.1f} {ours:>8.1f} {stock / ours:>7.2f}x")
+    if differing:
+        print(f"ladder eval's scores differ from HFLM's on {', '.join(differing)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
