@@ -2,11 +2,11 @@
 
 Both train the same model (the CPU recipe's: SmolLM2-135M with its upper layers made ladder, the
 same trainable parameters), on the same packed blocks, with the same batch, sequence length,
-AdamW and schedule, each in its own process so that peak RSS is its own. The sides alternate
-(adapt, Trainer, adapt, Trainer, ...) so that a change in the machine's load hits both. Prints each
-side's median step time over all its rounds, tokens/s and peak RSS, and the ratios adapt / Trainer
-(goals, issue 16: tokens/s at least 1.0x, peak RSS at most 0.7x; adapt computes its loss chunk by
-chunk, so full logits never exist). `--compile` adds a third side, adapt with `model.compile=true`
+AdamW (torch's fused kernel: Trainer's default, and adapt's) and schedule, each in its own process
+so that peak RSS is its own. The sides alternate (adapt, Trainer, adapt, Trainer, ...) so that a
+change in the machine's load hits both. Prints each side's median step time over all its rounds,
+tokens/s and peak RSS, and the ratios adapt / Trainer (goals, issue 16: tokens/s at least 1.0x, peak
+RSS at most 0.7x; adapt computes its loss chunk by chunk, so full logits never exist). `--compile` adds a third side, adapt with `model.compile=true`
 (torch.compile of each decoder layer; its first steps, which compile, are not timed).
 
     .venv/bin/python benchmarks/train_speed.py [--steps 8] [--rounds 2] [--compile] [key=value ...]
@@ -102,7 +102,6 @@ def run_trainer(steps: int, overrides: list[str], out: Path) -> list[float]:
         max_grad_norm=recipe.grad_clip,
         lr_scheduler_type="cosine",
         warmup_steps=recipe.schedule.warmup_steps,
-        optim="adamw_torch",
         use_cpu=True,
         save_strategy="no",
         report_to=[],
