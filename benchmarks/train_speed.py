@@ -6,8 +6,9 @@ AdamW (torch's fused kernel: Trainer's default, and adapt's) and schedule, each 
 so that peak RSS is its own. The sides alternate (adapt, Trainer, adapt, Trainer, ...) so that a
 change in the machine's load hits both. Prints each side's median step time over all its rounds,
 tokens/s and peak RSS, and the ratios adapt / Trainer (goals, issue 16: tokens/s at least 1.0x, peak
-RSS at most 0.7x; adapt computes its loss chunk by chunk, so full logits never exist). `--compile` adds a third side, adapt with `model.compile=true`
-(torch.compile of each decoder layer; its first steps, which compile, are not timed).
+RSS at most 0.7x; adapt computes its loss chunk by chunk, so full logits never exist). `--compile`
+adds a third side, adapt with `model.compile=true` (torch.compile of each decoder layer; its first
+steps, which compile, are not timed).
 
     .venv/bin/python benchmarks/train_speed.py [--steps 8] [--rounds 2] [--compile] [key=value ...]
 """
