@@ -16,7 +16,7 @@ same way (next-token loss, same tokens). Per trained model the table gives the l
 to that control and the share of the zero-shot gap (ladder, no retraining, against the original)
 that retraining closed: 1 - (trained - control) / (zero-shot ladder - original). It also gives the
 median wall time per step against `lm` at the same shape and budget. `--suite demo` scores every
-model of the run on the `demo` eval suite at the end (about 4-7 minutes per model here).
+model of the run on the `demo` eval suite at the end (about 2-3 minutes per model here).
 
 Each condition's result is kept in OUT/<condition>.json and reused, so the grid can run in chunks
 and a killed run continues where it stopped:
