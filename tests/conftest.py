@@ -48,3 +48,18 @@ def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture
+def gguf_parses(monkeypatch) -> list:
+    """The paths `gguf.GGUFReader` parses during the test, one entry per parse (the real reader runs)."""
+    import gguf
+
+    parsed, reader = [], gguf.GGUFReader
+
+    def counting_reader(path, *args, **kwargs):
+        parsed.append(path)
+        return reader(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    return parsed

@@ -702,22 +702,16 @@ def test_damage_problems_catch_differences_where_the_wiring_is_unchanged():
 # --- The embedded SmolLM2 (`make convert` with no arguments) -------------------------------------
 
 
-def test_default_conversion_of_the_embedded_smollm2(tmp_path, monkeypatch, capsys):
+def test_default_conversion_of_the_embedded_smollm2(tmp_path, monkeypatch, capsys, gguf_parses):
     makefile = (REPOSITORY / "Makefile").read_text()
     default = re.search(r"^DEFAULT_LADDER := (\S+)$", makefile, re.MULTILINE).group(1)
     assert str(default_output_dir(embedded_model_path(), 15)) == default
     monkeypatch.chdir(tmp_path)
-    parsed, reader = [], gguf.GGUFReader
-
-    def counting_reader(path, *args, **kwargs):
-        parsed.append(path)
-        return reader(path, *args, **kwargs)
-
-    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    counting_reader = gguf.GGUFReader
     code, stdout, _ = run_convert(capsys)
     assert code == 0
     # Read for its checks, its tokenizer, config and weights, and its licence: parsed once.
-    assert len(parsed) == 1 and gguf.GGUFReader is counting_reader
+    assert len(gguf_parses) == 1 and gguf.GGUFReader is counting_reader
     out = tmp_path / default
     assert "ladder layers  15 of 30: 15-29" in stdout and "lm_head.weight (tied" in stdout
     assert "max |Δ| of hidden states before layer 15: 0 (must be 0)" in stdout

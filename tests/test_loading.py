@@ -23,23 +23,17 @@ def test_empty_path_means_the_embedded_model():
     assert path.suffix == ".gguf" and path.stat().st_size > 50_000_000
 
 
-def test_a_gguf_file_is_parsed_once_per_load(monkeypatch):
+def test_a_gguf_file_is_parsed_once_per_load(gguf_parses):
     # transformers parses the file for the tokenizer, the config and the weights; load_model has
     # them share one parse, and leaves gguf as it found it.
-    parsed, reader = [], gguf.GGUFReader
-
-    def counting_reader(path, *args, **kwargs):
-        parsed.append(path)
-        return reader(path, *args, **kwargs)
-
-    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    counting_reader = gguf.GGUFReader
     model, tokenizer = load_model(None)
-    assert len(parsed) == 1 and gguf.GGUFReader is counting_reader
+    assert len(gguf_parses) == 1 and gguf.GGUFReader is counting_reader
     assert (
         model.config.num_hidden_layers == 30
         and tokenizer.decode(tokenizer("Ladder residual").input_ids) == "Ladder residual"
     )
-    [down] = [t for t in reader(embedded_model_path()).tensors if t.name == "blk.0.ffn_down.weight"]
+    [down] = [t for t in counting_reader(embedded_model_path()).tensors if t.name == "blk.0.ffn_down.weight"]
     expected = torch.from_numpy(gguf.dequantize(down.data, down.tensor_type))
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight, expected)
 
