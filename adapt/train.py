@@ -40,9 +40,10 @@ from ladder.errors import UsageError, first_line
 from ladder.files import atomic_directory, atomic_write
 from ladder.layer_search import calibration_from_blocks, choose_ladder_layers
 from ladder.layers import LADDER_MODEL_TYPE, format_layers, parse_auto_layers, parse_ladder_layers
-from ladder.loading import load_model, load_tokenizer, read_config_dict, resolve_model_path
+from ladder.loading import gguf_parsed_once, load_model, load_tokenizer, read_config_dict, resolve_model_path
 from ladder.model_card import SourceFacts, copy_licence_files, loading_section, origin_line, render_card, source_facts
 
+from .memory import allocate_optimizer_state, keep_fewer_activations
 from .checkpoint import (
     RECIPE_FILE,
     TrainState,
@@ -114,6 +115,7 @@ class AdaptRun:
                 local_files(source, f"data source {i} ({source.path})")
         model = self.setup_model()  # it prepares the data too: `auto:N` calibrates on training blocks
         model = self.select_trainable(model)
+        keep_fewer_activations(model)
         self.setup_optimizer(model)
 
         if resume_from is not None:
@@ -190,7 +192,12 @@ class AdaptRun:
         """The student (rewired in memory when model.path is an original Llama) and, for `kd` and
         `hidden`, the teacher: the original model, a copy taken before the rewiring."""
         recipe = self.recipe
-        model, self.tokenizer = load_model(model_path(recipe.model.path))
+        self.source = resolve_model_path(model_path(recipe.model.path))
+        # The model card's facts now, from the load's own parse of a GGUF file: at the end of training
+        # a second parse (1-2 s, 170 MiB for SmolLM2's vocabulary) would set the run's peak RSS.
+        with gguf_parsed_once():
+            model, self.tokenizer = load_model(self.source)
+            self.source_facts = source_facts(self.source)
         self.setup_data()
         teacher = None
         if recipe.objective.needs_teacher():
@@ -264,6 +271,7 @@ class AdaptRun:
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        allocate_optimizer_state(self.optimizer.optimizer)
 
     def describe(self, model: torch.nn.Module, resumed: bool) -> None:
         recipe = self.recipe
@@ -571,13 +579,12 @@ class AdaptRun:
             plain.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=True, assign=True)
             plain.tie_weights()
             plain.generation_config = trained.generation_config
-            source = resolve_model_path(model_path(self.recipe.model.path))
             with atomic_directory(self.final_dir, force=True) as temporary:
                 plain.save_pretrained(temporary, max_shard_size="5GB")
                 self.tokenizer.save_pretrained(temporary)
                 (temporary / RECIPE_FILE).write_text(dump_recipe(self.recipe))
-                licences = copy_licence_files(source, temporary)
-                (temporary / "README.md").write_text(self.model_card(source_facts(source), licences))
+                licences = copy_licence_files(self.source, temporary)
+                (temporary / "README.md").write_text(self.model_card(self.source_facts, licences))
                 if (self.run_dir / LAYER_SEARCH_FILE).is_file():
                     shutil.copyfile(self.run_dir / LAYER_SEARCH_FILE, temporary / LAYER_SEARCH_FILE)
             accelerator.print(f"final model: {self.final_dir}")

@@ -742,11 +742,12 @@ def test_losses_in_lm_head_computes_no_logits_and_trains_like_the_plain_loss(tin
 def test_held_out_losses_come_chunk_by_chunk_and_equal_the_full_logits(tiny_checkpoint):
     """`block_loss_sums` (adapt's held-out evaluation) computes its logits a chunk of positions at a
     time inside the head, with the sums of the plain cross-entropy over full logits; chunks hold
-    CHUNK_BYTES of float32 logits."""
+    16 MiB of float32 logits on the CPU."""
     from ladder.adapt import losses
     from ladder.adapt.losses import IGNORE_INDEX, block_loss_sums, chunk_positions, next_token_labels, token_losses
 
-    assert chunk_positions(128_256) == 130 and chunk_positions(49_152) == 341 and chunk_positions(2**40) == 1
+    assert chunk_positions(49_152) == 85 and chunk_positions(2**40) == 1
+    assert chunk_positions(128_256, "cuda") == 130 and chunk_positions(128_256, "meta") == 130
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
     ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(2))
     labels = next_token_labels(ids)
@@ -759,7 +760,7 @@ def test_held_out_losses_come_chunk_by_chunk_and_equal_the_full_logits(tiny_chec
     original = token_losses
 
     def recording(hidden, weight, labels, chunk_tokens=None):
-        chunk_sizes.append(chunk_positions(weight.shape[0]))
+        chunk_sizes.append(chunk_positions(weight.shape[0], weight.device))
         return original(hidden, weight, labels, chunk_tokens=7)  # 120 positions: 18 chunks, the last short
 
     losses.token_losses = recording
@@ -770,3 +771,88 @@ def test_held_out_losses_come_chunk_by_chunk_and_equal_the_full_logits(tiny_chec
     assert chunk_sizes == [chunk_positions(model.config.vocab_size)]
     torch.testing.assert_close(sums, plain.sum(dim=1), rtol=1e-5, atol=1e-5)
     assert counts.tolist() == [39, 14, 39]
+
+
+# --- Training in less memory: the same forward and gradients ---------------------------------------
+
+
+def saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(logits, bytes of the distinct tensors autograd keeps for backward) of one forward."""
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = model(input_ids=ids).logits
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return logits, sum(size for pointer, size in storages.items() if pointer not in parameters)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_fewer_saved_activations_give_the_same_forward_and_gradients(autocast):
+    from peft import LoraConfig, get_peft_model
+
+    from ladder.adapt.memory import CheckpointedLlamaRMSNorm, LeanLlamaMLP, keep_fewer_activations
+
+    plain = ladder.to_ladder(tiny_llama(), [2, 3]).train()
+    lean = ladder.to_ladder(tiny_llama(), [2, 3]).train()
+    for model in (plain, lean):
+        model.model.layers[:2].requires_grad_(False)  # as `trainable: ladder` leaves them
+    config = lean.config
+    assert keep_fewer_activations(lean) == config.num_hidden_layers * 3 + 1  # MLPs, two norms each, the final norm
+    assert type(lean.model.layers[3].mlp) is LeanLlamaMLP
+    assert type(lean.model.norm) is CheckpointedLlamaRMSNorm
+    ids = random_ids(batch=2, length=24, vocab_size=config.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        (plain_logits, plain_saved), (lean_logits, lean_saved) = saved_bytes(plain, ids), saved_bytes(lean, ids)
+    assert torch.equal(lean_logits, plain_logits)
+    # Per trained layer: silu(gate) and the product (tokens x intermediate, in the projections' dtype),
+    # and each norm's normalized input (float32: Llama's norm computes in float32).
+    projected = 2 if autocast else 4
+    tokens = ids.numel()
+    spared = 2 * (2 * tokens * config.intermediate_size * projected + 2 * tokens * config.hidden_size * 4)
+    assert lean_saved <= plain_saved - spared
+    plain_logits.float().square().mean().backward()
+    lean_logits.float().square().mean().backward()
+    for (name, want), got in zip(plain.named_parameters(), lean.parameters()):
+        assert (got.grad is None) == (want.grad is None), name
+        if want.grad is not None:
+            assert got.grad.dtype == want.grad.dtype
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-9, msg=name)
+
+    # LoRA wraps the projections: that MLP keeps its own forward (the norms still change).
+    wrapped = get_peft_model(ladder.to_ladder(tiny_llama(), [2, 3]), LoraConfig(r=2, target_modules=["gate_proj"]))
+    assert keep_fewer_activations(wrapped) == config.num_hidden_layers * 2 + 1
+    assert type(wrapped.base_model.model.model.layers[3].mlp) is not LeanLlamaMLP
+
+
+def test_allocated_optimizer_state_trains_like_the_lazily_allocated_one():
+    from ladder.adapt.memory import allocate_optimizer_state
+
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 3, generator=generator), torch.randn(3, generator=generator)]
+    gradients = [[torch.randn_like(p) for p in start] for _ in range(3)]
+    results = []
+    for allocate in (False, True):
+        parameters = [p.clone().requires_grad_() for p in start]
+        optimizer = torch.optim.AdamW(
+            [{"params": parameters[:1], "weight_decay": 0.1}, {"params": parameters[1:], "weight_decay": 0.0}],
+            lr=0.1,
+            fused=True,
+        )
+        if allocate:
+            allocate_optimizer_state(optimizer)
+            assert all(torch.count_nonzero(optimizer.state[p]["exp_avg_sq"]) == 0 for p in parameters)
+        for step in gradients:
+            for parameter, gradient in zip(parameters, step):
+                parameter.grad = gradient.clone()
+            optimizer.step()
+        results.append((parameters, optimizer.state_dict()["state"]))
+    (lazy, lazy_state), (allocated, allocated_state) = results
+    for want, got in zip(lazy, allocated):
+        assert torch.equal(got, want)
+    for index, want in lazy_state.items():
+        for key, value in want.items():
+            assert torch.equal(allocated_state[index][key], value), key
