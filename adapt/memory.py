@@ -11,10 +11,10 @@ cheap to compute again and expensive to keep:
 - Each RMSNorm keeps its input and its normalized input; run under `torch.utils.checkpoint` it keeps
   the input only and recomputes the rest (elementwise) in the backward pass.
 
-On the CPU recipe (8 trained layers, 2 x 512 tokens) that is 132 of 346 MiB of saved activations;
+On the CPU recipe (8 trained layers, 2 x 512 tokens) that is 127 of 346 MiB of saved activations;
 `benchmarks/train_speed.py` measures what it does to peak RSS and to the speed. The forward runs the
-modules' own code, so outputs are those of the unchanged modules; only the backward's order of
-operations moves, within float rounding (tests/test_adapt.py checks the gradients).
+modules' own code, so outputs are those of the unchanged modules; the backward computes what
+autograd would, from recomputed values (tests/test_adapt.py checks the gradients, fp32 and bf16).
 """
 
 from __future__ import annotations
@@ -77,9 +77,13 @@ def keep_fewer_activations(model: torch.nn.Module) -> int:
     `nn.Linear` (LoRA wraps them) stays as it is."""
     changed = 0
     for module in model.modules():
-        if type(module) is LlamaMLP and module.config.hidden_act == "silu" and all(
-            type(projection) is torch.nn.Linear and projection.bias is None
-            for projection in (module.gate_proj, module.up_proj, module.down_proj)
+        if (
+            type(module) is LlamaMLP
+            and module.config.hidden_act == "silu"
+            and all(
+                type(projection) is torch.nn.Linear and projection.bias is None
+                for projection in (module.gate_proj, module.up_proj, module.down_proj)
+            )
         ):
             module.__class__ = LeanLlamaMLP
         elif type(module) is LlamaRMSNorm:

@@ -43,7 +43,6 @@ from ladder.layers import LADDER_MODEL_TYPE, format_layers, parse_auto_layers, p
 from ladder.loading import gguf_parsed_once, load_model, load_tokenizer, read_config_dict, resolve_model_path
 from ladder.model_card import SourceFacts, copy_licence_files, loading_section, origin_line, render_card, source_facts
 
-from .memory import allocate_optimizer_state, keep_fewer_activations
 from .checkpoint import (
     RECIPE_FILE,
     TrainState,
@@ -55,6 +54,7 @@ from .checkpoint import (
 from .data import BlockOrder, Blocks, Splits, document_positions, local_files, prepare_data
 from .distill import Distiller
 from .losses import block_loss_sums, head_losses, hidden_loss, losses_in_lm_head, next_token_labels
+from .memory import allocate_optimizer_state, keep_fewer_activations
 from .recipe import Recipe, dump_recipe, model_path
 
 METRICS_FILE = "metrics.jsonl"
