@@ -8,10 +8,11 @@ is trained (the last position, and before tokens that are not targets, such as a
 
 Full logits are tokens x vocabulary in float32: for Llama-3.1's 128k vocabulary about 4 GB per
 8k-token micro-batch, and as much again for their gradient. `head_losses` instead computes the
-logits of a chunk of positions at a time (16 MiB of float32 logits on the CPU, 64 MiB on accelerators), takes the loss and its
-gradient with respect to those logits at once (the softmax is needed for both, and overwrites the
-logits in place), turns it into the gradients of the hidden states and of the head's weight, and
-drops the chunk: the same FLOPs as the plain computation, the memory of one chunk. `lm_loss` and
+logits of a chunk of positions at a time (16 MiB of float32 logits on the CPU, 64 MiB on
+accelerators), takes the loss and its gradient with respect to those logits at once (the softmax is
+needed for both, and overwrites the logits in place), turns it into the gradients of the hidden
+states and of the head's weight, and drops the chunk: the same FLOPs as the plain computation, the
+memory of one chunk. `lm_loss` and
 `kd_loss` are its two terms; `losses_in_lm_head` runs it inside a model's own forward (where FSDP
 has the head's weight gathered). Held-out evaluation (`block_loss_sums`) goes the same way.
 """
