@@ -14,6 +14,7 @@ from .errors import UsageError
 STAGES = {
     "convert": ("ladder.convert.cli", "rewire a Llama checkpoint into ladder form"),
     "adapt": ("ladder.adapt.cli", "retrain a ladder model from a YAML recipe"),
+    "sample": ("ladder.adapt.sample", "sample text from a model to retrain on (self-distillation data)"),
     "eval": ("ladder.eval.cli", "score models side by side with lm-evaluation-harness"),
     "demo": ("ladder.demo", "convert, retrain and evaluate the embedded SmolLM2 (make demo)"),
     "data": ("ladder.data_fetch", "fetch the data folder from its public sources and verify it (make data)"),

@@ -562,6 +562,33 @@ def test_bf16_trains_under_autocast_and_saves_bf16(tmp_path, tiny_checkpoint, co
     assert all(np.isfinite(r["loss"]) for r in metrics(tmp_path / "run") if "loss" in r)
 
 
+def test_sampled_documents_come_from_the_model_and_train_a_recipe(tmp_path, tiny_checkpoint, capsys):
+    from ladder.adapt.sample import sample_documents
+    from ladder.loading import load_model
+
+    out = tmp_path / "samples.jsonl"
+    args = ["sample", str(tiny_checkpoint), "--tokens", "100", "--length", "20", "--batch-size", "2", "--out", str(out)]
+    assert ladder_main(args) == 0
+    texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert len(texts) == 5  # 100 tokens in documents of 20
+    first = out.read_bytes()
+    assert ladder_main([*args, "--force"]) == 0 and out.read_bytes() == first  # the same seed, the same file
+
+    # The file holds what the model sampled: 1 + 20 tokens per document, none of them end-of-text.
+    model, tokenizer = load_model(tiny_checkpoint)
+    documents = sample_documents(model, tokenizer, 5, 20, 2, seed=0)
+    assert [tokenizer.decode(ids) for ids in documents] == texts
+    assert all(len(ids) == 21 and tokenizer.eos_token_id not in ids for ids in documents)
+    assert sample_documents(model, tokenizer, 5, 20, 2, seed=1) != documents
+
+    assert ladder_main(args) == 2  # an existing file is kept
+    assert "exists" in capsys.readouterr().err and out.read_bytes() == first
+
+    data = {"data.train": [str(out)], "data.eval": [], "data.seq_len": 16}
+    recipe = write_recipe(tmp_path, tiny_checkpoint, tmp_path, budget=2 * 4 * 16, **data)
+    assert (train(load_recipe(recipe)) / "model.safetensors").is_file()
+
+
 # --- refusals ---------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,111 @@
+"""`ladder sample [MODEL] --tokens N --out FILE.jsonl`: text sampled from a model, to retrain on.
+
+Retraining on the original model's own samples (with `objective: kd`, its full distribution at every
+position) teaches the ladder model what the original does in every domain the original writes in,
+not only in the domain of the training text at hand (data-free distillation, as in LLM-QAT,
+arXiv 2305.17888). benchmarks/recovery.py compares it with retraining on books (README).
+
+Each document starts from a token drawn uniformly from the vocabulary (no special tokens), then
+samples at temperature 1 with no top-k or top-p cut, so that the text follows the model's own
+distribution; the end-of-text token is suppressed, so every document has LENGTH new tokens. The
+same model, seed and batch size give the same file. The output is JSON lines, {"text": ...} per
+document, which a recipe reads as a data source (`{path: FILE.jsonl}`); it is written atomically
+and an existing file is not replaced without --force.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from ladder.errors import ArgumentParser, UsageError
+from ladder.files import atomic_write
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="ladder sample",
+        description="Sample documents from a model (the original, before rewiring) into a JSON-lines "
+        "file that an adapt recipe trains on: data-free distillation.",
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help="checkpoint directory, .gguf file or Hub model ID (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--out", type=Path, required=True, metavar="FILE", help="the JSON-lines file to write")
+    parser.add_argument(
+        "--tokens", type=int, required=True, help="sampled tokens in all (rounded up to whole documents)"
+    )
+    parser.add_argument("--length", type=int, default=512, help="new tokens per document (default 512)")
+    parser.add_argument("--batch-size", type=int, default=32, help="documents sampled together (default 32)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output file")
+    return parser
+
+
+def sample_documents(
+    model, tokenizer, documents: int, length: int, batch_size: int, seed: int, progress=None
+) -> list[list[int]]:
+    """`documents` token lists of 1 + `length` tokens sampled from `model` (see the module docstring)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    special = set(tokenizer.all_special_ids)
+    first_tokens = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)  # generate() samples from torch's global generator
+    sampled = []
+    for start in range(0, documents, batch_size):
+        rows = min(batch_size, documents - start)
+        first = first_tokens[torch.randint(len(first_tokens), (rows, 1), generator=generator)].to(device)
+        with torch.no_grad():
+            ids = model.generate(
+                first,
+                attention_mask=torch.ones_like(first),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=length,
+                min_new_tokens=length,  # suppresses the end-of-text token
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        sampled += ids.tolist()
+        if progress is not None:
+            progress(len(sampled))
+    return sampled
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("tokens", "length", "batch_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.out.exists() and not args.force:
+        raise UsageError(f"{args.out} exists; choose another --out or pass --force to replace it")
+    if not args.out.parent.is_dir():
+        raise UsageError(f"the folder of {args.out} does not exist")
+
+    import torch
+
+    from ladder.loading import load_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(args.model, device_map={"": device} if device != "cpu" else None)
+    documents = math.ceil(args.tokens / args.length)
+    started = time.perf_counter()
+
+    def progress(done: int) -> None:
+        seconds = time.perf_counter() - started
+        print(f"{done}/{documents} documents, {done * args.length / seconds:.0f} tokens/s", flush=True)
+
+    sampled = sample_documents(model, tokenizer, documents, args.length, args.batch_size, args.seed, progress)
+    lines = [json.dumps({"text": tokenizer.decode(ids)}, ensure_ascii=False) + "\n" for ids in sampled]
+    atomic_write(args.out, "".join(lines))
+    print(f"{args.out}: {documents} documents of {args.length} sampled tokens ({time.perf_counter() - started:.0f} s)")
+    return 0
