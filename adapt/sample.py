@@ -5,7 +5,7 @@ position) teaches the ladder model what the original does in every domain the or
 not only in the domain of the training text at hand (data-free distillation, as in LLM-QAT,
 arXiv 2305.17888). benchmarks/recovery.py compares it with retraining on books (README).
 
-Each document starts from a token drawn uniformly from the vocabulary (no special tokens), then
+Each document starts from a token drawn uniformly from the vocabulary (as in LLM-QAT), then
 samples at temperature 1 with no top-k or top-p cut, so that the text follows the model's own
 distribution; the end-of-text token is suppressed, so every document has LENGTH new tokens. The
 same model, seed and batch size give the same file. The output is JSON lines, {"text": ...} per
@@ -54,15 +54,12 @@ def sample_documents(
     """`documents` token lists of 1 + `length` tokens sampled from `model` (see the module docstring)."""
     import torch
 
-    generator = torch.Generator().manual_seed(seed)
-    special = set(tokenizer.all_special_ids)
-    first_tokens = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
     device = next(model.parameters()).device
-    torch.manual_seed(seed)  # generate() samples from torch's global generator
+    torch.manual_seed(seed)  # the first tokens and generate()'s sampling draw from torch's global generator
     sampled = []
     for start in range(0, documents, batch_size):
         rows = min(batch_size, documents - start)
-        first = first_tokens[torch.randint(len(first_tokens), (rows, 1), generator=generator)].to(device)
+        first = torch.randint(len(tokenizer), (rows, 1)).to(device)
         with torch.no_grad():
             ids = model.generate(
                 first,
@@ -105,7 +102,7 @@ def main(argv: list[str]) -> int:
         print(f"{done}/{documents} documents, {done * args.length / seconds:.0f} tokens/s", flush=True)
 
     sampled = sample_documents(model, tokenizer, documents, args.length, args.batch_size, args.seed, progress)
-    lines = [json.dumps({"text": tokenizer.decode(ids)}, ensure_ascii=False) + "\n" for ids in sampled]
+    lines = [json.dumps({"text": tokenizer.decode(ids)}) + "\n" for ids in sampled]
     atomic_write(args.out, "".join(lines))
     print(f"{args.out}: {documents} documents of {args.length} sampled tokens ({time.perf_counter() - started:.0f} s)")
     return 0

@@ -574,11 +574,11 @@ def test_sampled_documents_come_from_the_model_and_train_a_recipe(tmp_path, tiny
     first = out.read_bytes()
     assert ladder_main([*args, "--force"]) == 0 and out.read_bytes() == first  # the same seed, the same file
 
-    # The file holds what the model sampled: 1 + 20 tokens per document, none of them end-of-text.
+    # The file holds what the model sampled: a first token and 20 sampled, none of them end-of-text.
     model, tokenizer = load_model(tiny_checkpoint)
     documents = sample_documents(model, tokenizer, 5, 20, 2, seed=0)
     assert [tokenizer.decode(ids) for ids in documents] == texts
-    assert all(len(ids) == 21 and tokenizer.eos_token_id not in ids for ids in documents)
+    assert all(len(ids) == 21 and tokenizer.eos_token_id not in ids[1:] for ids in documents)
     assert sample_documents(model, tokenizer, 5, 20, 2, seed=1) != documents
 
     assert ladder_main(args) == 2  # an existing file is kept
