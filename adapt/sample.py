@@ -18,10 +18,15 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ladder.errors import ArgumentParser, UsageError
 from ladder.files import atomic_write
+
+if TYPE_CHECKING:  # transformers loads only once the arguments are checked
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def build_parser() -> ArgumentParser:
@@ -49,7 +54,13 @@ def build_parser() -> ArgumentParser:
 
 
 def sample_documents(
-    model, tokenizer, documents: int, length: int, batch_size: int, seed: int, progress=None
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    documents: int,
+    length: int,
+    batch_size: int,
+    seed: int,
+    progress: Callable[[int], None] | None = None,
 ) -> list[list[int]]:
     """`documents` token lists of 1 + `length` tokens sampled from `model` (see the module docstring)."""
     import torch
