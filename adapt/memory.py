@@ -98,8 +98,8 @@ def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give an AdamW optimizer its zero moments now, as its first step would (the state is the same).
     Allocated before the first forward, they sit below the activations on the CPU heap; allocated by
     the first step, they fill the holes its freed activations left and the next forward's activations
-    take new memory (the CPU recipe's peak RSS: about 40 MiB less). A state loaded later (resume)
-    replaces them."""
+    take new memory (the CPU recipe's peak RSS: about 40 MiB less). A resumed run loads its saved
+    state instead, at the same point."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     zeros = {
         index: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}

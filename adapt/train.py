@@ -120,9 +120,11 @@ class AdaptRun:
 
         if resume_from is not None:
             self.load_checkpoint(resume_from)
-        elif self.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.run_dir / METRICS_FILE, "")
+        else:
+            allocate_optimizer_state(self.optimizer.optimizer)  # a resumed run loads its own instead
+            if self.main:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write(self.run_dir / METRICS_FILE, "")
         self.start_trackers()
         self.describe(model, resumed=resume_from is not None)
         return None
@@ -271,7 +273,6 @@ class AdaptRun:
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        allocate_optimizer_state(self.optimizer.optimizer)
 
     def describe(self, model: torch.nn.Module, resumed: bool) -> None:
         recipe = self.recipe
