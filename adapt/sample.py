@@ -95,9 +95,9 @@ def main(argv: list[str]) -> int:
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if args.out.exists() and not args.force:
-        raise UsageError(f"{args.out} exists; choose another --out or pass --force to replace it")
-    if not args.out.parent.is_dir():
-        raise UsageError(f"the folder of {args.out} does not exist")
+        raise UsageError(f"output {args.out} already exists; pass --force to replace it")
+    if args.out.parent.exists() and not args.out.parent.is_dir():
+        raise UsageError(f"the folder of {args.out} is a file")
 
     import torch
 
@@ -114,6 +114,7 @@ def main(argv: list[str]) -> int:
 
     sampled = sample_documents(model, tokenizer, documents, args.length, args.batch_size, args.seed, progress)
     lines = [json.dumps({"text": tokenizer.decode(ids)}) + "\n" for ids in sampled]
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # as every output folder of ladder's commands
     atomic_write(args.out, "".join(lines))
     print(f"{args.out}: {documents} documents of {args.length} sampled tokens ({time.perf_counter() - started:.0f} s)")
     return 0
