@@ -31,7 +31,7 @@ from ladder.adapt.train import train
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 from ladder.launch import multi_process_launcher
-from tiny import random_ids, tiny_llama
+from tiny import random_ids, tiny_llama, two_processes
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = (
@@ -456,6 +456,7 @@ def test_a_run_killed_at_any_step_resumes_exactly(tmp_path, tiny_checkpoint, cor
     assert all(torch.equal(resumed[name], reference[name]) for name in reference)
 
 
+@two_processes
 def test_two_processes_give_the_loss_curve_of_one(tmp_path, tiny_checkpoint, corpus):
     single = write_recipe(tmp_path / "one", tiny_checkpoint, corpus, budget=6 * 256)
     train(load_recipe(single))
@@ -574,8 +575,10 @@ def test_sampled_documents_come_from_the_model_and_train_a_recipe(tmp_path, tiny
     first = out.read_bytes()
     assert ladder_main([*args, "--force"]) == 0 and out.read_bytes() == first  # the same seed, the same file
 
-    # The file holds what the model sampled: a first token and 20 sampled, none of them end-of-text.
+    # The file holds what the model sampled: a first token and 20 sampled, none of them end-of-text
+    # (sampled here on the command's default device: the CPU's and a GPU's random streams differ).
     model, tokenizer = load_model(tiny_checkpoint)
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
     documents = sample_documents(model, tokenizer, 5, 20, 2, seed=0)
     assert [tokenizer.decode(ids) for ids in documents] == texts
     assert all(len(ids) == 21 and tokenizer.eos_token_id not in ids[1:] for ids in documents)
@@ -693,7 +696,8 @@ def test_merged_lora_model_gives_the_logits_of_the_peft_model(tmp_path, tiny_che
     run = AdaptRun(recipe)
     assert run.setup() is None
     run.train()
-    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    device = run.accelerator.device
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
     peft_model = run.accelerator.unwrap_model(run.model).eval()
     with torch.no_grad():
         before_merge = peft_model(input_ids=ids).logits
@@ -701,7 +705,7 @@ def test_merged_lora_model_gives_the_logits_of_the_peft_model(tmp_path, tiny_che
             without_adapters = peft_model(input_ids=ids).logits
     final = run.save_final()
     run.cleanup()
-    merged = AutoModelForCausalLM.from_pretrained(final).eval()
+    merged = AutoModelForCausalLM.from_pretrained(final).to(device).eval()
     with torch.no_grad():
         after_merge = merged(input_ids=ids).logits
     assert (before_merge - without_adapters).abs().max() > 1e-3  # the adapters learned something

@@ -28,6 +28,7 @@ from ladder.adapt.recipe import load_recipe
 from ladder.adapt.train import train
 from ladder.cli import main as ladder_main
 from ladder.launch import free_port, multi_process_launcher
+from tiny import two_processes
 
 REPO = Path(__file__).resolve().parents[1]
 FSDP_CONFIG = REPO / "recipes" / "accelerate" / "fsdp-cpu-2proc.yaml"
@@ -87,6 +88,7 @@ def fsdp_run(tmp_path_factory, tiny_checkpoint, corpus) -> Path:  # noqa: F811
 # --- FSDP -------------------------------------------------------------------------------------------
 
 
+@two_processes
 def test_fsdp_on_two_processes_gives_the_loss_curve_of_one(one_process_run, fsdp_run):
     # Parameters are sharded DTensors and gradients reduce-scattered: only the summation order
     # differs from one process, so the curves agree to float32 rounding, which grows over the steps
@@ -101,6 +103,7 @@ def test_fsdp_on_two_processes_gives_the_loss_curve_of_one(one_process_run, fsdp
     ]
 
 
+@two_processes
 def test_fsdp_final_model_is_the_gathered_trained_model(one_process_run, fsdp_run, tiny_checkpoint):
     # The final model is gathered from the shards (get_state_dict) into one plain checkpoint that
     # transformers loads; its held-out loss is the one the sharded model logged last, and its
@@ -130,6 +133,7 @@ def wait_for_losses(process: subprocess.Popen, run_dir: Path, count: int, timeou
         time.sleep(0.05)
 
 
+@two_processes
 def test_fsdp_launcher_killed_mid_run_resumes_exactly(tmp_path, tiny_checkpoint, corpus, fsdp_run):  # noqa: F811
     recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256, **{"batch.micro_batch": 2})
     run_dir = tmp_path / "run"
@@ -153,6 +157,7 @@ def test_fsdp_launcher_killed_mid_run_resumes_exactly(tmp_path, tiny_checkpoint,
 # --- gradient accumulation --------------------------------------------------------------------------
 
 
+@two_processes
 def test_gradient_accumulation_makes_the_update_of_one_large_batch(tmp_path, tiny_checkpoint, corpus):  # noqa: F811
     # micro_batch 4 x grad_accum 1 against 2 x 2 in one process and 1 x 2 on two DDP processes,
     # whose first micro-step runs under no_sync: the same blocks per step, so the same loss and

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 NUM_LAYERS = 6
+
+# The two-process tests run on the CPU over gloo, or one process per GPU: a machine with one GPU
+# has neither (accelerate puts the second rank on a GPU that does not exist).
+two_processes = pytest.mark.skipif(
+    0 < torch.cuda.device_count() < 2, reason="two processes need no GPU (gloo) or two GPUs; this machine has one"
+)
 
 
 def tiny_config(**overrides) -> LlamaConfig:
