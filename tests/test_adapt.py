@@ -419,6 +419,8 @@ def test_a_run_killed_at_any_step_resumes_exactly(tmp_path, tiny_checkpoint, cor
         if (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 5:
             break
         time.sleep(0.05)
+    if process.poll() is not None and not (run_dir / "model").exists():  # it failed: say why, not a missing file
+        pytest.fail(f"the run ended (exit {process.returncode}) before it could be killed:\n{process.stdout.read()}")
     process.send_signal(signal.SIGKILL)  # somewhere after step 5: the checkpoint at step 3 (or 6) is the latest
     process.wait()
     assert not (run_dir / "model").exists(), "the run finished before it could be killed"
