@@ -19,8 +19,9 @@ share closed against the original itself, 1 - (trained - original) / (zero-shot 
 The control takes out what the training text alone does (books: the control improves on books);
 the bracketed share guards against a control that the training damages (text sampled from the
 model, trained at a high learning rate: the control's loss rises and the first share passes 100%).
-It also gives the median wall time per step against `lm` at the same shape and budget. `--suite demo` scores every
-model of the run on the `demo` eval suite at the end (about 2-3 minutes per model here).
+It also gives the median wall time per step against `lm` at the same shape and budget. `--suite
+demo` scores every model of the run on the `demo` eval suite at the end (about 2-3 minutes per
+model here). Training and scoring run on the GPU when there is one.
 
 Each condition's result is kept in OUT/<condition>.json and reused, so the grid can run in chunks
 and a killed run continues where it stopped:
