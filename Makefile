@@ -29,13 +29,14 @@ BACKEND ?=
 OWN_VARIABLES := PYTHON SHARED LADDER_DATA MODEL LAYERS OUT RECIPE SUITE BASELINE LIMIT ARGS TP PORT BACKEND
 RECIPE_OVERRIDES := $(filter-out $(addsuffix =%,$(OWN_VARIABLES)),$(-*-command-variables-*-))
 
-.PHONY: help install data compat lint test convert adapt eval bench demo clean serve-env serve bench-vllm
+.PHONY: help install data compat lint test test-fast convert adapt eval bench demo clean serve-env serve bench-vllm
 
 help:
 	@echo "make install                 create .venv with the package and its test tools"
 	@echo "make data                    fetch the data folder (LADDER_DATA) from its public sources, verified"
 	@echo "make lint                    ruff: lint rules and formatting (pyproject.toml)"
 	@echo "make test                    lint, then run the test suite"
+	@echo "make test-fast               lint, then the tests that need no built environment (skips vLLM, compat)"
 	@echo "make compat                  the other transformers versions the portability tests load checkpoints with"
 	@echo "make convert [MODEL= LAYERS= OUT=]   rewire a checkpoint (default: embedded SmolLM2, upper half)"
 	@echo "make adapt [RECIPE= key=value ...]   retrain from a recipe"
@@ -100,6 +101,10 @@ lint: $(STAMP)
 test: lint compat $(SERVE_STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
+# The developer's loop: everything but the tests that need the serving and compat environments.
+test-fast: lint
+	$(BIN)/python -m pytest -m "not envs" $(ARGS)
+
 convert: $(STAMP)
 	$(BIN)/ladder convert $(if $(MODEL),"$(MODEL)") $(if $(LAYERS),--layers "$(LAYERS)") $(if $(OUT),--out "$(OUT)") $(ARGS)
 
@@ -123,13 +128,13 @@ else
 endif
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/tp_speed.py $(ARGS)
+	$(BIN)/python -m benchmarks.tp_speed $(ARGS)
 
 serve: $(SERVE_STAMP)
 	$(SERVE_BIN)/ladder serve "$(MODEL)" --tp "$(TP)" --port "$(PORT)" $(if $(ARGS),-- $(ARGS))
 
 bench-vllm: $(SERVE_STAMP)
-	$(SERVE_BIN)/python benchmarks/vllm_speed.py $(ARGS)
+	$(SERVE_BIN)/python -m benchmarks.vllm_speed $(ARGS)
 
 demo: $(STAMP)
 	$(BIN)/ladder demo $(ARGS)

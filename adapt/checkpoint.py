@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from ladder.errors import UsageError
-from ladder.files import atomic_directory
+from ladder.io.files import atomic_directory
 
 from .recipe import RESUME_FREE_KEYS, Recipe, dump_recipe, recipe_from_dict
 

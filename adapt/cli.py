@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ladder.errors import ArgumentParser, UsageError
+from ladder.errors import ArgumentParser, UsageError, run_command
 
 from .recipe import dump_recipe, load_recipe
 
@@ -57,6 +57,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from ladder.cli import main as ladder_main
-
-    sys.exit(ladder_main(["adapt", *sys.argv[1:]]))
+    sys.exit(run_command("adapt", main, sys.argv[1:]))

@@ -31,7 +31,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ladder.errors import UsageError
-from ladder.files import atomic_directory, sha256_file
+from ladder.io.files import atomic_directory, sha256_file
 
 from .recipe import DataSpec, SourceSpec, expand_path
 

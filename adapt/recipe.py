@@ -24,7 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from ladder.errors import UsageError, first_line
-from ladder.files import ladder_data_dir
+from ladder.io.files import ladder_data_dir
 
 
 @dataclass
@@ -393,7 +393,7 @@ def validate(recipe: Recipe) -> None:
 
 def model_path(text: str) -> str:
     """model.path or model.teacher with `${VAR}` expanded; `embedded` (or empty) names the default
-    SmolLM2, as `ladder.loading.resolve_model_path` reads it."""
+    SmolLM2, as `ladder.io.loading.resolve_model_path` reads it."""
     return expand_path(text, "model path")
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ladder.errors import ArgumentParser, UsageError
-from ladder.files import atomic_write
+from ladder.io.files import atomic_write
 
 if TYPE_CHECKING:  # transformers loads only once the arguments are checked
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from ladder.loading import load_model
+    from ladder.io.loading import load_model
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, device_map={"": device} if device != "cpu" else None)

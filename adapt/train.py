@@ -37,11 +37,18 @@ from tqdm.auto import tqdm
 
 import ladder
 from ladder.errors import UsageError, first_line
-from ladder.files import atomic_directory, atomic_write
+from ladder.io.files import atomic_directory, atomic_write
+from ladder.io.loading import gguf_parsed_once, load_model, load_tokenizer, read_config_dict, resolve_model_path
+from ladder.io.model_card import (
+    SourceFacts,
+    copy_licence_files,
+    loading_section,
+    origin_line,
+    render_card,
+    source_facts,
+)
 from ladder.layer_search import calibration_from_blocks, choose_ladder_layers
 from ladder.layers import LADDER_MODEL_TYPE, format_layers, parse_auto_layers, parse_ladder_layers
-from ladder.loading import gguf_parsed_once, load_model, load_tokenizer, read_config_dict, resolve_model_path
-from ladder.model_card import SourceFacts, copy_licence_files, loading_section, origin_line, render_card, source_facts
 
 from .checkpoint import (
     RECIPE_FILE,

@@ -1,6 +1,6 @@
 """Conversion time and memory against a plain recursive copy, on a synthetic checkpoint of a few GB.
 
-    .venv/bin/python benchmarks/convert_speed.py [--repeats 2]
+    .venv/bin/python -m benchmarks.convert_speed [--repeats 2]
 
 The checkpoint (written once into runs/bench/convert-source-<layers>l and reused): Llama-3.1-8B shapes
 (hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256) with 4 layers instead of 32 and
@@ -31,12 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch
-from shapes import PUBLISHED_SHAPES
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
-from ladder.tensor_io import ShardedWriter, TensorSpec, plan_shards, row_blocks
+from benchmarks.common import PUBLISHED_SHAPES, write_synthetic_checkpoint
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -53,30 +50,6 @@ peak_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if li
 heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
 print(json.dumps({"seconds": seconds, "peak_rss": peak_kib * 1024, "heavy_imports": heavy}))
 """
-
-
-def write_synthetic_checkpoint(directory: Path, config: LlamaConfig, max_shard_size: int, seed: int = 0) -> None:
-    """A checkpoint directory of `config`'s shapes with random float32 weights, written the way
-    `save_pretrained` lays it out, streaming (one 64 MiB block in memory at a time)."""
-    with torch.device("meta"):
-        names_and_shapes = [
-            (name, tuple(tensor.shape))
-            for name, tensor in LlamaForCausalLM(config).state_dict().items()
-            if not (config.tie_word_embeddings and name == "lm_head.weight")
-        ]
-    specs = [TensorSpec(name, torch.float32, shape) for name, shape in names_and_shapes]
-    staging = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    writer = ShardedWriter(staging, plan_shards(specs, max_shard_size))
-    generator = torch.Generator().manual_seed(seed)
-    for spec in specs:
-        for start, stop in row_blocks(spec.shape, 4):
-            block_shape = (stop - start, *spec.shape[1:]) if spec.shape else ()
-            writer.write(spec.name, torch.randn(block_shape, generator=generator).mul_(0.02))
-    writer.close()
-    config.save_pretrained(staging)
-    staging.rename(directory)
 
 
 def evict_from_page_cache(directory: Path) -> None:

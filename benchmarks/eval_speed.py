@@ -8,7 +8,7 @@ The sides alternate (ladder, lm_eval, ladder, ...) so that a change in the machi
 both. Prints each side's median wall time and items/s, and the ratio ladder / lm_eval (goal: at
 least 0.95), and checks that both gave the same accuracy.
 
-    .venv/bin/python benchmarks/eval_speed.py [--task ladder_piqa] [--limit 100] [--rounds 2]
+    .venv/bin/python -m benchmarks.eval_speed [--task ladder_piqa] [--limit 100] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ BIN = Path(sys.executable).parent
 
 
 def save_checkpoint(directory: Path) -> None:
-    from ladder.loading import load_model
+    from ladder.io.loading import load_model
 
     model, tokenizer = load_model("embedded")
     model.save_pretrained(directory)
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating (default 2)")
     args = parser.parse_args()
 
-    from ladder.files import ladder_data_dir
+    from ladder.io.files import ladder_data_dir
 
     environment = {
         **os.environ,

@@ -9,7 +9,7 @@ any request's log-likelihood and whether every greedy flag agrees; exits 1 when 
 differ or a log-likelihood differs by more than MAX_DIFFERENCE. Rolling log-likelihoods
 (WikiText) take lm-eval's path on both sides and are not timed.
 
-    .venv/bin/python benchmarks/scoring_speed.py [--suite demo] [--batch-size 8] [--rounds 2]
+    .venv/bin/python -m benchmarks.scoring_speed [--suite demo] [--batch-size 8] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from lm_eval.models.huggingface import HFLM
 
 from ladder.eval import harness
 from ladder.eval.suite import load_suite
-from ladder.loading import load_model
+from ladder.io.loading import load_model
 
 MAX_DIFFERENCE = 1e-3  # nats; float32 rounding between the two paths measured 1.1e-4 at most
 

@@ -11,8 +11,8 @@ bound/standard); the results, with every sample, also go to a JSON file.
 
     make bench                                          # CPU: TP=2 gloo, plain loopback
     make bench ARGS="--link loopback,35mbit"           # plus an emulated 35 Mbit/s link (root)
-    .venv/bin/python benchmarks/tp_speed.py --model runs/convert/SmolLM2-135M-Instruct-ladder15
-    python benchmarks/tp_speed.py --tp 8 --model synthetic:llama-3.1-70b --compile --cuda-graphs  # 8 GPUs
+    .venv/bin/python -m benchmarks.tp_speed --model runs/convert/SmolLM2-135M-Instruct-ladder15
+    python -m benchmarks.tp_speed --tp 8 --model synthetic:llama-3.1-70b --compile --cuda-graphs  # 8 GPUs
 
 It launches the ranks itself (torchrun, one process per rank; under `--link RATE` inside a network
 namespace whose loopback is shaped to RATE, see emulated_link.py).
@@ -32,16 +32,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from emulated_link import LOOPBACK, check_rate, emulated_link
-from shapes import PUBLISHED_SHAPES
 from transformers import LlamaConfig
 
+from benchmarks.common import PUBLISHED_SHAPES
+from benchmarks.emulated_link import LOOPBACK, check_rate, emulated_link
 from ladder.errors import UsageError
-from ladder.files import atomic_write
-from ladder.loading import DTYPES
-from ladder.tp_model import LlamaShard, ShardShape
+from ladder.io.files import atomic_write
+from ladder.io.loading import DTYPES
+from ladder.tp.shard import LlamaShard, ShardShape
+
+# The ranks run `python -m benchmarks.tp_speed`: from the repository root, whatever the caller's folder.
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 # Synthetic shapes (random weights). "cpu", the default, is a ~1B-parameter Llama-2-style model
 # (multi-head attention) cut to 8 layers, so a 2-core run takes a few minutes. Its width matters:
@@ -76,7 +78,7 @@ STANDARD, BOUND = "standard", "no-comm bound"
 class Variant:
     name: str
     ladder_layers: list[int]
-    communication: str  # "all-reduce" or "none" (see ladder.tp.install_communication)
+    communication: str  # "all-reduce" or "none" (see ladder.tp.runtime.install_communication)
 
 
 @dataclass
@@ -165,7 +167,7 @@ def timed(function, device: torch.device) -> tuple[float, object]:
 def run_rank(plan: Plan, result_path: Path) -> None:
     import torch.distributed as dist
 
-    from ladder.tp import (
+    from ladder.tp.runtime import (
         CUDAGraphStep,
         compile_branches,
         decode,
@@ -302,7 +304,7 @@ def positive_ints(text: str, name: str) -> list[int]:
 
 def make_plan(args: argparse.Namespace) -> tuple[Plan, str]:
     """Validate every option and the model's shape for every rank before anything is launched."""
-    from ladder.tp import read_config
+    from ladder.tp.runtime import read_config
 
     for name in ("tp", "prompt_length", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -375,11 +377,11 @@ def launch(plan: Plan, prefix: list[str]) -> list[dict]:
         plan_path.write_text(json.dumps(asdict(plan)))
         command = prefix + [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.tp}",
-            str(Path(__file__).resolve()), "--worker", str(plan_path), str(result_path),
+            "-m", "benchmarks.tp_speed", "--worker", str(plan_path), str(result_path),
         ]  # fmt: skip
         # OMP_NUM_THREADS set here also silences torchrun's warning; c10d's warnings are noise here.
         env = os.environ | {"OMP_NUM_THREADS": str(plan.threads), "TORCH_CPP_LOG_LEVEL": "ERROR"}
-        process = subprocess.Popen(command, env=env)
+        process = subprocess.Popen(command, env=env, cwd=REPOSITORY)
         try:
             status = process.wait()
         except BaseException:  # Ctrl-C: stop the ranks before the namespace goes away
@@ -489,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             report = dict(
-                command=["benchmarks/tp_speed.py", *(argv if argv is not None else sys.argv[1:])],
+                command=["python", "-m", "benchmarks.tp_speed", *(argv if argv is not None else sys.argv[1:])],
                 model=described,
                 plan={key: value for key, value in asdict(plan).items() if key not in ("config", "link")},
                 machine=dict(platform=platform.platform(), cpus=os.cpu_count(), torch=torch.__version__),

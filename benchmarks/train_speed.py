@@ -10,7 +10,7 @@ RSS at most 0.7x; adapt computes its loss chunk by chunk, so full logits never e
 adds a third side, adapt with `model.compile=true` (torch.compile of each decoder layer; its first
 steps, which compile, are not timed).
 
-    .venv/bin/python benchmarks/train_speed.py [--steps 8] [--rounds 2] [--compile] [key=value ...]
+    .venv/bin/python -m benchmarks.train_speed [--steps 8] [--rounds 2] [--compile] [key=value ...]
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 RECIPE = REPO / "recipes" / "smollm2-135m-ladder-cpu.yaml"
 
 
@@ -65,8 +64,8 @@ def run_trainer(steps: int, overrides: list[str], out: Path) -> list[float]:
     import ladder
     from ladder.adapt.data import prepare_data
     from ladder.adapt.recipe import model_path
+    from ladder.io.loading import load_model
     from ladder.layers import parse_ladder_layers
-    from ladder.loading import load_model
 
     recipe = recipe_for(steps, overrides, out)
     model, tokenizer = load_model(model_path(recipe.model.path))
@@ -143,7 +142,16 @@ def main(argv: list[str]) -> int:
     results = {kind: {"seconds": [], "peak_rss_mib": 0.0} for kind in kinds}
     for _ in range(args.rounds):
         for kind in results:
-            command = [sys.executable, __file__, "--child", kind, "--steps", str(args.steps), *args.overrides]
+            command = [
+                sys.executable,
+                "-m",
+                "benchmarks.train_speed",
+                "--child",
+                kind,
+                "--steps",
+                str(args.steps),
+                *args.overrides,
+            ]
             output = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO).stdout
             run = json.loads(output.strip().splitlines()[-1])
             warmup = 2 if kind == "adapt-compile" else 1  # compilation happens in the first steps

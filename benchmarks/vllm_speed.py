@@ -2,7 +2,7 @@
 tensor-parallel runtime:
 
     standard            vLLM's own LlamaForCausalLM (every all-reduce inside its row-parallel layers)
-    ladder (all)        every layer ladder (ladder/vllm_ladder_llama.py, through the plugin)
+    ladder (all)        every layer ladder (ladder/serving/model.py, through the plugin)
     ladder (upper half) the published conversion shape
 
 It prints per-token decode latency, tokens/s, the speed-up over standard, and the communication
@@ -12,8 +12,8 @@ for the other rank included), timed in every worker by wrapping vLLM's
 the same for every variant), so no checkpoint is written; the models differ only in config.json.
 
     make bench-vllm                                          # CPU, TP=2, one core per rank
-    .venv-serve/bin/python benchmarks/vllm_speed.py --tp 2 --batch 1,4
-    python benchmarks/vllm_speed.py --tp 8 --shape llama-3.1-70b --dtype bfloat16 --batch 1,16 \\
+    .venv-serve/bin/python -m benchmarks.vllm_speed --tp 2 --batch 1,4
+    python -m benchmarks.vllm_speed --tp 8 --shape llama-3.1-70b --dtype bfloat16 --batch 1,16 \\
         --prompt-length 1024 --new-tokens 128 --compiled                              # 8 GPUs
 
 Runs in the serving environment (.venv-serve). Results go to runs/bench/vllm_speed.json.
@@ -31,8 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import PUBLISHED_SHAPES
+from benchmarks.common import PUBLISHED_SHAPES
 
 SHAPES = {
     # ~100M parameters in 8 layers: a decode step is a few ms per rank on one CPU core, so the
@@ -179,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from ladder.files import atomic_write
-    from ladder.serve import cpu_binding
+    from ladder.io.files import atomic_write
+    from ladder.serving.engine import cpu_binding
 
     shape = SHAPES[args.shape]
     layers = shape["num_hidden_layers"]
@@ -244,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         out,
         json.dumps(
             dict(
-                command=["benchmarks/vllm_speed.py", *(argv if argv is not None else sys.argv[1:])],
+                command=["python", "-m", "benchmarks.vllm_speed", *(argv if argv is not None else sys.argv[1:])],
                 shape=shape,
                 tp=args.tp,
                 dtype=args.dtype,

@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 
 from ladder.errors import ArgumentParser, UsageError
+from ladder.io.loading import DTYPE_NAMES
 from ladder.layers import format_layers
-from ladder.loading import DTYPE_NAMES
 
 # Light on purpose (no torch, no transformers): `--help` and a copy-mode conversion start at once.
 from .convert import WEIGHT_MODES, ConversionSummary, convert_checkpoint

@@ -5,7 +5,7 @@ Conversion changes no weight, only the wiring (`ladder_layers` in config.json). 
 change and no resharding is asked, the source's safetensors files go over as they are: copied
 side by side (each byte read once, written with direct I/O and hashed on another thread),
 reflinked where the filesystem allows, or hard-linked on request (`weights`); otherwise the tensors stream through
-`tensor_io` one 64 MiB block at a time, hashed as they are read. Either way every source tensor is
+`ladder.io.tensors` one 64 MiB block at a time, hashed as they are read. Either way every source tensor is
 checked against the shapes the config implies and is used or dropped on purpose, the manifest
 records the sha256 of every source weight file (not for hard links, which would cost a read of
 every byte), and the output directory appears only once it is complete.
@@ -41,21 +41,19 @@ import psutil  # a dependency of accelerate
 from tqdm import tqdm
 
 import ladder
-from ladder.config_rules import with_legacy_rope
+import ladder.model
 from ladder.errors import UsageError, first_line
-from ladder.files import StreamingSha256, atomic_directory, sha256_file
-from ladder.layers import (
-    CONFIG_BOOKKEEPING,
-    LADDER_MODEL_TYPE,
-    AutoLayers,
-    check_llama_model_type,
-    format_layers,
-    parse_auto_layers,
-    parse_ladder_layers,
+from ladder.io.files import StreamingSha256, atomic_directory, sha256_file
+from ladder.io.loading import (
+    DTYPE_NAMES,
+    gguf_parsed_once,
+    load_model,
+    model_name,
+    read_config_dict,
+    resolve_model_path,
 )
-from ladder.loading import DTYPE_NAMES, gguf_parsed_once, load_model, model_name, read_config_dict, resolve_model_path
-from ladder.model_card import SourceFacts, loading_section, origin_line, render_card, source_facts
-from ladder.tensor_io import (
+from ladder.io.model_card import SourceFacts, loading_section, origin_line, render_card, source_facts
+from ladder.io.tensors import (
     INDEX_NAME,
     UNSUPPORTED_LINK_ERRNOS,
     LazyTensorLoader,
@@ -74,6 +72,16 @@ from ladder.tensor_io import (
     weight_files,
     write_index,
 )
+from ladder.layers import (
+    CONFIG_BOOKKEEPING,
+    LADDER_MODEL_TYPE,
+    AutoLayers,
+    check_llama_model_type,
+    format_layers,
+    parse_auto_layers,
+    parse_ladder_layers,
+)
+from ladder.model.config_rules import with_legacy_rope
 
 if TYPE_CHECKING:
     import torch
@@ -468,7 +476,7 @@ def _write_config(directory: Path, config: dict) -> None:
     with trust_remote_code=True where `ladder` is not installed."""
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in MODELING_FILES:
-        shutil.copyfile(Path(ladder.__file__).parent / name, directory / name)
+        shutil.copyfile(Path(ladder.model.__file__).parent / name, directory / name)
 
 
 def _dtype_name(tensors: list[TensorSpec]) -> str:
@@ -535,7 +543,7 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    import ladder.auto  # noqa: F401  (registers the ladder model with the Auto classes)
+    import ladder.model.auto  # noqa: F401  (registers the ladder model with the Auto classes)
 
     from .verify import measure_damage_layerwise, prompt_ids
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from ladder.errors import ArgumentParser, UsageError
-from ladder.files import ladder_data_dir
+from ladder.errors import ArgumentParser, UsageError, run_command
+from ladder.io.files import ladder_data_dir
 from ladder.launch import multi_process_launcher
 
 from .evaluate import DEFAULT_RUNS, evaluate_models
@@ -235,6 +235,4 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from ladder.cli import main as ladder_main
-
-    sys.exit(ladder_main(["eval", *sys.argv[1:]]))
+    sys.exit(run_command("eval", main, sys.argv[1:]))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ladder.errors import UsageError
-from ladder.files import atomic_directory, atomic_write
+from ladder.io.files import atomic_directory, atomic_write
 
 from .suite import Suite, SuiteTask
 

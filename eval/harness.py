@@ -1,6 +1,6 @@
 """Score models on a suite with lm-evaluation-harness, one (model, task) at a time, with a cache.
 
-Each model is loaded once (`load_lm`: `ladder.loading.load_model` in the run's dtype, onto its
+Each model is loaded once (`load_lm`: `ladder.io.loading.load_model` in the run's dtype, onto its
 device) and handed to lm-eval as an `HFLM` over the loaded model and tokenizer (whose model calls
 for log-likelihoods run each shared context once: eval/shared_prefix.py); each suite task
 is one `simple_evaluate` call through a `TaskManager` that has our task folder (eval/tasks/) on
@@ -42,8 +42,15 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
 
 from ladder.errors import UsageError, first_line
-from ladder.files import atomic_write, sha256_file
-from ladder.loading import DTYPES, from_pretrained_arguments, load_model, load_tokenizer, model_name, resolve_model_path
+from ladder.io.files import atomic_write, sha256_file
+from ladder.io.loading import (
+    DTYPES,
+    from_pretrained_arguments,
+    load_model,
+    load_tokenizer,
+    model_name,
+    resolve_model_path,
+)
 
 from .shared_prefix import score_continuations
 from .suite import Suite, SuiteTask
@@ -69,7 +76,7 @@ class Runtime:
     the accelerate state when `accelerate launch` started several processes."""
 
     device: str  # a torch device: "cpu", "cuda:0"
-    dtype: str  # a key of ladder.loading.DTYPES
+    dtype: str  # a key of ladder.io.loading.DTYPES
     batch_size: int | str = 8  # or "auto": lm-eval finds the largest that fits
     parallelize: bool = False  # split one model over every visible GPU (device_map="auto")
     accelerator: object | None = None  # an accelerate.Accelerator when processes > 1
@@ -220,7 +227,7 @@ def model_class(path: Path) -> type:
     checkpoint, not the copy of its code inside the checkpoint; transformers' Llama for a GGUF)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import ladder.auto  # noqa: F401  (the ladder model's Auto registration, as load_model does)
+    import ladder.model.auto  # noqa: F401  (the ladder model's Auto registration, as load_model does)
 
     location, extra = from_pretrained_arguments(path)
     try:
@@ -638,7 +645,7 @@ def run_suite(
             if cache_dir is not None:
                 classes = [model_class(ref.path)]
                 if runtime.backend == "vllm":  # the code that runs the weights is the vLLM model's
-                    from ladder.vllm_ladder_llama import LadderLlamaForCausalLM as VLLMLadderLlama
+                    from ladder.serving.model import LadderLlamaForCausalLM as VLLMLadderLlama
 
                     classes.append(VLLMLadderLlama)
                 model = {"weights": results.fingerprint, "code": code_digest(classes)}

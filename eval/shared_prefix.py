@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ladder.modeling_ladder_llama import CACHE_ARGUMENT
+from ladder.model.modeling_ladder_llama import CACHE_ARGUMENT
 
 Request = tuple[Sequence[int], Sequence[int]]  # (context tokens, continuation tokens)
 Group = tuple[tuple[int, ...], list[int]]  # (context tokens, indices of the requests that share it)

@@ -38,7 +38,7 @@ def vllm_lm(path: Path, tensor_parallel: int, dtype: str = "float32"):
     from lm_eval.models.vllm_causallms import VLLM
     from vllm.platforms import current_platform
 
-    from ladder.serve import cpu_binding
+    from ladder.serving.engine import cpu_binding
 
     if current_platform.is_cpu() and tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel, sorted(os.sched_getaffinity(0)))

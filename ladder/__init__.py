@@ -2,7 +2,7 @@
 installed beside it as `ladder.convert`, `ladder.adapt` and `ladder.eval`.
 
 `import ladder` is light (no torch): the model classes and the rewiring functions load on first
-use, and with them the registration with transformers' Auto classes (`ladder.auto`).
+use, and with them the registration with transformers' Auto classes (`ladder.model.auto`).
 """
 
 import importlib
@@ -11,9 +11,9 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it; loaded on first access (PEP 562).
 _LAZY = {
-    "LadderLlamaConfig": "ladder.auto",
-    "LadderLlamaForCausalLM": "ladder.auto",
-    "LadderLlamaModel": "ladder.auto",
+    "LadderLlamaConfig": "ladder.model.auto",
+    "LadderLlamaForCausalLM": "ladder.model.auto",
+    "LadderLlamaModel": "ladder.model.auto",
     "ladder_config": "ladder.rewire",
     "to_ladder": "ladder.rewire",
 }

@@ -1,7 +1,11 @@
-"""Bad user input: the one exception type for it (the CLI prints its message on one line and exits
-2), and the argparse parser every command uses, which raises it."""
+"""Bad user input: the one exception type for it, the argparse parser every command uses, which
+raises it, and `run_command`, which turns it into one line on stderr and exit status 2."""
+
+from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 
 
 class UsageError(Exception):
@@ -21,3 +25,16 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(message)
+
+
+def run_command(name: str, main: Callable[[list[str]], int | None], argv: list[str]) -> int:
+    """Run a command's `main` the way the user sees every command end: a `UsageError` is one line
+    on stderr and status 2, Ctrl-C is status 130, anything else is the command's own status."""
+    try:
+        return main(argv) or 0
+    except UsageError as error:
+        print(f"ladder {name}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ladder {name}: interrupted", file=sys.stderr)
+        return 130

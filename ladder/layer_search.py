@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.masking_utils import create_causal_mask
 
-from .errors import UsageError
-from .files import ladder_data_dir
-from .layers import AutoLayers, format_layers, overlapped_all_reduces
-from .rewire import to_ladder
+from ladder.errors import UsageError
+from ladder.io.files import ladder_data_dir
+from ladder.layers import AutoLayers, format_layers, overlapped_all_reduces
+from ladder.rewire import to_ladder
 
 CALIBRATION_BLOCKS = 8  # of 512 tokens: 4,096 tokens, a few seconds of forward per candidate here
 CALIBRATION_SEQ_LEN = 512

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .config_rules import resolve_ladder_layers
-from .errors import UsageError
+from ladder.errors import UsageError
+from ladder.model.config_rules import resolve_ladder_layers
 
 # `LadderLlamaConfig.model_type`, the published checkpoints' name. The configuration file travels
 # inside checkpoints and cannot import this package, so the name is spelled in both places (a test

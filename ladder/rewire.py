@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, PreTrainedModel
 
-from .auto import LadderLlamaConfig, LadderLlamaForCausalLM
-from .layers import CONFIG_BOOKKEEPING, check_llama_model_type
+from ladder.layers import CONFIG_BOOKKEEPING, check_llama_model_type
+from ladder.model.auto import LadderLlamaConfig, LadderLlamaForCausalLM
 
 
 def ladder_config(config: LlamaConfig, ladder_layers: int | list[int]) -> LadderLlamaConfig:

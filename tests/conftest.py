@@ -22,7 +22,7 @@ from tiny import tiny_llama  # noqa: E402
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
     """The real SmolLM2 tokenizer (with its chat template), read once from the embedded GGUF file."""
-    from ladder.loading import embedded_model_path
+    from ladder.io.loading import embedded_model_path
 
     gguf = embedded_model_path()
     directory = tmp_path_factory.mktemp("smollm2-tokenizer")

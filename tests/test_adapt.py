@@ -567,7 +567,7 @@ def test_bf16_trains_under_autocast_and_saves_bf16(tmp_path, tiny_checkpoint, co
 
 def test_sampled_documents_come_from_the_model_and_train_a_recipe(tmp_path, tiny_checkpoint, capsys):
     from ladder.adapt.sample import sample_documents
-    from ladder.loading import load_model
+    from ladder.io.loading import load_model
 
     out = tmp_path / "samples.jsonl"
     args = ["sample", str(tiny_checkpoint), "--tokens", "100", "--length", "20", "--batch-size", "2", "--out", str(out)]

@@ -24,19 +24,19 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import ladder
-from ladder import LadderLlamaForCausalLM, tensor_io, to_ladder
+from benchmarks.common import write_synthetic_checkpoint
+from ladder import LadderLlamaForCausalLM, to_ladder
 from ladder.cli import main as ladder_main
 from ladder.convert import convert as convert_module
 from ladder.convert.convert import MODELING_FILES, default_output_dir, expected_shapes, ladder_config_dict
 from ladder.convert.verify import Damage, damage_problems, measure_damage, prompt_ids
-from ladder.files import sha256_file
-from ladder.loading import embedded_model_path
-from ladder.tensor_io import SafetensorsWriter, TensorSpec, copy_file, read_chunks, read_shard
+from ladder.io import tensors as tensor_io
+from ladder.io.files import sha256_file
+from ladder.io.loading import embedded_model_path
+from ladder.io.tensors import SafetensorsWriter, TensorSpec, copy_file, read_chunks, read_shard
 from tiny import random_ids
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPOSITORY / "benchmarks"))
-from convert_speed import write_synthetic_checkpoint  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

@@ -1,4 +1,4 @@
-"""`ladder data` (ladder/data_fetch.py): fetch-and-verify against a real HTTP server on 127.0.0.1
+"""`ladder data` (ladder/io/data_fetch.py, cli/data.py): fetch-and-verify against a real HTTP server on 127.0.0.1
 serving copies of a few files of the data folder, one of them altered; a closed port stands for
 no network. And the shipped manifest against the data folder's SHA256SUMS."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from ladder.cli import main as ladder_main
-from ladder.data_fetch import DataFile, fetch_data, read_manifest
 from ladder.errors import UsageError
-from ladder.files import ladder_data_dir, sha256_file
+from ladder.io.data_fetch import DataFile, fetch_data, read_manifest
+from ladder.io.files import ladder_data_dir, sha256_file
 
 # Small files of the manifest: served byte for byte. ALTERED is served with one byte changed.
 GOOD = [

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ladder import demo
+from ladder.cli import demo
 from ladder.errors import UsageError
-from ladder.files import ladder_data_dir
+from ladder.io.files import ladder_data_dir
 
 
 def _recipe(directory: Path, checkpoint: Path, **model) -> Path:

@@ -24,7 +24,7 @@ import ladder
 from ladder.errors import UsageError
 from ladder.eval import cli, harness, report
 from ladder.eval.suite import Suite, SuiteTask, load_suite, parse_suite, suite_names
-from ladder.files import ladder_data_dir
+from ladder.io.files import ladder_data_dir
 
 LM_EVAL_TASKS = Path(inspect.getfile(harness.lm_eval)).parent / "tasks"
 OFFLINE_TASKS = {  # our task: (stock task yaml, items in the scored split)
@@ -359,7 +359,7 @@ def test_stock_lm_eval_command_line_gives_the_same_numbers(ladder_checkpoints, t
 
 
 def test_model_names_and_fingerprints(tiny_checkpoint, ladder_checkpoints, tmp_path):
-    from ladder.loading import embedded_model_path
+    from ladder.io.loading import embedded_model_path
 
     refs = harness.resolve_models(["embedded", str(tiny_checkpoint), str(tiny_checkpoint)])
     assert refs[0].path == embedded_model_path().resolve() and refs[0].label == "SmolLM2-135M-Instruct.Q4_1"
@@ -628,7 +628,7 @@ def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):
     # The model code: the installed class that runs the weights, and every base class's module.
     from transformers import LlamaForCausalLM
 
-    from ladder.modeling_ladder_llama import LadderLlamaForCausalLM
+    from ladder.model.modeling_ladder_llama import LadderLlamaForCausalLM
 
     module_file = tmp_path / "my_modeling.py"
 
@@ -653,8 +653,8 @@ def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):
 def test_model_class_is_the_installed_one(tiny_checkpoint, ladder_checkpoints):
     from transformers import LlamaForCausalLM
 
-    from ladder.loading import embedded_model_path
-    from ladder.modeling_ladder_llama import LadderLlamaForCausalLM
+    from ladder.io.loading import embedded_model_path
+    from ladder.model.modeling_ladder_llama import LadderLlamaForCausalLM
 
     assert harness.model_class(tiny_checkpoint) is LlamaForCausalLM
     assert harness.model_class(embedded_model_path()) is LlamaForCausalLM

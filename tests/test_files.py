@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from ladder.errors import UsageError
-from ladder.files import atomic_directory, atomic_write, sha256_file
+from ladder.io.files import atomic_directory, atomic_write, sha256_file
 
 
 def test_directory_appears_only_when_complete(tmp_path):
@@ -50,7 +50,7 @@ def test_sigkill_leaves_no_output_and_the_next_run_clears_the_leftover(tmp_path)
     final = tmp_path / "out"
     script = textwrap.dedent(f"""
         import os, signal
-        from ladder.files import atomic_directory
+        from ladder.io.files import atomic_directory
         with atomic_directory({str(final)!r}) as temporary:
             (temporary / "half").write_text("x")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -73,7 +73,7 @@ def test_sigkill_between_the_two_renames_of_a_replacement_loses_neither(tmp_path
     (final / "old").write_text("old")
     script = textwrap.dedent(f"""
         import os, signal
-        from ladder.files import atomic_directory
+        from ladder.io.files import atomic_directory
         real_replace = os.replace
         def replace_then_die(source, target):
             real_replace(source, target)

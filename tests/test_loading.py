@@ -14,7 +14,7 @@ from huggingface_hub import ModelCard
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 from ladder.eval.harness import resolve_models
-from ladder.loading import embedded_model_path, hub_model_id, load_model, model_name, resolve_model_path
+from ladder.io.loading import embedded_model_path, hub_model_id, load_model, model_name, resolve_model_path
 
 
 def test_empty_path_means_the_embedded_model():

@@ -15,7 +15,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from ladder.files import ladder_data_dir
+from ladder.io.files import ladder_data_dir
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,10 @@ def test_the_wheel_installs_everything_under_ladder(tmp_path):
         "ladder/eval/harness.py",
         "ladder/eval/tasks/ladder_wikitext.yaml",
         "ladder/eval/suites/smoke.yaml",
-        "ladder/demo.py",
+        "ladder/cli/demo.py",
+        "ladder/model/modeling_ladder_llama.py",
+        "ladder/io/data_manifest.tsv",
+        "ladder/serving/plugin.py",
     ):
         assert module in names
 
@@ -105,10 +108,10 @@ def _imports_after(code: str) -> set[str]:
 
 def test_ladder_help_and_the_light_modules_do_not_import_torch():
     assert "torch" not in _imports_after("from ladder.cli import main; main(['--help'])")
-    assert "torch" not in _imports_after("import ladder, ladder.errors, ladder.layers, ladder.files")
+    assert "torch" not in _imports_after("import ladder, ladder.errors, ladder.layers, ladder.io.files")
     assert "transformers" not in _imports_after("import ladder.layers")
     # Touching a model class loads the model and registers it with the Auto classes.
-    assert "ladder.auto" in _imports_after("import ladder; ladder.LadderLlamaForCausalLM")
+    assert "ladder.model.auto" in _imports_after("import ladder; ladder.LadderLlamaForCausalLM")
 
 
 def test_data_folder_needs_ladder_data_outside_a_checkout(monkeypatch, tmp_path):
@@ -123,7 +126,7 @@ def test_data_folder_needs_ladder_data_outside_a_checkout(monkeypatch, tmp_path)
     site = tmp_path / "site-packages"
     shutil.copytree(REPOSITORY / "ladder", site / "ladder", ignore=shutil.ignore_patterns("__pycache__"))
     code = (
-        "from ladder.files import ladder_data_dir\n"
+        "from ladder.io.files import ladder_data_dir\n"
         "try:\n    ladder_data_dir()\nexcept Exception as error:\n    print(type(error).__name__, error)"
     )
     done = subprocess.run(

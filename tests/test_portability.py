@@ -26,6 +26,9 @@ from ladder import LadderLlamaForCausalLM
 from ladder.convert.convert import convert_checkpoint
 from tiny import random_ids
 
+# Needs the other transformers versions (.venv-compat), which `make test` builds: `make test-fast` skips it.
+pytestmark = pytest.mark.envs
+
 REPOSITORY = Path(__file__).resolve().parents[1]
 WORKERS = REPOSITORY / "tests" / "compat"
 

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from ladder import to_ladder
-from ladder.tp import generate, init_distributed, install_communication, load_shard
+from ladder.tp.runtime import generate, init_distributed, install_communication, load_shard
 from tiny import random_ids, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,9 +142,8 @@ def test_tp1_in_process_and_rewiring_in_place(checkpoints):
 
 
 @pytest.fixture
-def tp_speed(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    return importlib.import_module("tp_speed")
+def tp_speed():
+    return importlib.import_module("benchmarks.tp_speed")
 
 
 @pytest.mark.parametrize(
@@ -167,10 +166,10 @@ def test_benchmark_refuses_bad_options_in_one_line(tp_speed, tiny_checkpoint, tm
 
 
 def run_benchmark(tiny_checkpoint, out, link):
-    command = [sys.executable, str(REPO / "benchmarks" / "tp_speed.py"), "--model", str(tiny_checkpoint),
+    command = [sys.executable, "-m", "benchmarks.tp_speed", "--model", str(tiny_checkpoint),
                "--batch", "1,2", "--prompt-length", "8", "--new-tokens", "3", "--repeats", "2", "--warmup", "0",
                "--link", link, "--out", str(out)]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.loads(out.read_text())
 

@@ -25,6 +25,9 @@ from ladder import to_ladder
 from ladder.launch import free_port
 from tiny import tiny_llama
 
+# Needs vLLM's environment (.venv-serve), which `make test` builds: `make test-fast` skips it.
+pytestmark = pytest.mark.envs
+
 REPO = Path(__file__).resolve().parents[1]
 SERVE_ENV = REPO / ".venv-serve"
 SERVE_PYTHON = SERVE_ENV / "bin" / "python"
@@ -186,7 +189,7 @@ def references(checkpoints, prompt_ids) -> dict:
 
 def test_smollm2_ladder_matches_transformers(vllm_greedy, references):
     result = vllm_greedy["smollm2-ladder8"]
-    assert result["model_classes"] == ["ladder.vllm_ladder_llama.LadderLlamaForCausalLM"]
+    assert result["model_classes"] == ["ladder.serving.model.LadderLlamaForCausalLM"]
     worst = compare_greedy(references["smollm2-ladder8"], result, "SmolLM2 ladder, vLLM TP=1")
     print(f"SmolLM2 upper-8 ladder, vLLM vs transformers: largest log-probability difference {worst:.2e}")
 
@@ -196,7 +199,7 @@ def test_tensor_parallel_ladder_matches(vllm_greedy, references):
     compare_greedy(reference, vllm_greedy["tiny-ladder-tp1"], "tiny ladder, vLLM TP=1")
     compare_greedy(reference, vllm_greedy["tiny-ladder-tp2"], "tiny ladder, vLLM TP=2")
     assert vllm_greedy["tiny-ladder-tp2"]["tokens"] == vllm_greedy["tiny-ladder-tp1"]["tokens"]
-    assert vllm_greedy["tiny-ladder-tp2"]["model_classes"] == ["ladder.vllm_ladder_llama.LadderLlamaForCausalLM"] * 2
+    assert vllm_greedy["tiny-ladder-tp2"]["model_classes"] == ["ladder.serving.model.LadderLlamaForCausalLM"] * 2
 
 
 def test_plain_llama_uses_vllms_own_model(vllm_greedy, references):
@@ -212,6 +215,7 @@ def test_plain_llama_uses_vllms_own_model(vllm_greedy, references):
 CHAT_CLIENT = """
 import json, sys
 from openai import OpenAI
+
 client = OpenAI(base_url=f"http://127.0.0.1:{sys.argv[1]}/v1", api_key="unused")
 model = client.models.list().data[0].id
 reply = client.chat.completions.create(

@@ -5,7 +5,7 @@ Each task YAML names a loader here as its `custom_dataset` and lists every file 
 with the task's `dataset_kwargs` and the TaskManager's metadata. Because the files are in the
 config, `ladder eval`'s cache key can hash their content (`data_paths`). The data folder is `metadata["data_dir"]` when
 given (`ladder eval --data`, or `lm_eval --metadata '{"data_dir": ...}'`), else `$LADDER_DATA`,
-else `../shared/data` beside the repository (`ladder.files.ladder_data_dir`). Prompt formatting
+else `../shared/data` beside the repository (`ladder.io.files.ladder_data_dir`). Prompt formatting
 reuses the stock tasks' own functions where they have them, so formats cannot drift apart.
 """
 
@@ -21,7 +21,7 @@ from lm_eval.tasks.hellaswag.utils import preprocess as hellaswag_preprocess
 from lm_eval.tasks.wikitext.preprocess_wikitext import process_results as wikitext_process_results  # noqa: F401
 from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer  # noqa: F401
 
-from ladder.files import ladder_data_dir
+from ladder.io.files import ladder_data_dir
 
 
 def data_file(relative: str, data_dir: str | None = None) -> Path:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from .errors import UsageError
+from ladder.errors import UsageError
 
 _TEMPORARY_MARK = ".tmp-"
 _RETIRED_SUFFIX = "-old"  # an existing output set aside while its replacement moves in
@@ -159,7 +159,7 @@ def ladder_data_dir() -> Path:
     configured = os.environ.get("LADDER_DATA")
     if configured:
         return Path(configured).expanduser()
-    checkout = Path(__file__).resolve().parents[1]
+    checkout = Path(__file__).resolve().parents[2]
     beside = checkout.parent / "shared" / "data"
     if (checkout / "setup.cfg").is_file() and beside.is_dir():
         return beside

@@ -9,16 +9,16 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .errors import UsageError
+from ladder.errors import run_command
 
 STAGES = {
     "convert": ("ladder.convert.cli", "rewire a Llama checkpoint into ladder form"),
     "adapt": ("ladder.adapt.cli", "retrain a ladder model from a YAML recipe"),
     "sample": ("ladder.adapt.sample", "sample text from a model to retrain on (self-distillation data)"),
     "eval": ("ladder.eval.cli", "score models side by side with lm-evaluation-harness"),
-    "demo": ("ladder.demo", "convert, retrain and evaluate the embedded SmolLM2 (make demo)"),
-    "data": ("ladder.data_fetch", "fetch the data folder from its public sources and verify it (make data)"),
-    "serve": ("ladder.serve", "serve a checkpoint with vLLM's OpenAI-compatible server (make serve)"),
+    "demo": ("ladder.cli.demo", "convert, retrain and evaluate the embedded SmolLM2 (make demo)"),
+    "data": ("ladder.cli.data", "fetch the data folder from its public sources and verify it (make data)"),
+    "serve": ("ladder.serving.server", "serve a checkpoint with vLLM's OpenAI-compatible server (make serve)"),
 }
 
 
@@ -35,23 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0 if argv else 2
     if argv[0] == "--version":
-        from . import __version__
+        from ladder import __version__
 
         print(__version__)
         return 0
     if argv[0] not in STAGES:
         print(f"ladder: error: unknown command {argv[0]!r}; choose from {', '.join(STAGES)}", file=sys.stderr)
         return 2
-    stage = importlib.import_module(STAGES[argv[0]][0])
-    try:
-        return stage.main(argv[1:]) or 0
-    except UsageError as error:
-        print(f"ladder {argv[0]}: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"ladder {argv[0]}: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    command = importlib.import_module(STAGES[argv[0]][0])
+    return run_command(argv[0], command.main, argv[1:])

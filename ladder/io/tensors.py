@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import UsageError, first_line
-from .files import StreamingSha256
+from ladder.errors import UsageError, first_line
+from ladder.io.files import StreamingSha256
 
 if TYPE_CHECKING:
     import torch

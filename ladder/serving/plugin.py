@@ -4,13 +4,13 @@
 vLLM calls `register()` in every process it starts (the API server, the engine core and each
 tensor-parallel worker), so registration must be cheap and repeatable: the model class is
 registered by its "module:Class" name and imported only where a model is built. Under `ladder serve`
-it also applies the server's shutdown fix (ladder/serve.py: `quiet_engine_shutdown`).
+it also applies the server's shutdown fix (ladder/serving/server.py: `quiet_engine_shutdown`).
 """
 
 import os
 
 ARCHITECTURE = "LadderLlamaForCausalLM"
-MODEL_CLASS = "ladder.vllm_ladder_llama:LadderLlamaForCausalLM"
+MODEL_CLASS = "ladder.serving.model:LadderLlamaForCausalLM"
 
 
 def register() -> None:
@@ -19,12 +19,12 @@ def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    from .configuration_ladder_llama import LadderLlamaConfig
+    from ladder.model.configuration_ladder_llama import LadderLlamaConfig
 
     AutoConfig.register(LadderLlamaConfig.model_type, LadderLlamaConfig, exist_ok=True)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
-    from .serve import SERVE_ENV_FLAG, quiet_engine_shutdown
+    from ladder.serving.server import SERVE_ENV_FLAG, quiet_engine_shutdown
 
     if os.environ.get(SERVE_ENV_FLAG):
         quiet_engine_shutdown()

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ladder.errors import ArgumentParser, UsageError
-from ladder.files import atomic_write
+from ladder.io.files import atomic_write
 
 # Every file the demo reads is local: switch the Hub off before transformers or datasets load.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

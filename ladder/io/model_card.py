@@ -16,9 +16,8 @@ from pathlib import Path
 from huggingface_hub import ModelCard, ModelCardData
 
 import ladder
-
-from .errors import UsageError
-from .loading import EMBEDDED_HUB_ID, embedded_model_path, hub_model_id, model_name
+from ladder.errors import UsageError
+from ladder.io.loading import EMBEDDED_HUB_ID, embedded_model_path, hub_model_id, model_name
 
 # Files a model's licence terms ask to be passed on with it (Llama: LICENSE and USE_POLICY.md).
 LICENCE_FILE_PATTERNS = ("LICENSE*", "LICENCE*", "USE_POLICY*", "NOTICE*")
@@ -56,7 +55,7 @@ def _gguf_licence(path: Path) -> str | None:
 
 
 def source_facts(path: Path) -> SourceFacts:
-    """Base model and licence of a resolved model path (`ladder.loading.resolve_model_path`).
+    """Base model and licence of a resolved model path (`ladder.io.loading.resolve_model_path`).
 
     The base model is the source's Hub ID (a snapshot in the Hugging Face cache, or the embedded
     SmolLM2); a checkpoint this toolkit wrote passes on its own card's base model, so a model
@@ -126,7 +125,7 @@ def loading_section() -> str:
             "## Loading",
             "",
             "```python",
-            "import ladder.auto  # registers the ladder model with transformers",
+            "import ladder.model.auto  # registers the ladder model with transformers",
             "from transformers import AutoModelForCausalLM",
             "",
             "model = AutoModelForCausalLM.from_pretrained(PATH)",

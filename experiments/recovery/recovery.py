@@ -26,9 +26,9 @@ model here). Training and scoring run on the GPU when there is one.
 Each condition's result is kept in OUT/<condition>.json and reused, so the grid can run in chunks
 and a killed run continues where it stopped:
 
-    .venv/bin/python benchmarks/recovery.py --shapes 8 auto:8 --objectives lm kd hidden --budgets 24576
-    .venv/bin/python benchmarks/recovery.py                      # the full grid (see README for its cost)
-    .venv/bin/python benchmarks/recovery.py --report             # the tables from what is done
+    .venv/bin/python experiments/recovery/recovery.py --shapes 8 auto:8 --objectives lm kd hidden --budgets 24576
+    .venv/bin/python experiments/recovery/recovery.py                      # the full grid (see README for its cost)
+    .venv/bin/python experiments/recovery/recovery.py --report             # the tables from what is done
 
 Extra `key=value` arguments override the recipe for every trained condition (e.g. optimizer.lr=1e-4).
 """
@@ -46,18 +46,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import ladder
+from ladder.adapt.data import load_blocks
+from ladder.adapt.losses import block_losses
+from ladder.adapt.recipe import SourceSpec, load_recipe, model_path
+from ladder.adapt.train import train
+from ladder.io.loading import load_model, load_tokenizer
+from ladder.layer_search import calibration_from_blocks, choose_ladder_layers
+from ladder.layers import format_layers, overlapped_all_reduces, parse_auto_layers, parse_ladder_layers
 
-import ladder  # noqa: E402
-from ladder.adapt.data import load_blocks  # noqa: E402
-from ladder.adapt.losses import block_losses  # noqa: E402
-from ladder.adapt.recipe import SourceSpec, load_recipe, model_path  # noqa: E402
-from ladder.adapt.train import train  # noqa: E402
-from ladder.layer_search import calibration_from_blocks, choose_ladder_layers  # noqa: E402
-from ladder.layers import format_layers, overlapped_all_reduces, parse_auto_layers, parse_ladder_layers  # noqa: E402
-from ladder.loading import load_model, load_tokenizer  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "smollm2-135m-ladder-cpu.yaml"
 WIKITEXT = SourceSpec(path="${LADDER_DATA}/eval/wikitext2_raw/wiki.valid.raw", max_tokens=8192)
 OBJECTIVES = {

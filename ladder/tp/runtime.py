@@ -1,5 +1,5 @@
 """Tensor-parallel inference runtime for standard and ladder Llama checkpoints (gpt-fast's tp.py and
-generate.py, for the shard in `ladder.tp_model`).
+generate.py, for the shard in `ladder.tp.shard`).
 
 Launch one process per rank with torchrun (gloo on CPU, NCCL on GPU, one GPU per rank):
 
@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, LlamaConfig
 
-from . import auto  # noqa: F401  (read_config reads ladder configs through AutoConfig)
-from .errors import UsageError
-from .layers import check_llama_model_type
-from .tensor_io import LazyTensorLoader, ShardedTensorIndex
-from .tp_model import LlamaShard, Ready, ShardShape, local_sum
+import ladder.model.auto  # noqa: F401  (read_config reads ladder configs through AutoConfig)
+from ladder.errors import UsageError
+from ladder.io.tensors import LazyTensorLoader, ShardedTensorIndex
+from ladder.layers import check_llama_model_type
+from ladder.tp.shard import LlamaShard, Ready, ShardShape, local_sum
 
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -28,10 +28,10 @@ is synchronous (vLLM 0.32 has no asynchronous all-reduce):
   the reduction on a second CUDA stream with events, inside vLLM's CUDA-graph capture; vLLM's
   communicator offers no such call, and it is not done here.
 So on vLLM the ladder wiring is computed correctly under tensor parallelism, with the reductions
-placed where an asynchronous communicator would overlap them; `ladder/tp.py` is the runtime that
+placed where an asynchronous communicator would overlap them; `ladder/tp/runtime.py` is the runtime that
 does overlap them (gloo or NCCL, asynchronously).
 
-Imported only inside the serving environment (vLLM installed); `ladder.vllm_plugin` registers it.
+Imported only inside the serving environment (vLLM installed); `ladder.serving.plugin` registers it.
 """
 
 from itertools import islice
@@ -43,7 +43,7 @@ from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, 
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.sequence import IntermediateTensors
 
-from .configuration_ladder_llama import resolve_ladder_layers
+from ladder.model.configuration_ladder_llama import resolve_ladder_layers
 
 
 class LadderLlamaDecoderLayer(LlamaDecoderLayer):

@@ -18,8 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import ArgumentParser, UsageError, first_line
-from .loading import resolve_model_path
+from ladder.errors import ArgumentParser, UsageError
+from ladder.io.loading import resolve_model_path
+from ladder.serving.engine import cpu_binding, vllm_error_message
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -28,7 +29,7 @@ DEFAULT_PORT = 8000
 # engine's shared memory and semaphores. With a grace period an idle engine exits on its own at
 # once, and a busy one first answers what it was answering.
 SHUTDOWN_TIMEOUT = 30
-# Set for the server's processes; the plugin (ladder/vllm_plugin.py) then applies `quiet_engine_shutdown`.
+# Set for the server's processes; the plugin (ladder/serving/plugin.py) then applies `quiet_engine_shutdown`.
 SERVE_ENV_FLAG = "LADDER_SERVE"
 
 
@@ -78,27 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     parser.add_argument("--check-only", action="store_true", help="check that vLLM can serve the checkpoint, then exit")
     return parser
-
-
-def cpu_binding(tp: int, cores: list[int]) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `tp` ranks over `cores`: equal contiguous groups, one per rank.
-    vLLM's own "auto" binds by NUMA node and refuses more ranks than nodes (one node here)."""
-    per_rank = len(cores) // tp
-    if per_rank == 0:
-        raise UsageError(f"--tp {tp} needs at least {tp} CPU cores; this process may use {len(cores)}")
-    groups = [cores[rank * per_rank : (rank + 1) * per_rank] for rank in range(tp)]
-    return "|".join(",".join(str(core) for core in group) for group in groups)
-
-
-def vllm_error_message(error: BaseException) -> str:
-    """One line from a vLLM configuration error; pydantic's ValidationError puts it in its entries."""
-    entries = getattr(error, "errors", None)
-    if callable(entries):
-        try:
-            return "; ".join(entry["msg"].removeprefix("Value error, ") for entry in entries())
-        except (TypeError, KeyError):
-            pass
-    return first_line(error)
 
 
 def check_servable(model: Path, tp: int) -> None:

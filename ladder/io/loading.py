@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import UsageError, first_line
+from ladder.errors import UsageError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -182,7 +182,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
-    import ladder.auto  # noqa: F401  (registers the ladder model with the Auto classes)
+    import ladder.model.auto  # noqa: F401  (registers the ladder model with the Auto classes)
 
     path = resolve_model_path(path)
     location, extra = from_pretrained_arguments(path)

@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 import pooch
 import requests  # pooch's HTTP client: its errors are what a failed download raises
 
-from .errors import ArgumentParser, UsageError, first_line
-from .files import ladder_data_dir, sha256_file
+from ladder.errors import UsageError, first_line
+from ladder.io.files import sha256_file
 
 MANIFEST = Path(__file__).with_name("data_manifest.tsv")
 TIMEOUT_SECONDS = 60
@@ -125,29 +125,4 @@ def fetch_data(
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(
-        prog="ladder data",
-        description="Fetch the data folder (evaluation sets, training books) from the files' public sources "
-        "and verify each file's SHA-256; files already present and correct are kept.",
-    )
-    parser.add_argument(
-        "--dest",
-        type=Path,
-        default=None,
-        help="the data folder to fill (default: $LADDER_DATA, else ../shared/data beside the repository)",
-    )
-    parser.add_argument("--manifest", type=Path, default=MANIFEST, help="the list of files (default: %(default)s)")
-    args = parser.parse_args(argv)
-    destination = args.dest if args.dest is not None else ladder_data_dir()
-    report = fetch_data(destination, manifest=args.manifest, progress=True)
-    print(report.summary(Path(destination).absolute()))
-    if report.refused:
-        raise UsageError(
-            f"{len(report.refused)} file(s) failed their SHA-256 check and were not kept; "
-            "the source may have changed: see the data folder's README for where each file comes from"
-        )
-    return 0
-
-
-__all__ = ["MANIFEST", "DataFile", "FetchReport", "fetch_data", "main", "read_manifest"]
+__all__ = ["MANIFEST", "DataFile", "FetchReport", "fetch_data", "read_manifest"]

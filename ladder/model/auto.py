@@ -1,4 +1,4 @@
-"""Registers the ladder model with transformers' Auto classes: `import ladder.auto` once, then
+"""Registers the ladder model with transformers' Auto classes: `import ladder.model.auto` once, then
 `AutoModelForCausalLM.from_pretrained(dir)` loads a ladder checkpoint without remote code, and
 `save_pretrained` writes `auto_map` plus the modeling files, so the checkpoint also loads elsewhere
 with `trust_remote_code=True`.

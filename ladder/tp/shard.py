@@ -10,7 +10,7 @@ intermediate channels), o/down are row-parallel, so each branch (attention, MLP)
 rank's *partial* output, one term of a sum over ranks. The layer loop hands every partial to
 `self.reduce`, which sums it over the ranks and returns a pending result; the loop calls `.wait()`
 where the wiring needs the sum. This file imports nothing distributed: the default `reduce` is the
-identity, exact at TP=1, and `ladder.tp` installs the collective (an all-reduce over the group).
+identity, exact at TP=1, and `ladder.tp.runtime` installs the collective (an all-reduce over the group).
 
 The attention and MLP maths follow transformers' Llama (RMSNorm, RoPE from LlamaRotaryEmbedding so
 llama3/linear/... scaling comes for free, GQA, tied embeddings), so logits match
@@ -223,14 +223,14 @@ class LlamaShard(nn.Module):
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """Logits for `input_ids` (batch, length) at cache positions `input_pos` (length,).
 
-        The two streams of ladder/modeling_ladder_llama.py are `x` plus what is pending: `x` with
+        The two streams of ladder/model/modeling_ladder_llama.py are `x` plus what is pending: `x` with
         the pending attention sum settled is its attn_stream, with the pending MLP sum settled too
         its mlp_stream. The residual `x` takes each branch's summed output one step late (Algorithm 1): a ladder
         layer adds the previous attention output, launches its own attention, adds the previous
         MLP output, launches its MLP, and the sums travel while the next branch computes. A
         standard layer adds whatever is pending and sums its attention at once; its MLP output is
         also left pending, because a ladder layer right after it reads the stream from before that
-        MLP (see ladder/modeling_ladder_llama.py). The caller keeps positions inside the cache.
+        MLP (see ladder/model/modeling_ladder_llama.py). The caller keeps positions inside the cache.
         """
         cos, sin, mask = self.cos[:, input_pos], self.sin[:, input_pos], self.causal_mask[input_pos]
         x = self.embed(input_ids)
