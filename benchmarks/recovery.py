@@ -27,7 +27,7 @@ Each condition's result is kept in OUT/<condition>.json and reused, so the grid 
 and a killed run continues where it stopped:
 
     .venv/bin/python benchmarks/recovery.py --shapes 8 auto:8 --objectives lm kd hidden --budgets 24576
-    .venv/bin/python benchmarks/recovery.py                      # the full grid (see docs/recovery.md for its cost)
+    .venv/bin/python benchmarks/recovery.py                      # the full grid (see README for its cost)
     .venv/bin/python benchmarks/recovery.py --report             # the tables from what is done
 
 Extra `key=value` arguments override the recipe for every trained condition (e.g. optimizer.lr=1e-4).
