@@ -1,4 +1,4 @@
-# Ladder Residual toolkit. `make help` lists the targets; the README describes their variables.
+# Ladder Residual toolkit. `make help` lists the targets; docs/commands.md describes their variables.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv

@@ -41,7 +41,7 @@ class ModelSpec:
     # Recompute activations in backward: less memory, about 30% more compute. The 8B recipes leave it
     # off because FSDP checkpoints activations itself (fsdp_activation_checkpointing in their config).
     gradient_checkpointing: bool = False
-    # torch.compile each decoder layer (opt-in: the first steps pay the compilation; see README figures).
+    # torch.compile each decoder layer (opt-in: the first steps pay the compilation; see docs/benchmarks.md).
     compile: bool = False
 
 

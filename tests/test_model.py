@@ -277,7 +277,7 @@ def test_save_load_round_trip(tmp_path):
 
 
 def test_peft_lora_adapters_save_and_load_on_a_ladder_model(tmp_path):
-    """The README's peft recipe: LoRA on a ladder checkpoint, adapter saved, reloaded on a fresh copy."""
+    """The peft recipe of docs/checkpoints.md: LoRA on a ladder checkpoint, adapter saved, reloaded on a fresh copy."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     to_ladder(tiny_llama(), 3).save_pretrained(tmp_path / "ladder")

@@ -19,7 +19,7 @@ from ladder.io.files import ladder_data_dir
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
-# The ends of the ranges that were tested (README, "Two commands"): the lower ends are what
+# The ends of the ranges that were tested (docs/portability.md): the lower ends are what
 # `make install` pins, the upper ends a throwaway venv with that torch installed first.
 TESTED_ENDS = {"torch": ("2.13.0", "2.14.1"), "transformers": ("5.24.0", "5.25.0")}
 
