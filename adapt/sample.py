@@ -3,7 +3,7 @@
 Retraining on the original model's own samples (with `objective: kd`, its full distribution at every
 position) teaches the ladder model what the original does in every domain the original writes in,
 not only in the domain of the training text at hand (data-free distillation, as in LLM-QAT,
-arXiv 2305.17888). benchmarks/recovery.py compares it with retraining on books (docs/recovery.md).
+arXiv 2305.17888). experiments/recovery/recovery.py compares it with retraining on books (docs/recovery.md).
 
 Each document starts from a token drawn uniformly from the vocabulary (as in LLM-QAT), then
 samples at temperature 1 with no top-k or top-p cut, so that the text follows the model's own
