@@ -48,7 +48,14 @@ from ladder.io.model_card import (
     source_facts,
 )
 from ladder.layer_search import calibration_from_blocks, choose_ladder_layers
-from ladder.layers import LADDER_MODEL_TYPE, format_layers, parse_auto_layers, parse_ladder_layers
+from ladder.layers import (
+    LADDER_MODEL_TYPE,
+    AutoLayers,
+    format_layers,
+    parse_ladder_layers,
+    parse_layer_choice,
+    resolve_layer_choice,
+)
 
 from .checkpoint import (
     RECIPE_FILE,
@@ -237,20 +244,23 @@ class AdaptRun:
         """model.ladder_layers as a list of layers. `auto:N` measures candidates on calibration blocks
         spread over data.train (the main process searches, the others read its record); a resumed run
         reuses the recorded choice."""
-        spec, num_layers = self.recipe.model.ladder_layers, model.config.num_hidden_layers
-        auto = parse_auto_layers(spec, num_layers, "model.ladder_layers")
-        if auto is None:
-            return parse_ladder_layers(spec, num_layers, "model.ladder_layers")
+        choice = parse_layer_choice(
+            self.recipe.model.ladder_layers, model.config.num_hidden_layers, "model.ladder_layers"
+        )
         record = self.run_dir / LAYER_SEARCH_FILE
-        with self.accelerator.main_process_first():
-            if self.main and not (
-                self.recipe.resume and record.is_file() and json.loads(record.read_text())["spec"] == str(auto)
-            ):
-                search = choose_ladder_layers(model, calibration_from_blocks(self.data.train.ids), auto)
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                atomic_write(record, json.dumps(dataclasses.asdict(search), indent=1) + "\n")
-                self.accelerator.print(search.summary())
-            return json.loads(record.read_text())["chosen"]
+
+        def search(auto: AutoLayers) -> list[int]:
+            with self.accelerator.main_process_first():
+                if self.main and not (
+                    self.recipe.resume and record.is_file() and json.loads(record.read_text())["spec"] == str(auto)
+                ):
+                    found = choose_ladder_layers(model, calibration_from_blocks(self.data.train.ids), auto)
+                    self.run_dir.mkdir(parents=True, exist_ok=True)
+                    atomic_write(record, json.dumps(dataclasses.asdict(found), indent=1) + "\n")
+                    self.accelerator.print(found.summary())
+                return json.loads(record.read_text())["chosen"]
+
+        return resolve_layer_choice(choice, search)
 
     def setup_data(self) -> None:
         """The tokenized blocks (the main process tokenizes, the others then read its cache) and
@@ -683,8 +693,7 @@ def check_model(recipe: Recipe) -> bool:
     if recipe.model.ladder_layers is None and not is_ladder:
         raise UsageError("model.ladder_layers: model.path is an original Llama, so name the layers to rewire")
     if recipe.model.ladder_layers is not None and "num_hidden_layers" in config:
-        if parse_auto_layers(recipe.model.ladder_layers, config["num_hidden_layers"], "model.ladder_layers") is None:
-            parse_ladder_layers(recipe.model.ladder_layers, config["num_hidden_layers"], "model.ladder_layers")
+        parse_layer_choice(recipe.model.ladder_layers, config["num_hidden_layers"], "model.ladder_layers")
     if recipe.objective.needs_teacher() and is_ladder and not recipe.model.teacher:
         raise UsageError(
             f"model.teacher: objective {recipe.objective.name} needs the original model as teacher, "
