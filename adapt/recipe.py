@@ -57,8 +57,12 @@ class SourceSpec:
     documents: Literal["file", "blank_line"] = "file"
     hf_subset: str | None = None
     hf_split: str = "train"
-    # Stop reading this source after this many tokens (0 = all): bounds Hub streams and big folders.
+    # Stop reading this source after this many tokens (0 = all): bounds Hub streams and big folders. Without
+    # data.sample_seed these are the first tokens in file order.
     max_tokens: int = 0
+    # Mix data.train's sources by tokens: each weighted source gives weight / (sum of weights) of
+    # data.mix_tokens, its documents spread evenly through the data (0 = no mixture; all or none weighted).
+    weight: float = 0.0
     # Which tokens the next-token loss trains on: auto = the assistant turns of chat records (the system
     # and user turns and role headers are context only) and all of plain text; all; assistant.
     train_on: Literal["auto", "all", "assistant"] = "auto"
@@ -77,6 +81,11 @@ class DataSpec:
     # is block-diagonal (transformers builds that mask from the position ids, with sdpa and eager).
     isolate_documents: bool = False
     cache_dir: str = "runs/adapt/cache"
+    # Read each source's documents in an order shuffled with this seed before max_tokens cuts it (a Hub
+    # stream: its files shuffled, and records drawn through a buffer of 10,000); null = file order.
+    sample_seed: int | None = None
+    # Tokens of data.train when its sources have weights.
+    mix_tokens: int = 0
 
 
 @dataclass
@@ -389,6 +398,24 @@ def validate(recipe: Recipe) -> None:
             if not source.path:
                 raise UsageError(f"data.{group}[{i}].path is empty")
             expand_path(source.path, f"data.{group}[{i}].path")
+    validate_mixture(recipe.data)
+
+
+def validate_mixture(data: DataSpec) -> None:
+    """Weights go on every data.train source or on none, with data.mix_tokens and without max_tokens."""
+    weighted = [source.weight > 0 for source in data.train]
+    for i, source in enumerate(data.train):
+        if source.weight < 0:
+            raise UsageError(f"data.train[{i}].weight must be 0 (no mixture) or more")
+        if source.weight > 0 and source.max_tokens:
+            raise UsageError(f"data.train[{i}]: a weighted source takes its share of data.mix_tokens, not max_tokens")
+    if any(weighted) and not all(weighted):
+        raise UsageError(f"data.train[{weighted.index(False)}].weight: weight every data.train source, or none")
+    if any(weighted) != (data.mix_tokens > 0):
+        raise UsageError("data.mix_tokens goes with weights on the data.train sources, and weights need it")
+    for i, source in enumerate(data.eval):
+        if source.weight:
+            raise UsageError(f"data.eval[{i}].weight: only data.train's sources are mixed")
 
 
 def model_path(text: str) -> str:

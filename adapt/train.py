@@ -65,7 +65,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .data import BlockOrder, Blocks, Splits, document_positions, local_files, prepare_data
+from .data import BlockOrder, Blocks, Splits, data_prepared, document_positions, local_files, prepare_data
 from .distill import Distiller
 from .losses import block_loss_sums, head_losses, hidden_loss, losses_in_lm_head, next_token_labels
 from .memory import allocate_optimizer_state, keep_fewer_activations
@@ -266,6 +266,11 @@ class AdaptRun:
         """The tokenized blocks (the main process tokenizes, the others then read its cache) and
         the order in which the steps read them."""
         batch, processes = self.recipe.batch, self.accelerator.num_processes
+        if processes > 1 and not data_prepared(self.recipe.data, self.tokenizer):
+            raise UsageError(
+                f"the data is not prepared, and {processes - 1} of {processes} processes would wait while one "
+                "tokenizes it: run `ladder adapt RECIPE.yaml [key=value ...] --prepare-data` first"
+            )
         with self.accelerator.main_process_first():
             self.data = prepare_data(self.recipe.data, self.tokenizer)
         self.order = BlockOrder(len(self.data.train), self.recipe.seed, batch.micro_batch, batch.grad_accum, processes)

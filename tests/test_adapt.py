@@ -466,6 +466,10 @@ def test_two_processes_give_the_loss_curve_of_one(tmp_path, tiny_checkpoint, cor
     # `--multi_gpu` is what makes accelerate start several processes (through torchrun); with no
     # GPU, adapt runs them on CPU over gloo. (`--cpu --num_processes 2` starts only one.)
     launcher = multi_process_launcher(2)
+    refused = run_adapt([str(double)], launcher=launcher)
+    output, _ = refused.communicate(timeout=300)
+    assert refused.returncode != 0 and "--prepare-data` first" in output and "Traceback" not in output, output
+    assert adapt_main([str(double), "--prepare-data"]) == 0
     process = run_adapt([str(double)], launcher=launcher)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output

@@ -48,6 +48,7 @@ def fsdp_launcher() -> list[str]:
 
 
 def launch(recipe: Path, launcher: list[str], *overrides: str) -> str:
+    assert ladder_main(["adapt", str(recipe), *overrides, "--prepare-data"]) == 0  # several processes need it first
     process = run_adapt([str(recipe), *overrides], launcher=launcher)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output
@@ -138,6 +139,7 @@ def test_fsdp_launcher_killed_mid_run_resumes_exactly(tmp_path, tiny_checkpoint,
     recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256, **{"batch.micro_batch": 2})
     run_dir = tmp_path / "run"
     # Its own session, so the SIGKILL takes the launcher and both ranks at once, as a lost node would.
+    assert ladder_main(["adapt", str(recipe), "--prepare-data"]) == 0
     process = run_adapt([str(recipe)], launcher=fsdp_launcher(), start_new_session=True)
     wait_for_losses(process, run_dir, 4)
     os.killpg(process.pid, signal.SIGKILL)

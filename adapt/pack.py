@@ -1,0 +1,369 @@
+"""Tokenize a group of sources on every core, keep each chunk's tokens as a shard, pack the blocks.
+
+Chunks of each source (adapt/sources.py) go to a pool of worker processes, one per core, each with
+its own single-threaded Rust tokenizer (adapt/tokenize.py). Their results come back in chunk order
+and are written as shards (`<source>-<chunk>.npz`, atomically) to a folder beside the cache entry;
+a source stops once its shards hold its `max_tokens` (or its share of a mixture). A prepare killed
+at any point finds the shards written so far, tokenizes only the rest and packs the same blocks:
+nothing in the blocks depends on timing, the number of workers, or where the kill fell. Packing
+reads the shards in order, cuts each source at its quota, interleaves mixed sources document by
+document (each next document from the source furthest behind its share) and writes whole rows.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import multiprocessing
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from ladder.errors import UsageError
+from ladder.files import atomic_write
+
+from .recipe import SourceSpec
+from .sources import HF_PREFIX, local_files, source_chunks
+from .tokenize import Chunk, Tokenized, Worker, start_worker, tokenize_in_worker
+
+# 3: ids in uint16 where the vocabulary fits, flags as bits (targets.bits, starts.bits), sampling in the key.
+CACHE_FORMAT = 3
+ROWS_PER_WRITE = 256
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a group's sources are sampled: a seed that shuffles each source's documents (None: file order),
+    and the tokens of a mixture of weighted sources (0: no mixture)."""
+
+    seed: int | None = None
+    mix_tokens: int = 0
+
+
+def id_dtype(tokenizer: PreTrainedTokenizerBase) -> type:
+    """uint16 when every token id fits in it, else uint32."""
+    return np.uint16 if max(tokenizer.get_vocab().values()) < 1 << 16 else np.uint32
+
+
+def worker_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def write_blocks(
+    sources: list[SourceSpec],
+    tokenizer: PreTrainedTokenizerBase,
+    seq_len: int,
+    directory: Path,
+    shards: Path,
+    group: str,
+    sampled: Sampling,
+) -> dict:
+    """Tokenize and pack every source into the block files in `directory`; returns the counts for meta.json."""
+    if tokenizer.eos_token_id is None:
+        raise UsageError("the tokenizer has no EOS token, which separates documents in packed blocks")
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise UsageError(f"data.{group}: preparing data needs a fast (Rust) tokenizer, and this one is not")
+    dtype = id_dtype(tokenizer)
+    quotas = source_quotas(sources, sampled, group)
+    workers = worker_count()
+    print(estimate(sources, quotas, group, dtype, workers), flush=True)
+    started = time.perf_counter()
+    shards.mkdir(parents=True, exist_ok=True)
+    worker = Worker(
+        tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template, tokenizer.special_tokens_map, tokenizer.eos_token_id
+    )
+    with ChunkRunner(worker, workers) as runner:
+        tokenized = [
+            tokenize_source(runner, source, f"data.{group}[{i}]", i, sampled.seed, quota, shards, dtype)
+            for i, (source, quota) in enumerate(zip(sources, quotas))
+        ]
+    quotas = mixture_quotas(tokenized, quotas, sources, sampled, group)
+    writer = BlockWriter(directory, seq_len, dtype)
+    streams = [source_documents(t.shards, quota) for t, quota in zip(tokenized, quotas)]
+    if sampled.mix_tokens:
+        for ids, targets, lengths in interleaved(streams, quotas):
+            writer.add(ids, targets, lengths)
+    else:
+        for stream in streams:
+            for ids, targets, lengths in stream:
+                writer.add(ids, targets, lengths)
+    meta = writer.finish(group)
+    seconds = time.perf_counter() - started
+    print(
+        f"data.{group}: {meta['blocks']:,} blocks of {seq_len} tokens ({meta['blocks'] * seq_len:,} tokens, "
+        f"{meta['documents']:,} documents), {meta['bytes'] / 1e6:,.1f} MB; tokenized at "
+        f"{sum(t.tokens for t in tokenized) / seconds:,.0f} tokens/s with {workers} worker(s)",
+        flush=True,
+    )
+    return meta
+
+
+def source_quotas(sources: list[SourceSpec], sampled: Sampling, group: str) -> list[int]:
+    """Tokens each source may give (0: all of it): its max_tokens, or its weight's share of the mixture."""
+    if not sampled.mix_tokens:
+        return [int(s.max_tokens) for s in sources]
+    total = sum(s.weight for s in sources)
+    return [max(1, round(sampled.mix_tokens * s.weight / total)) for s in sources]
+
+
+def mixture_quotas(
+    tokenized: list[SourceTokens], quotas: list[int], sources: list[SourceSpec], sampled: Sampling, group: str
+) -> list[int]:
+    """The quotas, shrunk in proportion when a mixed source holds fewer tokens than its share."""
+    for i, (t, source) in enumerate(zip(tokenized, sources)):
+        if t.tokens == 0:
+            raise UsageError(f"data.{group}[{i}] ({source.path}) holds no text")
+    if not sampled.mix_tokens:
+        return quotas
+    scale = min(1.0, *(t.tokens / quota for t, quota in zip(tokenized, quotas)))
+    if scale < 1.0:
+        short = min(range(len(quotas)), key=lambda i: tokenized[i].tokens / quotas[i])
+        print(
+            f"data.{group}[{short}] holds {tokenized[short].tokens:,} tokens, less than its share "
+            f"{quotas[short]:,}: the mixture keeps its weights with {math.floor(sampled.mix_tokens * scale):,} tokens"
+        )
+    return [max(1, math.floor(quota * scale)) for quota in quotas]
+
+
+def estimate(sources: list[SourceSpec], quotas: list[int], group: str, dtype: type, workers: int) -> str:
+    """A line before the work: the tokens expected (local files at about 4 bytes per token, capped by the
+    quotas) and the cache's size."""
+    tokens, unknown = 0, False
+    for i, (source, quota) in enumerate(zip(sources, quotas)):
+        if source.path.startswith(HF_PREFIX):
+            tokens += quota
+            unknown |= quota == 0
+            continue
+        size = sum(f.stat().st_size for f in local_files(source, f"data.{group}[{i}].path")) // 4
+        tokens += min(size, quota) if quota else size
+    per_token = np.dtype(dtype).itemsize + 2 / 8
+    size = "an unknown number of tokens (a whole Hub dataset)" if unknown else f"about {tokens:,} tokens"
+    return (
+        f"data.{group}: tokenizing {size} with {workers} worker(s); the cache takes "
+        f"{per_token} bytes per token ({np.dtype(dtype).name} ids, 2 bits of flags)"
+        + ("" if unknown else f", about {tokens * per_token / 1e6:,.1f} MB")
+    )
+
+
+class ChunkRunner:
+    """Tokenizes chunks in worker processes (in this one when there is one core), results in order."""
+
+    def __init__(self, worker: Worker, workers: int):
+        self.worker, self.workers, self.pool = worker, workers, None
+
+    def __enter__(self) -> ChunkRunner:
+        if self.workers > 1:
+            # Forked workers start at once (nothing to import); each tokenizes on one thread.
+            previous = os.environ.get("TOKENIZERS_PARALLELISM")
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            try:
+                context = multiprocessing.get_context("fork")
+                self.pool = context.Pool(self.workers, initializer=start_worker, initargs=(self.worker,))
+            finally:
+                if previous is None:
+                    del os.environ["TOKENIZERS_PARALLELISM"]
+                else:
+                    os.environ["TOKENIZERS_PARALLELISM"] = previous
+        else:
+            start_worker(self.worker)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+    def run(self, jobs: Iterator[tuple[object, Chunk | None]]) -> Iterator[tuple[object, Tokenized | None]]:
+        """(tag, result) for each (tag, chunk) in order; a None chunk passes through as a None result.
+        At most two chunks per worker are in flight, so a stream is not read ahead without bound."""
+        if self.pool is None:
+            yield from ((tag, tokenize_in_worker(chunk) if chunk is not None else None) for tag, chunk in jobs)
+            return
+        pending = deque()
+        for tag, chunk in jobs:
+            pending.append((tag, self.pool.apply_async(tokenize_in_worker, (chunk,)) if chunk is not None else None))
+            while len(pending) > 2 * self.workers or (pending and ready(pending[0][1])):
+                tag_done, result = pending.popleft()
+                yield tag_done, result.get() if result is not None else None
+        for tag, result in pending:
+            yield tag, result.get() if result is not None else None
+
+
+def ready(result) -> bool:
+    return result is None or result.ready()
+
+
+@dataclass
+class SourceTokens:
+    shards: list[Path]
+    tokens: int
+
+
+def tokenize_source(
+    runner: ChunkRunner,
+    source: SourceSpec,
+    key: str,
+    index: int,
+    seed: int | None,
+    quota: int,
+    shards: Path,
+    dtype: type,
+) -> SourceTokens:
+    """The shards of one source, in order, until they hold `quota` tokens (0: all); shards already
+    written are used as they are, and a Hub stream reopens after the last of them."""
+    done, tokens, first, state = [], 0, 0, None
+    if source.path.startswith(HF_PREFIX):
+        while (shards / shard_name(index, first)).is_file():  # the stream's position is in the last shard
+            done.append(shards / shard_name(index, first))
+            tokens += int(read_shard(done[-1], "lengths").sum())
+            first += 1
+        if done:
+            state = str(read_shard(done[-1], "state"))
+            if quota and tokens >= quota:
+                return SourceTokens(done, tokens)
+    chunks = enumerate(source_chunks(source, key, seed, index, state), start=first)
+    jobs = ((n, None if (shards / shard_name(index, n)).is_file() else chunk) for n, chunk in chunks)
+    for n, result in runner.run(jobs):
+        path = shards / shard_name(index, n)
+        if result is not None:
+            write_shard(path, result, dtype)
+        done.append(path)
+        tokens += int(read_shard(path, "lengths").sum()) if result is None else int(result.lengths.sum())
+        if quota and tokens >= quota:
+            break
+    return SourceTokens(done, tokens)
+
+
+def shard_name(source: int, chunk: int) -> str:
+    return f"{source:03d}-{chunk:07d}.npz"
+
+
+def write_shard(path: Path, result: Tokenized, dtype: type) -> None:
+    buffer = io.BytesIO()
+    np.savez(
+        buffer,
+        ids=result.ids.astype(dtype),
+        targets=np.packbits(result.targets),
+        count=np.int64(len(result.ids)),
+        lengths=result.lengths,
+        state=np.str_(result.state or ""),
+    )
+    atomic_write(path, buffer.getvalue())
+
+
+def read_shard(path: Path, field: str) -> np.ndarray:
+    with np.load(path) as shard:
+        if field == "targets":
+            return np.unpackbits(shard["targets"], count=int(shard["count"]))
+        return shard[field]
+
+
+def source_documents(shards: list[Path], quota: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(ids, targets, document lengths) shard by shard, the stream cut at `quota` tokens (0: all): the
+    document that crosses it is cut short."""
+    given = 0
+    for path in shards:
+        ids, targets, lengths = read_shard(path, "ids"), read_shard(path, "targets"), read_shard(path, "lengths")
+        if quota and given + len(ids) >= quota:
+            keep = quota - given
+            ends = np.cumsum(lengths)
+            whole = int(np.searchsorted(ends, keep, side="right"))  # documents that end before the cut
+            rest = keep - (int(ends[whole - 1]) if whole else 0)
+            lengths = np.append(lengths[:whole], [rest] if rest else [])
+            yield ids[:keep], targets[:keep], lengths
+            return
+        given += len(ids)
+        yield ids, targets, lengths
+
+
+def interleaved(streams: list[Iterator], quotas: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The documents of several streams merged: each next document comes from the stream that has given
+    the smallest share of its quota (ties: the first), so every stretch of the result holds the sources
+    in proportion to their quotas."""
+    cursors = [DocumentCursor(stream) for stream in streams]
+    given = [0] * len(streams)
+    while True:
+        live = [i for i, cursor in enumerate(cursors) if cursor.has_next()]
+        if not live:
+            return
+        i = min(live, key=lambda k: given[k] / quotas[k])
+        ids, targets = cursors[i].next()
+        given[i] += len(ids)
+        yield ids, targets, np.array([len(ids)])
+
+
+class DocumentCursor:
+    """One document at a time from a stream of (ids, targets, lengths) pieces."""
+
+    def __init__(self, stream: Iterator):
+        self.stream, self.piece, self.offsets, self.at = stream, None, None, 0
+
+    def has_next(self) -> bool:
+        while self.piece is None or self.at == len(self.offsets) - 1:
+            piece = next(self.stream, None)
+            if piece is None:
+                return False
+            self.piece, self.offsets, self.at = piece, np.concatenate([[0], np.cumsum(piece[2])]), 0
+        return True
+
+    def next(self) -> tuple[np.ndarray, np.ndarray]:
+        begin, end = self.offsets[self.at], self.offsets[self.at + 1]
+        self.at += 1
+        return self.piece[0][begin:end], self.piece[1][begin:end]
+
+
+class BlockWriter:
+    """Appends documents to the block files, a whole number of rows at a time; the tail that does not fill
+    a row is dropped at the end."""
+
+    def __init__(self, directory: Path, seq_len: int, dtype: type):
+        self.seq_len, self.dtype = seq_len, dtype
+        self.files = {name: open(directory / name, "wb") for name in ("blocks.bin", "targets.bits", "starts.bits")}
+        self.pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.pending_tokens = self.blocks = self.documents = self.target_tokens = self.tokens = 0
+
+    def add(self, ids: np.ndarray, targets: np.ndarray, lengths: np.ndarray) -> None:
+        starts = np.zeros(len(ids), dtype=np.uint8)
+        starts[np.cumsum(lengths)[:-1]] = 1
+        starts[:1] = 1
+        self.pending.append((ids, targets, starts))
+        self.pending_tokens += len(ids)
+        self.documents += len(lengths)
+        self.target_tokens += int(np.count_nonzero(targets))
+        self.tokens += len(ids)
+        if self.pending_tokens >= ROWS_PER_WRITE * self.seq_len:
+            self.flush()
+
+    def flush(self) -> None:
+        ids, targets, starts = (np.concatenate(parts) for parts in zip(*self.pending))
+        rows = len(ids) // self.seq_len
+        whole = rows * self.seq_len
+        self.files["blocks.bin"].write(ids[:whole].astype(self.dtype).tobytes())
+        for name, flags in (("targets.bits", targets), ("starts.bits", starts)):
+            self.files[name].write(np.packbits(flags[:whole].reshape(rows, self.seq_len), axis=1).tobytes())
+        self.pending = [(ids[whole:], targets[whole:], starts[whole:])]
+        self.pending_tokens = len(ids) - whole
+        self.blocks += rows
+
+    def finish(self, group: str) -> dict:
+        if self.pending:
+            self.flush()
+        for handle in self.files.values():
+            handle.close()
+        if self.blocks == 0:
+            raise UsageError(f"data.{group} gives fewer than seq_len={self.seq_len} tokens: no block can be made")
+        return {
+            "blocks": self.blocks,
+            "seq_len": self.seq_len,
+            "ids_dtype": np.dtype(self.dtype).name,
+            "documents": self.documents,
+            "dropped_tail_tokens": self.pending_tokens,
+            "masked_share": round(1 - self.target_tokens / self.tokens, 6),
+            "bytes": sum(os.path.getsize(handle.name) for handle in self.files.values()),
+        }

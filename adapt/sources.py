@@ -1,0 +1,185 @@
+"""Sources -> chunks of items in a fixed order, the unit of work of the tokenizing workers.
+
+A local source's items are its documents (plain text: a file or a blank-line block) and JSON lines,
+in file order or, with a sample seed, in a seeded random order. A Hub source is streamed; its
+chunks carry the stream's position after their last record, so that a prepare resumed after a kill
+reopens the stream there, and a stream that fails (the network) is reopened at the last whole chunk,
+a few times, before the error is given up on.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from ladder.errors import UsageError
+
+from .recipe import SourceSpec, expand_path
+from .tokenize import Chunk
+
+HF_PREFIX = "hf:"
+# Characters of text per chunk (about 0.25 s of one core's tokenizing); LADDER_DATA_CHUNK_CHARS
+# overrides it (tests make many small chunks). The blocks do not depend on it.
+CHUNK_CHARS = int(os.environ.get("LADDER_DATA_CHUNK_CHARS", 1 << 20))
+CHUNK_ITEMS = 4096  # and at most this many items
+HUB_CHUNK_RECORDS = max(1, CHUNK_CHARS // 2048)  # a Hub chunk's records (chat records run to a few kB)
+HUB_RETRIES = 8  # a failing stream is reopened this many times in a row, waiting 1, 2, 4 ... 60 s
+HUB_SHUFFLE_BUFFER = 10_000  # records in datasets' shuffle buffer for a Hub source with a sample seed
+
+
+def local_files(source: SourceSpec, key: str) -> list[Path]:
+    """The files a local source names: a file, a folder (its files, recursively) or a glob."""
+    text = expand_path(source.path, key)
+    if any(mark in text for mark in "*?["):
+        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
+        if not files:
+            raise UsageError(f"{key}: the pattern {text} matches no file")
+        return files
+    path = Path(text)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise UsageError(f"{key}: the folder {path} holds no file")
+        return files
+    raise UsageError(f"{key}: {path} does not exist")
+
+
+def local_items(source: SourceSpec, key: str) -> Iterator[tuple[str, str, str]]:
+    """(kind, item, where) for each document or JSON line of a local source, in file order."""
+    for path in local_files(source, f"{key}.path"):
+        kind = source.format
+        if kind == "auto":
+            kind = "jsonl" if path.suffix == ".jsonl" else "text"
+        if kind == "text":
+            if source.train_on == "assistant":
+                raise UsageError(f"{key}: train_on: assistant needs chat records, and {path} is plain text")
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if source.documents == "file":
+                blocks = [text] if text.strip() else []
+            else:
+                blocks = [block for block in text.replace("\r\n", "\n").split("\n\n") if block.strip()]
+            yield from (("text", block, str(path)) for block in blocks)
+            continue
+        with open(path, encoding="utf-8") as handle:
+            yield from (("json", line, f"{path}:{n}") for n, line in enumerate(handle, 1) if line.strip())
+
+
+def source_chunks(
+    source: SourceSpec, key: str, seed: int | None, index: int, hub_state: str | None = None
+) -> Iterator[Chunk]:
+    """The chunks of one source in order; `seed` shuffles its items (seeded by the source's `index` too);
+    `hub_state` continues a Hub stream after the chunk that left it."""
+    if source.path.startswith(HF_PREFIX):
+        yield from hub_chunks(source, key, seed, hub_state)
+        return
+    items = local_items(source, key)
+    if seed is not None:
+        listed = list(items)
+        items = (listed[i] for i in np.random.default_rng([seed, index]).permutation(len(listed)))
+    yield from chunked(items, source, key)
+
+
+def chunked(items: Iterator[tuple[str, object, str]], source: SourceSpec, key: str) -> Iterator[Chunk]:
+    """Consecutive items of one kind, CHUNK_CHARS of text or CHUNK_ITEMS items at most per chunk."""
+    chunk, size = None, 0
+    for kind, item, where in items:
+        if chunk is not None and (kind != chunk.kind or size >= CHUNK_CHARS or len(chunk.items) >= CHUNK_ITEMS):
+            yield chunk
+            chunk = None
+        if chunk is None:
+            chunk, size = Chunk(source, key, kind, [], []), 0
+        chunk.items.append(item)
+        chunk.where.append(where)
+        size += len(item) if isinstance(item, str) else len(json.dumps(item))
+    if chunk is not None:
+        yield chunk
+
+
+def hub_chunks(source: SourceSpec, key: str, seed: int | None, state: str | None) -> Iterator[Chunk]:
+    """A Hugging Face dataset, streamed in chunks of records (`max_tokens` bounds how much is read)."""
+    import datasets
+
+    name = source.path[len(HF_PREFIX) :]
+
+    def open_stream():
+        stream = datasets.load_dataset(name, source.hf_subset, split=source.hf_split, streaming=True)
+        # The files in a seeded order and records drawn from a buffer: a sample across the files.
+        return stream.shuffle(seed=seed, buffer_size=HUB_SHUFFLE_BUFFER) if seed is not None else stream
+
+    records = resumable_stream(open_stream, state, f"the dataset {name}")
+    for number, batch in enumerate(batched(records, HUB_CHUNK_RECORDS)):
+        first = number * HUB_CHUNK_RECORDS
+        yield Chunk(
+            source,
+            key,
+            "record",
+            [record for record, _ in batch],
+            [f"record {first + n}" for n in range(len(batch))],
+            state=json.dumps(batch[-1][1]),
+        )
+
+
+def resumable_stream(
+    open_stream: Callable[[], object], state: str | None, what: str, retries: int = HUB_RETRIES
+) -> Iterator[tuple[dict, dict]]:
+    """(record, the stream's position after it) of a datasets IterableDataset opened by `open_stream`,
+    from the position `state` (JSON) on. A stream that fails with a network error is reopened at the
+    last position yielded, waiting longer each time; `retries` failures in a row end it with one line."""
+    position = json.loads(state) if state else None
+    failures = 0
+    while True:
+        try:
+            stream = open_stream()
+            if position is not None:
+                stream.load_state_dict(position)
+            for record in stream:
+                position = stream.state_dict()
+                failures = 0
+                yield record, position
+            return
+        except UsageError:
+            raise
+        except Exception as error:
+            if not isinstance(error, (OSError, ValueError)) and not transient(error):
+                raise  # not the stream's: a bug
+            offline = " (this machine is offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+            failures += 1
+            if not transient(error) or offline or failures > retries:
+                raise UsageError(f"cannot read {what}{offline}: {first_words(error)}") from None
+            wait = min(2 ** (failures - 1), 60)
+            print(f"reading {what} failed ({first_words(error)}); retrying in {wait} s", file=sys.stderr)
+            time.sleep(wait)
+
+
+def transient(error: Exception) -> bool:
+    """Whether an error reading a stream may pass on a retry: the network's (connection, timeout), not a
+    missing dataset's or the data's."""
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return False
+    try:
+        import httpx  # huggingface_hub's HTTP client: its connection errors are not OSErrors
+
+        network = (OSError, TimeoutError, httpx.TransportError)
+    except ImportError:
+        network = (OSError, TimeoutError)
+    return isinstance(error, network)
+
+
+def first_words(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def batched(items: Iterator, size: int) -> Iterator[list]:
+    iterator = iter(items)
+    while batch := list(itertools.islice(iterator, size)):
+        yield batch

@@ -1,0 +1,313 @@
+"""Documents -> token ids and training-target flags, a chunk at a time, in worker processes.
+
+A worker holds the Rust tokenizer (from its JSON, so that a process pool needs no transformers
+tokenizer object) and renders chat records itself. Each chat record's template is rendered once:
+the content of every assistant turn is wrapped in two private-use marker characters, whose positions
+in the rendering (the markers removed) give the spans trained on. A template that changes content
+(a filter other than trimming whitespace) or renders turns apart from the whole chat is caught by
+`ChatRenderer.check` before any record, and such a source locates its turns by rendering each prefix
+of every chat instead (`prefix_spans`). Masks and EOS joins are numpy operations on whole chunks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from ladder.errors import UsageError
+
+from .recipe import SourceSpec
+
+# ShareGPT-style chat records ({"from": "human", "value": ...}, as in BAAI/Infinity-Instruct).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+OPEN, CLOSE = "\ue000", "\ue001"  # private-use characters, removed before tokenizing
+# A chat whose assistant turns have whitespace around them, to learn how a template renders turns.
+PROBE = [
+    {"role": "user", "content": "Which bird?"},
+    {"role": "assistant", "content": " An owl.\n"},
+    {"role": "user", "content": "Another?"},
+    {"role": "assistant", "content": "\nA heron. "},
+]
+
+
+@dataclass
+class Chunk:
+    """Consecutive items of one source: texts (kind "text"), JSON lines ("json") or records ("record"),
+    with where each item came from for error messages."""
+
+    source: SourceSpec
+    key: str
+    kind: str
+    items: list
+    where: list[str]
+    state: str | None = None  # a Hub stream's position after the last item (JSON)
+
+
+@dataclass
+class Tokenized:
+    """A chunk's documents, each followed by EOS, as one stream: ids, 1 per training target, and the
+    length of each document (EOS included)."""
+
+    ids: np.ndarray
+    targets: np.ndarray
+    lengths: np.ndarray
+    state: str | None = None
+
+
+@dataclass
+class Document:
+    """One document's text; `targets` are the character spans trained on (None: all of it)."""
+
+    text: str
+    targets: list[tuple[int, int]] | None = None
+
+
+@dataclass
+class Worker:
+    """What a worker needs: the tokenizer's JSON, its chat template and special tokens, the EOS id."""
+
+    tokenizer_json: str
+    chat_template: str | None
+    special_tokens: dict
+    eos: int
+
+    def __post_init__(self):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_str(self.tokenizer_json)
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        self._renderer = None
+
+    def renderer(self) -> ChatRenderer:
+        """The chat renderer, made on first use (its probe renders a few chats)."""
+        if self._renderer is None:
+            self._renderer = ChatRenderer(self.chat_template, self.special_tokens)
+        return self._renderer
+
+    def tokenize(self, chunk: Chunk) -> Tokenized:
+        documents = [document_of(item, chunk, where, self) for item, where in zip(chunk.items, chunk.where)]
+        return Tokenized(*self.encode(documents), state=chunk.state)
+
+    def encode(self, documents: list[Document]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ids, targets, lengths) of documents joined with EOS after each one. A token is a target when
+        its characters lie inside a target span (every token of a document without spans); the EOS
+        that ends a document is a target where the document's last token is (or the document is empty)."""
+        texts = [d.text for d in documents]
+        spans_wanted = any(d.targets is not None for d in documents)
+        encodings = (self.tokenizer.encode_batch if spans_wanted else self.tokenizer.encode_batch_fast)(
+            texts, add_special_tokens=False
+        )
+        token_lists = [e.ids for e in encodings]
+        counts = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
+        tokens = np.fromiter((t for ids in token_lists for t in ids), dtype=np.int64, count=int(counts.sum()))
+        flags = np.ones(len(tokens), dtype=np.uint8)
+        if spans_wanted:
+            flags = span_flags(documents, [e.offsets for e in encodings], counts)
+        lengths = counts + 1
+        ends = np.cumsum(lengths) - 1  # where each EOS goes
+        ids = np.full(int(lengths.sum()), self.eos, dtype=np.int64)
+        targets = np.ones(len(ids), dtype=np.uint8)
+        body = np.ones(len(ids), dtype=bool)
+        body[ends] = False
+        ids[body], targets[body] = tokens, flags
+        nonempty = counts > 0
+        targets[ends[nonempty]] = targets[ends[nonempty] - 1]
+        return ids, targets, lengths
+
+
+def span_flags(documents: list[Document], offsets: list[list[tuple[int, int]]], counts: np.ndarray) -> np.ndarray:
+    """1 for each token whose (start, end) characters lie inside one of its document's spans. Every
+    document's characters are moved to a range of their own, so one search covers the chunk."""
+    bases = np.cumsum([0] + [len(d.text) + 1 for d in documents[:-1]])
+    span_starts, span_ends = [], []
+    for base, document in zip(bases, documents):
+        spans = document.targets if document.targets is not None else [(0, len(document.text))]
+        span_starts += [base + begin for begin, _ in spans]
+        span_ends += [base + finish for _, finish in spans]
+    pairs = np.array([pair for document_offsets in offsets for pair in document_offsets], dtype=np.int64)
+    pairs = pairs.reshape(-1, 2) + np.repeat(bases, counts)[:, None]
+    span_starts, span_ends = np.array(span_starts, dtype=np.int64), np.array(span_ends, dtype=np.int64)
+    nearest = np.searchsorted(span_starts, pairs[:, 0], side="right") - 1  # the last span starting at or before
+    inside = (nearest >= 0) & (pairs[:, 1] <= span_ends[np.maximum(nearest, 0)])
+    return inside.astype(np.uint8)
+
+
+def document_of(item: object, chunk: Chunk, where: str, worker: Worker) -> Document:
+    if chunk.kind == "text":
+        return Document(item)
+    if chunk.kind == "json":
+        try:
+            item = json.loads(item)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"{chunk.key}: {where} is not JSON ({error.msg})") from None
+    return record_document(item, chunk.source, worker, f"{chunk.key}: {where}")
+
+
+def record_document(record: object, source: SourceSpec, worker: Worker, where: str) -> Document:
+    """One JSON record as a document: its `text_field`, or its `chat_field` rendered as a chat
+    (with the assistant turns as targets unless `train_on: all`)."""
+    if not isinstance(record, dict):
+        raise UsageError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    chat = source.format == "chat" or (source.format == "auto" and source.chat_field in record)
+    if not chat:
+        if source.train_on == "assistant":
+            raise UsageError(
+                f"{where}: train_on: assistant needs chat records, and this record has no "
+                f"chat field {source.chat_field!r}"
+            )
+        if not isinstance(record.get(source.text_field), str):
+            raise UsageError(f"{where}: no text field {source.text_field!r} (set text_field or chat_field)")
+        return Document(record[source.text_field])
+    messages = record.get(source.chat_field)
+    if not isinstance(messages, list) or not messages:
+        raise UsageError(f"{where}: no chat field {source.chat_field!r} holding a list of messages")
+    if worker.chat_template is None:
+        raise UsageError(f"{where}: chat records need a tokenizer with a chat template, and this one has none")
+    messages = [chat_message(m, where) for m in messages]
+    renderer = worker.renderer()
+    if source.train_on == "all":
+        return Document(renderer.render(messages))
+    return Document(*renderer.text_and_spans(messages, where))
+
+
+def chat_message(message: object, where: str) -> dict:
+    """One message as {"role", "content"}; ShareGPT's {"from", "value"} is mapped."""
+    if isinstance(message, dict) and "role" in message and "content" in message:
+        return {"role": message["role"], "content": message["content"]}
+    if isinstance(message, dict) and message.get("from") in SHAREGPT_ROLES and "value" in message:
+        return {"role": SHAREGPT_ROLES[message["from"]], "content": message["value"]}
+    raise UsageError(f"{where}: a message must be {{role, content}} or {{from, value}}, got {message!r:.80}")
+
+
+class ChatRenderer:
+    """A chat template rendered as `tokenizer.apply_chat_template(messages, tokenize=False)` renders it,
+    and the character spans of the assistant turns: each from the end of its role header to the end of
+    the turn (its end-of-turn marker included), the text the model generates."""
+
+    def __init__(self, template: str, special_tokens: dict):
+        self.template, self.special_tokens = template, special_tokens
+        self.keeps_whitespace, self.footer = self.learn()
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template(
+            [messages], chat_template=self.template, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        )
+        return rendered[0]
+
+    def learn(self) -> tuple[bool | None, str | None]:
+        """Whether the template keeps the whitespace around a turn's content, and the text it puts after an
+        assistant turn's content; (None, None) when one rendering cannot locate turns (checked on a probe
+        chat against rendering each prefix)."""
+        try:
+            text = self.render(PROBE)
+            reference = prefix_spans(self, PROBE, text, "the chat template")
+        except UsageError:
+            return None, None
+        marked = self.render(marked_messages(PROBE))
+        positions = marker_positions(marked)
+        if positions is None or len(positions) != 2 or marked.replace(OPEN, "").replace(CLOSE, "") != text:
+            return None, None
+        trail = len(PROBE[1]["content"]) - len(PROBE[1]["content"].rstrip())
+        for keeps in (True, False):
+            self.keeps_whitespace = keeps
+            self.footer = text[positions[0][1] + (trail if keeps else 0) : reference[0][1]]
+            if self.spans(marked, PROBE) == reference:
+                return keeps, self.footer
+        return None, None
+
+    def spans(self, marked: str, messages: list[dict]) -> list[tuple[int, int]] | None:
+        """The assistant spans from one marked rendering, or None when it does not hold them plainly."""
+        positions = marker_positions(marked)
+        contents = [m["content"] for m in messages if m["role"] == "assistant"]
+        if positions is None or len(positions) != len(contents):
+            return None
+        text_length = len(marked) - 2 * len(positions)
+        spans = []
+        for (start, end), content in zip(positions, contents):
+            core = content.strip()
+            lead, trail = (content.index(core), len(content) - content.index(core) - len(core)) if core else (0, 0)
+            if self.keeps_whitespace:
+                start, end = start - lead, end + trail
+            finish = end + len(self.footer)
+            if finish > text_length:
+                return None
+            spans.append((start, finish))
+        return spans
+
+    def text_and_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered chat and its assistant spans: one rendering with marked contents, or, for a
+        template or record that one rendering cannot serve, a rendering of every prefix."""
+        if self.footer is not None and all(isinstance(m["content"], str) for m in messages):
+            contents = "".join(m["content"] for m in messages)
+            blank = any(m["role"] == "assistant" and not m["content"].strip() for m in messages)
+            if OPEN not in contents and CLOSE not in contents and not blank:
+                marked = self.render(marked_messages(messages))
+                text = marked.replace(OPEN, "").replace(CLOSE, "")
+                spans = self.spans(marked, messages)
+                if spans is not None and all(text[f - len(self.footer) : f] == self.footer for _, f in spans):
+                    return text, spans
+        text = self.render(messages)
+        return text, prefix_spans(self, messages, text, where)
+
+
+def marked_messages(messages: list[dict]) -> list[dict]:
+    """The messages with each assistant content's non-blank core wrapped in OPEN ... CLOSE (whitespace
+    stays outside, so a template that trims it trims the same)."""
+    marked = []
+    for message in messages:
+        content = message["content"]
+        if message["role"] == "assistant":
+            core = content.strip()
+            at = content.index(core)
+            content = content[:at] + OPEN + core + CLOSE + content[at + len(core) :]
+        marked.append({**message, "content": content})
+    return marked
+
+
+def marker_positions(marked: str) -> list[tuple[int, int]] | None:
+    """(start, end) in the unmarked text of each OPEN ... CLOSE pair, in order; None unless they pair up."""
+    positions, removed, at = [], 0, 0
+    while (start := marked.find(OPEN, at)) >= 0:
+        end = marked.find(CLOSE, start)
+        if end < 0 or OPEN in marked[start + 1 : end]:
+            return None
+        positions.append((start - removed, end - removed - 1))
+        removed += 2
+        at = end + 1
+    return positions if CLOSE not in marked[at:] and marked.count(CLOSE) == len(positions) else None
+
+
+def prefix_spans(renderer: ChatRenderer, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:
+    """Assistant spans found by rendering each prefix of the chat (with the generation prompt for the
+    header), which needs a template whose renderings of a chat's prefixes are prefixes of it."""
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        header = renderer.render(messages[:k], add_generation_prompt=True) if k else ""
+        turn = renderer.render(messages[: k + 1])
+        if not (text.startswith(turn) and turn.startswith(header)):
+            raise UsageError(
+                f"{where}: the chat template renders this chat's turns differently from the whole chat, "
+                "so its assistant turns cannot be located; set train_on: all for this source"
+            )
+        spans.append((len(header), len(turn)))
+    return spans
+
+
+# The worker processes' own Worker, set by `start_worker` (a pool's initializer).
+_WORKER: Worker | None = None
+
+
+def start_worker(worker: Worker) -> None:
+    global _WORKER
+    _WORKER = worker
+
+
+def tokenize_in_worker(chunk: Chunk) -> Tokenized:
+    return _WORKER.tokenize(chunk)
