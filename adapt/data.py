@@ -120,7 +120,10 @@ def data_prepared(data: DataSpec, tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether every group of the recipe's data is in the cache already (nothing to tokenize)."""
     groups = [("train", data.train)] + ([("eval", data.eval)] if data.eval else [])
     return all(
-        (cache_entry(sources, tokenizer, data.seq_len, Path(data.cache_dir), group, sampling(data, group)) / "meta.json").is_file()
+        (
+            cache_entry(sources, tokenizer, data.seq_len, Path(data.cache_dir), group, sampling(data, group))
+            / "meta.json"
+        ).is_file()
         for group, sources in groups
     )
 
@@ -167,7 +170,9 @@ def load_blocks(
     rows, row_bytes = meta["blocks"], (seq_len + 7) // 8
     return Blocks(
         ids=np.memmap(directory / BLOCK_FILES["ids"], dtype=meta["ids_dtype"], mode="r", shape=(rows, seq_len)),
-        target_bits=np.memmap(directory / BLOCK_FILES["target_bits"], dtype=np.uint8, mode="r", shape=(rows, row_bytes)),
+        target_bits=np.memmap(
+            directory / BLOCK_FILES["target_bits"], dtype=np.uint8, mode="r", shape=(rows, row_bytes)
+        ),
         start_bits=np.memmap(directory / BLOCK_FILES["start_bits"], dtype=np.uint8, mode="r", shape=(rows, row_bytes)),
     )
 

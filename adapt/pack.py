@@ -76,7 +76,10 @@ def write_blocks(
     started = time.perf_counter()
     shards.mkdir(parents=True, exist_ok=True)
     worker = Worker(
-        tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template, tokenizer.special_tokens_map, tokenizer.eos_token_id
+        tokenizer.backend_tokenizer.to_str(),
+        tokenizer.chat_template,
+        tokenizer.special_tokens_map,
+        tokenizer.eos_token_id,
     )
     with ChunkRunner(worker, workers) as runner:
         tokenized = [
