@@ -36,6 +36,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ladder.files import atomic_directory, sha256_file
 
+from . import sources as sources_module
 from .pack import CACHE_FORMAT, Sampling, id_dtype, write_blocks
 from .recipe import DataSpec, SourceSpec
 from .sources import HF_PREFIX, local_files
@@ -157,7 +158,7 @@ def load_blocks(
     directory = cache_dir / f"{group}-{key[:16]}"
     if not (directory / "meta.json").is_file():
         # Shards of the work in progress, kept until the blocks are whole: a killed prepare resumes from them.
-        shards = cache_dir / f".{group}-{key[:16]}.shards"
+        shards = cache_dir / f".{group}-{key[:16]}.shards-{sources_module.CHUNK_CHARS}"  # shards of this chunking
         try:
             with atomic_directory(directory, force=True) as temporary:
                 meta = write_blocks(sources, tokenizer, seq_len, temporary, shards, group, sampled)

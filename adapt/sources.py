@@ -30,7 +30,7 @@ HF_PREFIX = "hf:"
 # overrides it (tests make many small chunks). The blocks do not depend on it.
 CHUNK_CHARS = int(os.environ.get("LADDER_DATA_CHUNK_CHARS", 1 << 20))
 CHUNK_ITEMS = 4096  # and at most this many items
-HUB_CHUNK_RECORDS = max(1, CHUNK_CHARS // 2048)  # a Hub chunk's records (chat records run to a few kB)
+RECORD_CHARS = 2048  # a Hub chunk holds CHUNK_CHARS / RECORD_CHARS records (chat records run to a few kB)
 HUB_RETRIES = 8  # a failing stream is reopened this many times in a row, waiting 1, 2, 4 ... 60 s
 HUB_SHUFFLE_BUFFER = 10_000  # records in datasets' shuffle buffer for a Hub source with a sample seed
 
@@ -116,9 +116,12 @@ def hub_chunks(source: SourceSpec, key: str, seed: int | None, state: str | None
         # The files in a seeded order and records drawn from a buffer: a sample across the files.
         return stream.shuffle(seed=seed, buffer_size=HUB_SHUFFLE_BUFFER) if seed is not None else stream
 
-    records = resumable_stream(open_stream, state, f"the dataset {name}")
-    for number, batch in enumerate(batched(records, HUB_CHUNK_RECORDS)):
-        first = number * HUB_CHUNK_RECORDS
+    offline = os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")  # then no retry can help
+    what = f"the dataset {name}" + (" (this machine is offline: HF_HUB_OFFLINE is set)" if offline else "")
+    records = resumable_stream(open_stream, state, what, retries=0 if offline else HUB_RETRIES)
+    size = max(1, CHUNK_CHARS // RECORD_CHARS)
+    for number, batch in enumerate(batched(records, size)):
+        first = number * size
         yield Chunk(
             source,
             key,
@@ -130,11 +133,12 @@ def hub_chunks(source: SourceSpec, key: str, seed: int | None, state: str | None
 
 
 def resumable_stream(
-    open_stream: Callable[[], object], state: str | None, what: str, retries: int = HUB_RETRIES
+    open_stream: Callable[[], object], state: str | None, what: str, retries: int = HUB_RETRIES, wait: float = 1.0
 ) -> Iterator[tuple[dict, dict]]:
     """(record, the stream's position after it) of a datasets IterableDataset opened by `open_stream`,
     from the position `state` (JSON) on. A stream that fails with a network error is reopened at the
-    last position yielded, waiting longer each time; `retries` failures in a row end it with one line."""
+    last position yielded, after `wait` seconds, twice that the next time (60 s at most); `retries`
+    failures in a row end it with one line."""
     position = json.loads(state) if state else None
     failures = 0
     while True:
@@ -152,13 +156,12 @@ def resumable_stream(
         except Exception as error:
             if not isinstance(error, (OSError, ValueError)) and not transient(error):
                 raise  # not the stream's: a bug
-            offline = " (this machine is offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
             failures += 1
-            if not transient(error) or offline or failures > retries:
-                raise UsageError(f"cannot read {what}{offline}: {first_words(error)}") from None
-            wait = min(2 ** (failures - 1), 60)
-            print(f"reading {what} failed ({first_words(error)}); retrying in {wait} s", file=sys.stderr)
-            time.sleep(wait)
+            if not transient(error) or failures > retries:
+                raise UsageError(f"cannot read {what}: {first_words(error)}") from None
+            pause = min(wait * 2 ** (failures - 1), 60)
+            print(f"reading {what} failed ({first_words(error)}); retrying in {pause:g} s", file=sys.stderr)
+            time.sleep(pause)
 
 
 def transient(error: Exception) -> bool:

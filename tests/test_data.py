@@ -1,0 +1,277 @@
+"""`ladder adapt --prepare-data` (adapt/data.py, pack.py, sources.py, tokenize.py): the masks and
+document boundaries against a per-token reference, resumption after SIGKILL, a failing stream,
+seeded samples, mixtures, and the cache's size."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_adapt import prose
+from transformers import AutoTokenizer
+
+from ladder.adapt import sources as sources_module
+from ladder.adapt.data import load_blocks
+from ladder.adapt.pack import Sampling
+from ladder.adapt.recipe import SourceSpec
+from ladder.adapt.sources import resumable_stream
+from ladder.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+# Llama 3's way: each content trimmed, nothing after the end-of-turn marker.
+TRIMMING_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n\n' + "
+    "message['content'] | trim + '<|im_end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n\n' }}{% endif %}"
+)
+# A template that changes content: one rendering cannot locate the turns, so each prefix is rendered.
+UPPERCASE_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] | upper + "
+    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def chats(count: int) -> list[dict]:
+    """Chat records of every shape: a system turn, several exchanges, whitespace around contents, an
+    empty assistant turn, ShareGPT's field names."""
+    records = []
+    for i in range(count):
+        messages = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
+        for turn in range(1 + i % 3):
+            messages.append({"role": "user", "content": prose(i * 7 + turn, 1)})
+            answer = prose(i * 7 + turn + 100, 1)
+            messages.append(
+                {"role": "assistant", "content": [answer, f"  {answer}\n\n", "", f"\n{answer}"][(i + turn) % 4]}
+            )
+        if i % 5 == 4:
+            names = {"user": "human", "assistant": "gpt", "system": "system"}
+            records.append({"messages": [{"from": names[m["role"]], "value": m["content"]} for m in messages]})
+        else:
+            records.append({"messages": messages})
+    return records
+
+
+def reference_document(tokenizer, record: dict | str) -> tuple[list[int], list[int]]:
+    """The per-token computation: render the chat, find each assistant turn by rendering its prefixes,
+    and mark each token whose characters lie inside a turn; then the EOS, a target where the last token is."""
+    if isinstance(record, str):
+        ids = tokenizer(record, add_special_tokens=False)["input_ids"]
+        return ids + [tokenizer.eos_token_id], [1] * (len(ids) + 1)
+    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+    messages = [
+        {"role": m["role"], "content": m["content"]}
+        if "role" in m
+        else {"role": roles[m["from"]], "content": m["value"]}
+        for m in record["messages"]
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] == "assistant":
+            header = (
+                tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True) if k else ""
+            )
+            spans.append((len(header), len(tokenizer.apply_chat_template(messages[: k + 1], tokenize=False))))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    targets = [int(any(b <= s and e <= f for b, f in spans)) for s, e in encoded["offset_mapping"]]
+    return encoded["input_ids"] + [tokenizer.eos_token_id], targets + [targets[-1] if targets else 1]
+
+
+@pytest.mark.parametrize("template", ["smollm2", "trimming", "uppercase"])
+def test_masks_and_boundaries_equal_the_per_token_reference(tmp_path, smollm2_tokenizer_dir, monkeypatch, template):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    tokenizer.chat_template = {"smollm2": tokenizer.chat_template, "trimming": TRIMMING_TEMPLATE}.get(
+        template, UPPERCASE_TEMPLATE
+    )
+    monkeypatch.setattr(sources_module, "CHUNK_CHARS", 2000)  # many chunks, over two worker processes
+    records = chats(40)
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plain = [prose(i, 1) for i in range(30)]
+    (tmp_path / "plain.txt").write_text("\n\n".join(plain))
+    sources = [
+        SourceSpec(path=str(tmp_path / "chats.jsonl")),
+        SourceSpec(path=str(tmp_path / "plain.txt"), documents="blank_line"),
+    ]
+    blocks = load_blocks(sources, tokenizer, 8, tmp_path / "cache", "train")
+
+    ids, targets, starts = [], [], []
+    for document in records + plain:
+        document_ids, document_targets = reference_document(tokenizer, document)
+        ids += document_ids
+        targets += document_targets
+        starts += [1] + [0] * (len(document_ids) - 1)
+    whole = len(ids) // 8 * 8
+    assert blocks.ids.ravel().tolist() == ids[:whole]
+    assert blocks.targets.ravel().tolist() == targets[:whole]
+    assert blocks.starts.ravel().tolist() == starts[:whole]
+    assert 0.2 < blocks.masked_share() < 0.8
+
+
+def books(folder: Path, count: int = 60) -> list[SourceSpec]:
+    """A chat file and a text file of many small documents, in many chunks."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats(count)))
+    (folder / "plain.txt").write_text("\n\n".join(prose(i, 1) for i in range(count)))
+    return [
+        SourceSpec(path=str(folder / "chats.jsonl")),
+        SourceSpec(path=str(folder / "plain.txt"), documents="blank_line"),
+    ]
+
+
+PREPARE_SCRIPT = """
+import sys
+from pathlib import Path
+from transformers import AutoTokenizer
+from ladder.adapt.data import load_blocks
+from ladder.adapt.recipe import SourceSpec
+sources = [SourceSpec(**s) for s in {sources!r}]
+load_blocks(sources, AutoTokenizer.from_pretrained({tokenizer!r}), 16, Path({cache!r}), "train")
+"""
+
+
+@pytest.mark.parametrize("kind, kill_after", [("local", 1), ("local", 30), ("hub", 15)])
+def test_a_prepare_killed_at_any_point_resumes_to_the_same_bytes(
+    tmp_path, smollm2_tokenizer_dir, monkeypatch, kind, kill_after
+):
+    sources = books(tmp_path / "data", 100)
+    if kind == "hub":  # `hf:` streams through datasets; a local dataset folder stands in for a Hub name
+        (tmp_path / "data" / "hub").mkdir()
+        (tmp_path / "data" / "chats.jsonl").rename(tmp_path / "data" / "hub" / "train.jsonl")
+        sources = [SourceSpec(path=f"hf:{tmp_path / 'data' / 'hub'}", max_tokens=20000), sources[1]]
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    straight = load_blocks(sources, tokenizer, 16, tmp_path / "straight", "train")  # chunked the usual way
+
+    # A child chunked finely (a shard per record), killed once it has written `kill_after` shards.
+    script = PREPARE_SCRIPT.format(
+        sources=[vars(s) for s in sources], tokenizer=str(smollm2_tokenizer_dir), cache=str(tmp_path / "cache")
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env={**os.environ, "LADDER_DATA_CHUNK_CHARS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 120
+    while len(list((tmp_path / "cache").glob(".train-*.shards-200/*.npz"))) < kill_after:
+        assert child.poll() is None and time.monotonic() < deadline, child.stdout.read().decode()
+        time.sleep(0.01)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert not list((tmp_path / "cache").glob("train-*")), "the prepare finished before it was killed"
+    kept = len(list((tmp_path / "cache").glob(".train-*.shards-200/*.npz")))
+
+    monkeypatch.setattr(sources_module, "CHUNK_CHARS", 200)  # the child's chunking, to continue its shards
+    resumed = load_blocks(sources, tokenizer, 16, tmp_path / "cache", "train")
+    (entry,) = (tmp_path / "cache").glob("train-*")
+    (reference,) = (tmp_path / "straight").glob("train-*")
+    for name in ("blocks.bin", "targets.bits", "starts.bits", "meta.json"):
+        assert (entry / name).read_bytes() == (reference / name).read_bytes(), name
+    assert np.array_equal(resumed.ids, straight.ids) and kept >= kill_after
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [entry.name], "the shards are cleared"
+
+
+def test_a_failing_stream_is_reopened_where_it_stopped(capsys):
+    import datasets
+
+    failures = []
+
+    def records(shards: list[int]):
+        for shard in shards:
+            for n in range(25):
+                if shard == 1 and n == 12 and len(failures) < 2:  # twice, in the middle of the second file
+                    failures.append(n)
+                    raise ConnectionError("connection reset by peer")
+                yield {"n": shard * 25 + n}
+
+    def open_stream():
+        return datasets.IterableDataset.from_generator(records, gen_kwargs={"shards": [0, 1, 2, 3]})
+
+    read = [record["n"] for record, _ in resumable_stream(open_stream, None, "the stream", retries=2, wait=0.01)]
+    assert read == list(range(100)) and len(failures) == 2
+    assert capsys.readouterr().err.count("connection reset by peer); retrying") == 2
+
+    # From a saved position (a shard's), the stream continues after it.
+    positions = [position for _, position in resumable_stream(open_stream, None, "the stream")]
+    rest = resumable_stream(open_stream, json.dumps(positions[59]), "the stream")
+    assert [record["n"] for record, _ in rest] == list(range(60, 100))
+
+    failures.clear()
+    with pytest.raises(UsageError, match="cannot read the stream: connection reset by peer"):
+        list(resumable_stream(open_stream, None, "the stream", retries=1, wait=0.01))
+
+
+def documents_of(blocks, tokenizer) -> list[str]:
+    """The documents of some blocks, decoded (split at the document starts)."""
+    ids, starts = blocks.ids.ravel(), blocks.starts.ravel()
+    bounds = [*np.flatnonzero(starts), len(ids)]
+    return [tokenizer.decode(ids[a:b]).removesuffix(tokenizer.eos_token) for a, b in zip(bounds, bounds[1:])]
+
+
+def test_a_seeded_sample_is_drawn_from_the_whole_source(tmp_path, smollm2_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    paragraphs = [f"Paragraph {i}. " + prose(i, 1) for i in range(200)]
+    (tmp_path / "book.txt").write_text("\n\n".join(paragraphs))
+    source = [SourceSpec(path=str(tmp_path / "book.txt"), documents="blank_line", max_tokens=3000)]
+
+    def sample(seed, cache):
+        blocks = load_blocks(source, tokenizer, 16, tmp_path / cache, "train", Sampling(seed=seed))
+        return blocks, [paragraphs.index(d) for d in documents_of(blocks, tokenizer)[:-1]]  # the last is cut
+
+    in_order, first = sample(None, "a")
+    assert first == list(range(len(first)))  # no seed: the first documents, as before
+    one, drawn = sample(1, "b")
+    again, drawn_again = sample(1, "c")
+    other, drawn_other = sample(2, "d")
+    assert np.array_equal(one.ids, again.ids) and drawn == drawn_again
+    assert not np.array_equal(one.ids, other.ids) and drawn != drawn_other
+    for picked in (drawn, drawn_other):
+        assert len(set(picked)) == len(picked) and max(picked) > 150 and min(picked) < 50  # from all over
+    assert abs(one.ids.size - in_order.ids.size) < 16
+
+
+def test_mixed_sources_keep_their_weights(tmp_path, smollm2_tokenizer_dir, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    (tmp_path / "a.txt").write_text("\n\n".join(f"Apple {i}. " + prose(i, 1) for i in range(300)))
+    (tmp_path / "b.txt").write_text("\n\n".join(f"River {i}. " + prose(i + 500, 1) for i in range(300)))
+    sources = [
+        SourceSpec(path=str(tmp_path / "a.txt"), documents="blank_line", weight=3),
+        SourceSpec(path=str(tmp_path / "b.txt"), documents="blank_line", weight=1),
+    ]
+
+    def shares(blocks, part=slice(None)):
+        ids, starts = blocks.ids.ravel()[part], blocks.starts.ravel()[part]
+        bounds = [*np.flatnonzero(starts), len(ids)]
+        tokens = {"Apple": 0, "River": 0}
+        for a, b in zip(bounds, bounds[1:]):
+            tokens[tokenizer.decode(ids[a : a + 1]).strip()] += b - a
+        return tokens["Apple"] / (tokens["Apple"] + tokens["River"])
+
+    blocks = load_blocks(sources, tokenizer, 64, tmp_path / "cache", "train", Sampling(seed=0, mix_tokens=12000))
+    assert blocks.ids.size == 12000 // 64 * 64
+    assert shares(blocks) == pytest.approx(0.75, abs=0.01)
+    assert shares(blocks, slice(-1200, None)) == pytest.approx(0.75, abs=0.05)  # the held-out tail too
+
+    # More than the sources hold: the mixture shrinks to keep its weights, and says so.
+    large = load_blocks(sources, tokenizer, 64, tmp_path / "cache", "train", Sampling(seed=0, mix_tokens=10**6))
+    assert shares(large) == pytest.approx(0.75, abs=0.01)
+    assert "less than its share" in capsys.readouterr().out
+
+
+def test_the_size_is_printed_before_and_after(tmp_path, smollm2_tokenizer_dir, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    blocks = load_blocks(books(tmp_path), tokenizer, 32, tmp_path / "cache", "train")
+    before, after = capsys.readouterr().out.splitlines()[:2]
+    (entry,) = (tmp_path / "cache").glob("train-*")
+    written = sum(f.stat().st_size for f in entry.iterdir() if f.suffix != ".json")
+    assert blocks.ids.dtype == np.uint16 and written == blocks.ids.size * 2 + 2 * len(blocks) * 4  # 2 bits a token
+    estimated = int(before.split("about ")[1].split(" tokens")[0].replace(",", ""))
+    assert 0.5 < estimated / blocks.ids.size < 2 and "2.25 bytes per token" in before
+    assert f"{written / 1e6:,.1f} MB" in after and f"{len(blocks):,} blocks of 32 tokens" in after
