@@ -4,6 +4,7 @@ seeded samples, mixtures, and the cache's size."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -208,11 +209,14 @@ def test_a_failing_stream_is_reopened_where_it_stopped(capsys):
         list(resumable_stream(open_stream, None, "the stream", retries=1, wait=0.01))
 
 
+def split_documents(blocks, part: slice = slice(None)) -> list[np.ndarray]:
+    """The token ids of each document in (a part of) the blocks, split at the document starts."""
+    ids, starts = blocks.ids.ravel()[part], blocks.starts.ravel()[part]
+    return [ids[a:b] for a, b in itertools.pairwise([*np.flatnonzero(starts), len(ids)])]
+
+
 def documents_of(blocks, tokenizer) -> list[str]:
-    """The documents of some blocks, decoded (split at the document starts)."""
-    ids, starts = blocks.ids.ravel(), blocks.starts.ravel()
-    bounds = [*np.flatnonzero(starts), len(ids)]
-    return [tokenizer.decode(ids[a:b]).removesuffix(tokenizer.eos_token) for a, b in zip(bounds, bounds[1:])]
+    return [tokenizer.decode(ids).removesuffix(tokenizer.eos_token) for ids in split_documents(blocks)]
 
 
 def test_a_seeded_sample_is_drawn_from_the_whole_source(tmp_path, smollm2_tokenizer_dir):
@@ -247,11 +251,9 @@ def test_mixed_sources_keep_their_weights(tmp_path, smollm2_tokenizer_dir, capsy
     ]
 
     def shares(blocks, part=slice(None)):
-        ids, starts = blocks.ids.ravel()[part], blocks.starts.ravel()[part]
-        bounds = [*np.flatnonzero(starts), len(ids)]
         tokens = {"Apple": 0, "River": 0}
-        for a, b in zip(bounds, bounds[1:]):
-            tokens[tokenizer.decode(ids[a : a + 1]).strip()] += b - a
+        for ids in split_documents(blocks, part):
+            tokens[tokenizer.decode(ids[:1]).strip()] += len(ids)
         return tokens["Apple"] / (tokens["Apple"] + tokens["River"])
 
     blocks = load_blocks(sources, tokenizer, 64, tmp_path / "cache", "train", Sampling(seed=0, mix_tokens=12000))
