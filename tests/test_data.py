@@ -49,7 +49,7 @@ def chats(count: int) -> list[dict]:
             messages.append({"role": "user", "content": prose(i * 7 + turn, 1)})
             answer = prose(i * 7 + turn + 100, 1)
             messages.append(
-                {"role": "assistant", "content": [answer, f"  {answer}\n\n", "", f"\n{answer}"][(i + turn) % 4]}
+                {"role": "assistant", "content": [answer, f"  {answer}\n\n", "", f"\n🦉 {answer} é🦉"][(i + turn) % 4]}
             )
         if i % 5 == 4:
             names = {"user": "human", "assistant": "gpt", "system": "system"}
