@@ -82,7 +82,7 @@ class DataSpec:
     isolate_documents: bool = False
     cache_dir: str = "runs/adapt/cache"
     # Read each source's documents in an order shuffled with this seed before max_tokens cuts it (a Hub
-    # stream: its files shuffled, and records drawn through a buffer of 10,000); null = file order.
+    # dataset: a record from each of its files in turn, the files in a seeded order); null = file order.
     sample_seed: int | None = None
     # Tokens of data.train when its sources have weights.
     mix_tokens: int = 0

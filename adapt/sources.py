@@ -32,7 +32,6 @@ CHUNK_CHARS = int(os.environ.get("LADDER_DATA_CHUNK_CHARS", 1 << 20))
 CHUNK_ITEMS = 4096  # and at most this many items
 RECORD_CHARS = 2048  # a Hub chunk holds CHUNK_CHARS / RECORD_CHARS records (chat records run to a few kB)
 HUB_RETRIES = 8  # a failing stream is reopened this many times in a row, waiting 1, 2, 4 ... 60 s
-HUB_SHUFFLE_BUFFER = 10_000  # records in datasets' shuffle buffer for a Hub source with a sample seed
 
 
 def local_files(source: SourceSpec, key: str) -> list[Path]:
@@ -80,7 +79,7 @@ def source_chunks(
     """The chunks of one source in order; `seed` shuffles its items (seeded by the source's `index` too);
     `hub_state` continues a Hub stream after the chunk that left it."""
     if source.path.startswith(HF_PREFIX):
-        yield from hub_chunks(source, key, seed, hub_state)
+        yield from hub_chunks(source, key, seed, index, hub_state)
         return
     items = local_items(source, key)
     if seed is not None:
@@ -105,16 +104,23 @@ def chunked(items: Iterator[tuple[str, object, str]], source: SourceSpec, key: s
         yield chunk
 
 
-def hub_chunks(source: SourceSpec, key: str, seed: int | None, state: str | None) -> Iterator[Chunk]:
+def hub_chunks(source: SourceSpec, key: str, seed: int | None, index: int, state: str | None) -> Iterator[Chunk]:
     """A Hugging Face dataset, streamed in chunks of records (`max_tokens` bounds how much is read)."""
-    import datasets
-
     name = source.path[len(HF_PREFIX) :]
 
     def open_stream():
+        import datasets
+
         stream = datasets.load_dataset(name, source.hf_subset, split=source.hf_split, streaming=True)
-        # The files in a seeded order and records drawn from a buffer: a sample across the files.
-        return stream.shuffle(seed=seed, buffer_size=HUB_SHUFFLE_BUFFER) if seed is not None else stream
+        if seed is None:
+            return stream
+        # A record from each of the dataset's files in turn, the files in a seeded order: a sample across
+        # the files whose position a shard can keep (a shuffle buffer's content would be lost on resuming).
+        files = stream.num_shards
+        order = np.random.default_rng([seed, index]).permutation(files)
+        return datasets.interleave_datasets(
+            [stream.shard(files, int(i)) for i in order], stopping_strategy="all_exhausted_without_replacement"
+        )
 
     offline = os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")  # then no retry can help
     what = f"the dataset {name}" + (" (this machine is offline: HF_HUB_OFFLINE is set)" if offline else "")

@@ -123,6 +123,7 @@ class AdaptRun:
             self.accelerator.print(f"{self.final_dir} is already complete: nothing to resume")
             return self.final_dir
 
+        self.check_data_prepared()
         set_seed(self.recipe.seed)
         for i, source in enumerate(self.recipe.data.train + self.recipe.data.eval):
             if not source.path.startswith("hf:"):
@@ -262,15 +263,23 @@ class AdaptRun:
 
         return resolve_layer_choice(choice, search)
 
+    def check_data_prepared(self) -> None:
+        """Several processes refuse data that is not tokenized yet, before any weight loads: all but one
+        (GPUs, on a real launch) would wait while it tokenizes. The main process says so in one line."""
+        processes = self.accelerator.num_processes
+        if processes == 1 or data_prepared(self.recipe.data, load_tokenizer(model_path(self.recipe.model.path))):
+            return
+        if not self.main:
+            raise SystemExit(2)
+        raise UsageError(
+            f"the data is not prepared, and {processes - 1} of {processes} processes would wait while one "
+            "tokenizes it: run `ladder adapt RECIPE.yaml [key=value ...] --prepare-data` first"
+        )
+
     def setup_data(self) -> None:
         """The tokenized blocks (the main process tokenizes, the others then read its cache) and
         the order in which the steps read them."""
         batch, processes = self.recipe.batch, self.accelerator.num_processes
-        if processes > 1 and not data_prepared(self.recipe.data, self.tokenizer):
-            raise UsageError(
-                f"the data is not prepared, and {processes - 1} of {processes} processes would wait while one "
-                "tokenizes it: run `ladder adapt RECIPE.yaml [key=value ...] --prepare-data` first"
-            )
         with self.accelerator.main_process_first():
             self.data = prepare_data(self.recipe.data, self.tokenizer)
         self.order = BlockOrder(len(self.data.train), self.recipe.seed, batch.micro_batch, batch.grad_accum, processes)

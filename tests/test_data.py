@@ -22,7 +22,7 @@ from ladder.adapt import sources as sources_module
 from ladder.adapt.data import load_blocks
 from ladder.adapt.pack import Sampling
 from ladder.adapt.recipe import SourceSpec
-from ladder.adapt.sources import resumable_stream
+from ladder.adapt.sources import resumable_stream, source_chunks
 from ladder.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -277,3 +277,22 @@ def test_the_size_is_printed_before_and_after(tmp_path, smollm2_tokenizer_dir, c
     estimated = int(before.split("about ")[1].split(" tokens")[0].replace(",", ""))
     assert 0.5 < estimated / blocks.ids.size < 2 and "2.25 bytes per token" in before
     assert f"{written / 1e6:,.1f} MB" in after and f"{len(blocks):,} blocks of 32 tokens" in after
+
+
+def test_a_seeded_hub_sample_takes_each_file_in_turn_and_resumes_exactly(tmp_path, monkeypatch):
+    for part in range(4):  # a dataset of four files, as a Hub dataset is stored
+        (tmp_path / f"part-{part}.jsonl").write_text(
+            "".join(json.dumps({"text": f"{part}.{r}"}) + "\n" for r in range(6))
+        )
+    source = SourceSpec(path=f"hf:{tmp_path}")
+    monkeypatch.setattr(sources_module, "CHUNK_CHARS", 3 * sources_module.RECORD_CHARS)  # 3 records a chunk
+
+    def read(seed, state=None):
+        return [record["text"] for chunk in source_chunks(source, "k", seed, 0, state) for record in chunk.items]
+
+    in_order, one, other = read(None), read(1), read(2)
+    assert in_order == [f"{p}.{r}" for p in range(4) for r in range(6)]
+    assert sorted(one) == sorted(in_order) and one == read(1) and one != other
+    assert sorted(record.split(".")[0] for record in one[:4]) == ["0", "1", "2", "3"]  # a record of each file
+    second = list(source_chunks(source, "k", 1, 0, None))[1]  # a shard's position: after the second chunk
+    assert read(1, second.state) == one[6:]
