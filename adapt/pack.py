@@ -13,6 +13,7 @@ document (each next document from the source furthest behind its share) and writ
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import multiprocessing
 import os
@@ -86,25 +87,36 @@ def write_blocks(
             tokenize_source(runner, source, f"data.{group}[{i}]", i, sampled.seed, quota, shards, dtype)
             for i, (source, quota) in enumerate(zip(sources, quotas))
         ]
-    quotas = mixture_quotas(tokenized, quotas, sources, sampled, group)
-    writer = BlockWriter(directory, seq_len, dtype)
-    streams = [source_documents(t.shards, quota) for t, quota in zip(tokenized, quotas)]
-    if sampled.mix_tokens:
-        for ids, targets, lengths in interleaved(streams, quotas):
-            writer.add(ids, targets, lengths)
-    else:
-        for stream in streams:
-            for ids, targets, lengths in stream:
-                writer.add(ids, targets, lengths)
-    meta = writer.finish(group)
-    seconds = time.perf_counter() - started
+    tokenizing = time.perf_counter() - started
+    meta = pack(
+        tokenized, mixture_quotas(tokenized, quotas, sources, sampled, group), sampled, directory, seq_len, dtype, group
+    )
+    packing = time.perf_counter() - started - tokenizing
+    tokens = sum(t.tokens for t in tokenized)
     print(
         f"data.{group}: {meta['blocks']:,} blocks of {seq_len} tokens ({meta['blocks'] * seq_len:,} tokens, "
-        f"{meta['documents']:,} documents), {meta['bytes'] / 1e6:,.1f} MB; tokenized at "
-        f"{sum(t.tokens for t in tokenized) / seconds:,.0f} tokens/s with {workers} worker(s)",
+        f"{meta['documents']:,} documents), {meta['bytes'] / 1e6:,.1f} MB; {tokens:,} tokens tokenized in "
+        f"{tokenizing:.1f} s ({tokens / tokenizing:,.0f} tokens/s, {workers} worker(s)), packed in {packing:.1f} s",
         flush=True,
     )
     return meta
+
+
+def pack(
+    tokenized: list[SourceTokens],
+    quotas: list[int],
+    sampled: Sampling,
+    directory: Path,
+    seq_len: int,
+    dtype: type,
+    group: str,
+) -> dict:
+    """Write the blocks from the shards: the sources one after the other, or interleaved when mixed."""
+    writer = BlockWriter(directory, seq_len, dtype)
+    streams = [source_documents(t.shards, quota) for t, quota in zip(tokenized, quotas)]
+    for ids, targets, lengths in interleaved(streams, quotas) if sampled.mix_tokens else itertools.chain(*streams):
+        writer.add(ids, targets, lengths)
+    return writer.finish(group)
 
 
 def source_quotas(sources: list[SourceSpec], sampled: Sampling, group: str) -> list[int]:
@@ -224,10 +236,10 @@ def tokenize_source(
     if source.path.startswith(HF_PREFIX):
         while (shards / shard_name(index, first)).is_file():  # the stream's position is in the last shard
             done.append(shards / shard_name(index, first))
-            tokens += int(read_shard(done[-1], "lengths").sum())
+            tokens += int(shard_field(done[-1], "lengths").sum())
             first += 1
         if done:
-            state = str(read_shard(done[-1], "state"))
+            state = str(shard_field(done[-1], "state"))
             if quota and tokens >= quota:
                 return SourceTokens(done, tokens)
     chunks = enumerate(source_chunks(source, key, seed, index, state), start=first)
@@ -237,7 +249,7 @@ def tokenize_source(
         if result is not None:
             write_shard(path, result, dtype)
         done.append(path)
-        tokens += int(read_shard(path, "lengths").sum()) if result is None else int(result.lengths.sum())
+        tokens += int(shard_field(path, "lengths").sum()) if result is None else int(result.lengths.sum())
         if quota and tokens >= quota:
             break
     return SourceTokens(done, tokens)
@@ -260,10 +272,15 @@ def write_shard(path: Path, result: Tokenized, dtype: type) -> None:
     atomic_write(path, buffer.getvalue())
 
 
-def read_shard(path: Path, field: str) -> np.ndarray:
+def read_shard(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, targets, document lengths) of a shard."""
     with np.load(path) as shard:
-        if field == "targets":
-            return np.unpackbits(shard["targets"], count=int(shard["count"]))
+        return shard["ids"], np.unpackbits(shard["targets"], count=int(shard["count"])), shard["lengths"]
+
+
+def shard_field(path: Path, field: str) -> np.ndarray:
+    """One field of a shard (reads only that one)."""
+    with np.load(path) as shard:
         return shard[field]
 
 
@@ -272,7 +289,7 @@ def source_documents(shards: list[Path], quota: int) -> Iterator[tuple[np.ndarra
     document that crosses it is cut short."""
     given = 0
     for path in shards:
-        ids, targets, lengths = read_shard(path, "ids"), read_shard(path, "targets"), read_shard(path, "lengths")
+        ids, targets, lengths = read_shard(path)
         if quota and given + len(ids) >= quota:
             keep = quota - given
             ends = np.cumsum(lengths)
