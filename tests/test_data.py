@@ -296,3 +296,38 @@ def test_a_seeded_hub_sample_takes_each_file_in_turn_and_resumes_exactly(tmp_pat
     assert sorted(record.split(".")[0] for record in one[:4]) == ["0", "1", "2", "3"]  # a record of each file
     second = list(source_chunks(source, "k", 1, 0, None))[1]  # a shard's position: after the second chunk
     assert read(1, second.state) == one[6:]
+
+
+def test_ids_past_uint16_are_kept_in_uint32(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70000)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="w69999")
+    (tmp_path / "a.txt").write_text("w1 w65535 w65536 w69998 w3 w70001 w2")
+    blocks = load_blocks([SourceSpec(path=str(tmp_path / "a.txt"))], tokenizer, 4, tmp_path / "cache", "train")
+    assert blocks.ids.dtype == np.uint32
+    assert blocks.ids.ravel().tolist() == [1, 65535, 65536, 69998, 3, 0, 2, 69999]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"data.train.0.weight": 1}, "weight every data.train source, or none"),
+        ({"data.train.0.weight": 1, "data.train.1.weight": 1}, "data.mix_tokens goes with weights"),
+        ({"data.mix_tokens": 1000}, "data.mix_tokens goes with weights"),
+        (
+            {"data.train.0.weight": 1, "data.train.1.weight": 1, "data.mix_tokens": 10, "data.train.1.max_tokens": 5},
+            r"data.train\[1\]: a weighted source takes its share",
+        ),
+        ({"data.train.0.weight": -1}, "must be 0 \\(no mixture\\) or more"),
+    ],
+)
+def test_mixture_settings_are_checked(tmp_path, overrides, message):
+    from ladder.adapt.recipe import load_recipe
+
+    recipe = {"data": {"train": [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]}}
+    (tmp_path / "r.yaml").write_text(json.dumps(recipe))
+    with pytest.raises(UsageError, match=message):
+        load_recipe(tmp_path / "r.yaml", [f"{key}={value}" for key, value in overrides.items()])
