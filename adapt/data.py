@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from ladder.files import atomic_directory, sha256_file
+from ladder.io.files import atomic_directory, sha256_file
 
 from . import sources as sources_module
 from .pack import CACHE_FORMAT, Sampling, id_dtype, write_blocks

@@ -27,7 +27,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ladder.errors import UsageError
-from ladder.files import atomic_write
+from ladder.io.files import atomic_write
 
 from .recipe import SourceSpec
 from .sources import HF_PREFIX, local_files, source_chunks

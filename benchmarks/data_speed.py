@@ -13,7 +13,7 @@ that a change in the machine's load hits each:
 Each side's rate is the tokens of the same texts over its best round's wall time. Prints the machine,
 its load average before and after, each side's rate, and the ratio prepare / tokenizer last.
 
-    .venv/bin/python benchmarks/data_speed.py [--rounds 2] [--books 24]
+    .venv/bin/python -m benchmarks.data_speed [--rounds 2] [--books 24]
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 
 def machine() -> str:
     model = next(
@@ -41,7 +38,7 @@ def machine() -> str:
 
 def build_corpus(folder: Path, books: int) -> tuple[Path, Path]:
     """Paragraphs of `books` books (copied, as the prepare reads files) and chats made of them."""
-    from ladder.files import ladder_data_dir
+    from ladder.io.files import ladder_data_dir
 
     names = sorted((ladder_data_dir() / "train").rglob("*.txt"))[:books]
     (folder / "books").mkdir()
@@ -141,7 +138,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from ladder.adapt.recipe import SourceSpec
-    from ladder.loading import embedded_model_path
+    from ladder.io.loading import embedded_model_path
 
     datasets.disable_progress_bars()
     gguf = embedded_model_path()
