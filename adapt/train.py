@@ -122,6 +122,7 @@ class AdaptRun:
         self.fsdp = self.accelerator.distributed_type == DistributedType.FSDP
 
     def setup_budget(self) -> None:
+        """Steps and tokens per step (adapt/preflight.py)."""
         budget = step_budget(self.recipe, self.accelerator.num_processes, self.fsdp)
         self.tokens_per_step, self.total_steps = budget.tokens_per_step, budget.total_steps
 
@@ -169,6 +170,7 @@ class AdaptRun:
             raise UsageError(f"data.train gives {len(self.data.train)} blocks; one step needs {self.order.per_step}")
 
     def setup_teacher(self, teacher: torch.nn.Module | None) -> None:
+        """The teacher frozen on the device (adapt/models.py), once the student is rewired."""
         if teacher is not None:
             self.teacher = prepare_teacher(teacher, self.recipe, self.accelerator.device)
 
