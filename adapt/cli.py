@@ -28,7 +28,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "--prepare-data",
         action="store_true",
-        help="tokenize and cache the data only (one process, no weights), then exit",
+        help="tokenize and cache the data only (every core, no weights; a killed prepare continues), then exit",
     )
     return parser
 
