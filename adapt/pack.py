@@ -71,7 +71,7 @@ def write_blocks(
     if getattr(tokenizer, "backend_tokenizer", None) is None:
         raise UsageError(f"data.{group}: preparing data needs a fast (Rust) tokenizer, and this one is not")
     dtype = id_dtype(tokenizer)
-    quotas = source_quotas(sources, sampled, group)
+    quotas = source_quotas(sources, sampled)
     workers = worker_count()
     print(estimate(sources, quotas, group, dtype, workers), flush=True)
     started = time.perf_counter()
@@ -119,7 +119,7 @@ def pack(
     return writer.finish(group)
 
 
-def source_quotas(sources: list[SourceSpec], sampled: Sampling, group: str) -> list[int]:
+def source_quotas(sources: list[SourceSpec], sampled: Sampling) -> list[int]:
     """Tokens each source may give (0: all of it): its max_tokens, or its weight's share of the mixture."""
     if not sampled.mix_tokens:
         return [int(s.max_tokens) for s in sources]

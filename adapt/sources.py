@@ -124,27 +124,25 @@ def hub_chunks(source: SourceSpec, key: str, seed: int | None, index: int, state
 
     offline = os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")  # then no retry can help
     what = f"the dataset {name}" + (" (this machine is offline: HF_HUB_OFFLINE is set)" if offline else "")
-    records = resumable_stream(open_stream, state, what, retries=0 if offline else HUB_RETRIES)
     size = max(1, CHUNK_CHARS // RECORD_CHARS)
-    for number, batch in enumerate(batched(records, size)):
-        first = number * size
-        yield Chunk(
-            source,
-            key,
-            "record",
-            [record for record, _ in batch],
-            [f"record {first + n}" for n in range(len(batch))],
-            state=json.dumps(batch[-1][1]),
-        )
+    batches = resumable_batches(open_stream, state, what, size, retries=0 if offline else HUB_RETRIES)
+    for number, (records, position) in enumerate(batches):
+        where = [f"record {number * size + n}" for n in range(len(records))]  # counted from the resumed position
+        yield Chunk(source, key, "record", records, where, state=json.dumps(position))
 
 
-def resumable_stream(
-    open_stream: Callable[[], object], state: str | None, what: str, retries: int = HUB_RETRIES, wait: float = 1.0
-) -> Iterator[tuple[dict, dict]]:
-    """(record, the stream's position after it) of a datasets IterableDataset opened by `open_stream`,
-    from the position `state` (JSON) on. A stream that fails with a network error is reopened at the
-    last position yielded, after `wait` seconds, twice that the next time (60 s at most); `retries`
-    failures in a row end it with one line."""
+def resumable_batches(
+    open_stream: Callable[[], object],
+    state: str | None,
+    what: str,
+    size: int,
+    retries: int = HUB_RETRIES,
+    wait: float = 1.0,
+) -> Iterator[tuple[list[dict], dict]]:
+    """Batches of `size` records of a datasets IterableDataset opened by `open_stream`, from the position
+    `state` (JSON) on, each with the stream's position after it. A stream that fails with a network error
+    is reopened at the position after the last whole batch, after `wait` seconds, twice that the next
+    time (60 s at most); `retries` failures in a row end it with one line."""
     position = json.loads(state) if state else None
     failures = 0
     while True:
@@ -152,10 +150,10 @@ def resumable_stream(
             stream = open_stream()
             if position is not None:
                 stream.load_state_dict(position)
-            for record in stream:
+            for records in batched(stream, size):
                 position = stream.state_dict()
                 failures = 0
-                yield record, position
+                yield records, position
             return
         except UsageError:
             raise

@@ -22,7 +22,7 @@ from ladder.adapt import sources as sources_module
 from ladder.adapt.data import load_blocks
 from ladder.adapt.pack import Sampling
 from ladder.adapt.recipe import SourceSpec
-from ladder.adapt.sources import resumable_stream, source_chunks
+from ladder.adapt.sources import resumable_batches, source_chunks
 from ladder.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,18 +195,20 @@ def test_a_failing_stream_is_reopened_where_it_stopped(capsys):
     def open_stream():
         return datasets.IterableDataset.from_generator(records, gen_kwargs={"shards": [0, 1, 2, 3]})
 
-    read = [record["n"] for record, _ in resumable_stream(open_stream, None, "the stream", retries=2, wait=0.01)]
-    assert read == list(range(100)) and len(failures) == 2
-    assert capsys.readouterr().err.count("connection reset by peer); retrying") == 2
+    def read(state=None, **retrying) -> list[int]:
+        batches = resumable_batches(open_stream, state, "the stream", 10, **retrying)
+        return [record["n"] for batch, _ in batches for record in batch]
 
+    # The batch of records 30-39 fails at record 37, twice: it is read again from record 30.
+    assert read(retries=2, wait=0.01) == list(range(100)) and len(failures) == 2
+    assert capsys.readouterr().err.count("connection reset by peer); retrying") == 2
     # From a saved position (a shard's), the stream continues after it.
-    positions = [position for _, position in resumable_stream(open_stream, None, "the stream")]
-    rest = resumable_stream(open_stream, json.dumps(positions[59]), "the stream")
-    assert [record["n"] for record, _ in rest] == list(range(60, 100))
+    positions = [position for _, position in resumable_batches(open_stream, None, "the stream", 10)]
+    assert read(json.dumps(positions[5])) == list(range(60, 100))
 
     failures.clear()
     with pytest.raises(UsageError, match="cannot read the stream: connection reset by peer"):
-        list(resumable_stream(open_stream, None, "the stream", retries=1, wait=0.01))
+        read(retries=1, wait=0.01)
 
 
 def split_documents(blocks, part: slice = slice(None)) -> list[np.ndarray]:
