@@ -83,12 +83,12 @@ def source_chunks(
         return
     items = local_items(source, key)
     if seed is not None:
-        listed = list(items)
+        listed = list(items)  # the source's text in memory: a shuffle needs all of its documents
         items = (listed[i] for i in np.random.default_rng([seed, index]).permutation(len(listed)))
     yield from chunked(items, source, key)
 
 
-def chunked(items: Iterator[tuple[str, object, str]], source: SourceSpec, key: str) -> Iterator[Chunk]:
+def chunked(items: Iterator[tuple[str, str, str]], source: SourceSpec, key: str) -> Iterator[Chunk]:
     """Consecutive items of one kind, CHUNK_CHARS of text or CHUNK_ITEMS items at most per chunk."""
     chunk, size = None, 0
     for kind, item, where in items:
@@ -99,7 +99,7 @@ def chunked(items: Iterator[tuple[str, object, str]], source: SourceSpec, key: s
             chunk, size = Chunk(source, key, kind, [], []), 0
         chunk.items.append(item)
         chunk.where.append(where)
-        size += len(item) if isinstance(item, str) else len(json.dumps(item))
+        size += len(item)
     if chunk is not None:
         yield chunk
 
