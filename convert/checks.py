@@ -1,11 +1,17 @@
-"""The checks of a source checkpoint that need no tensor: the shape of every tensor a Llama of a
-config holds, from the config's numbers alone, and the match of a checkpoint's tensors with them."""
+"""The checks of a source checkpoint that need no tensor's values, cheapest first: config.json
+alone (`check_config`: a Llama, not a ladder checkpoint already, attention heads that divide), then
+the weight headers against it (`check_weights`: the layer count before anything proportional to
+it is built, floating-point dtypes, then the shape of every tensor a Llama of the config holds,
+computed from the config's numbers alone). Conversion runs them before any expensive work."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ladder.errors import UsageError
+from ladder.layers import LADDER_MODEL_TYPE, check_llama_model_type, format_layers
 
 if TYPE_CHECKING:
     from ladder.io.tensors import TensorSpec
@@ -18,6 +24,7 @@ LLAMA_SHAPE_DEFAULTS = {
     "num_hidden_layers": 32,
     "num_attention_heads": 32,
 }
+LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def config_size(config: dict, key: str) -> int:
@@ -28,6 +35,96 @@ def config_size(config: dict, key: str) -> int:
     return value
 
 
+def attention_sizes(config: dict) -> tuple[int, int, int]:
+    """The numbers of query and key/value heads and the head size, as LlamaConfig defaults them."""
+    heads = config_size(config, "num_attention_heads")
+    kv_heads = config_size(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
+    head_dim = (
+        config_size(config, "head_dim")
+        if config.get("head_dim") is not None
+        else config_size(config, "hidden_size") // heads
+    )
+    return heads, kv_heads, head_dim
+
+
+def check_config(config: dict, where: str) -> None:
+    """The checks that need only the config (`where` names it), cheapest first."""
+    check_llama_model_type(config.get("model_type"), where)
+    check_not_ladder(config, where)
+    check_attention_heads(config)
+
+
+def check_weights(tensors: dict[str, TensorSpec], config: dict) -> dict[str, str]:
+    """The checks of the weight headers against the config, cheapest first; returns the tensors
+    dropped, each with its reason (`check_tensors`)."""
+    check_layer_count(tensors, config)
+    check_dtypes(tensors)
+    return check_tensors(tensors, config)
+
+
+def check_not_ladder(config: dict, where: str) -> None:
+    """Refuse a ladder checkpoint as a source, whatever layers are asked: its weights may have been
+    retrained for its wiring, verification compares with a plain Llama it is not, and asking its
+    own layers again would change nothing. The original Llama converts to any wiring."""
+    if config.get("model_type") != LADDER_MODEL_TYPE:
+        return
+    layers = config.get("ladder_layers")
+    named = (
+        format_layers(sorted(layers))
+        if isinstance(layers, list) and all(isinstance(layer, int) for layer in layers)
+        else repr(layers)
+    )
+    raise UsageError(
+        f"{where} has model_type {LADDER_MODEL_TYPE!r} (ladder layers {named}): it is converted already; "
+        "convert the original Llama checkpoint"
+    )
+
+
+def check_attention_heads(config: dict) -> None:
+    """Head counts that a Llama can run: LlamaConfig refuses a hidden size that the heads do not
+    divide, grouped-query attention gives each key/value head a whole group of query heads, and
+    rotary embeddings turn pairs of dimensions."""
+    hidden = config_size(config, "hidden_size")
+    heads, kv_heads, head_dim = attention_sizes(config)
+    if hidden % heads:
+        raise UsageError(f"config.json: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    if heads % kv_heads:
+        raise UsageError(
+            f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads} "
+            "(each key/value head serves a whole group of query heads)"
+        )
+    if head_dim % 2:
+        raise UsageError(
+            f"config.json: head_dim {head_dim} is odd; rotary position embeddings turn pairs of dimensions"
+        )
+
+
+def check_layer_count(names: Iterable[str], config: dict) -> None:
+    """The config's layer count against the layers the weights hold, from their names: before
+    anything proportional to the count is built (a table of expected tensors, the upper half of
+    the layers), so that a config asking 10^9 layers of a small checkpoint is refused at once."""
+    count = config_size(config, "num_hidden_layers")
+    present = {int(match.group(1)) for name in names if (match := LAYER_TENSOR.match(name))}
+    if not is_every_layer(present, count):
+        held = f"layers {format_layers(sorted(present))}" if present else "no model.layers.N tensor"
+        raise UsageError(f"config.json: num_hidden_layers is {count}, but the weights hold {held}")
+
+
+def is_every_layer(indices: set[int], count: int) -> bool:
+    """Whether `indices` are 0 .. count - 1, without building that range (`count` may be absurd)."""
+    return len(indices) == count and max(indices, default=-1) == count - 1
+
+
+def check_dtypes(tensors: dict[str, TensorSpec]) -> None:
+    """Every weight of a Llama is floating point: integers would be cast to float as they are,
+    not dequantized."""
+    if others := [spec for spec in tensors.values() if not spec.is_floating_point]:
+        raise UsageError(
+            f"tensor {others[0].name} holds {others[0].dtype}; every weight of a Llama is floating point "
+            f"({len(others)} such tensor{'s' if len(others) > 1 else ''})"
+        )
+
+
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a Llama with this config holds (lm_head included even when
     tied), from the config's numbers alone: what `LlamaForCausalLM(config).state_dict()` lists,
@@ -35,9 +132,7 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     hidden, intermediate, vocab = (
         config_size(config, key) for key in ("hidden_size", "intermediate_size", "vocab_size")
     )
-    heads = config_size(config, "num_attention_heads")
-    kv_heads = config_size(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
-    head_dim = config_size(config, "head_dim") if config.get("head_dim") is not None else hidden // heads
+    heads, kv_heads, head_dim = attention_sizes(config)
     projections = {
         "self_attn.q_proj": (heads * head_dim, hidden),
         "self_attn.k_proj": (kv_heads * head_dim, hidden),

@@ -29,7 +29,7 @@ from .plan import (
     lay_out,
     open_source,
     output_dir,
-    read_layer_count,
+    read_source,
 )
 
 if TYPE_CHECKING:
@@ -66,11 +66,11 @@ def convert_checkpoint(
     source_path = resolve_model_path(source)
     # A GGUF file is read for its checks, its tokenizer, config and weights, and its licence: parsed once.
     with gguf_parsed_once() if source_path.suffix == ".gguf" else contextlib.nullcontext():
-        num_hidden_layers, directory_config = read_layer_count(source_path)
-        choice = parse_layer_choice(ladder_layers, num_hidden_layers, "--layers")
+        headers = read_source(source_path, allow_pickle)
+        choice = parse_layer_choice(ladder_layers, headers.num_hidden_layers, "--layers")
         check_calibration(calibration, choice)
         out = output_dir(source_path, out, choice, force)
-        opened = open_source(source_path, directory_config, dtype, allow_pickle, progress)
+        opened = open_source(source_path, headers, dtype, progress)
         layers, search = choose_layers(opened, choice, calibration, progress)
         plan = lay_out(opened, out, layers, search, dtype, max_shard_size, weights, verify)
         return write_conversion(plan, force, weights, progress, started)

@@ -109,11 +109,14 @@ def _copy_other_files(source: Source, staging: Path) -> bool:
 
 
 def _checked_damage(source: Source, staging: Path, kept: list[TensorSpec], progress: bool) -> Damage:
-    """The conversion damage; an error, and nothing written, where the written model is broken."""
+    """The conversion damage; an error, and nothing written, where the written model is broken
+    (a `UsageError` where the source's outputs are not finite, a bug of this tool otherwise)."""
     say(progress, "verifying: both models on fixed prompts ...")
-    from .verify import damage_problems
+    from .verify import damage_not_finite, damage_problems
 
     damage = _verify(source, staging, kept)
+    if broken := damage_not_finite(damage):  # bad input: the source's own outputs are not finite
+        raise UsageError(f"verification failed, nothing written: {broken}")
     if problems := damage_problems(damage):
         raise RuntimeError(f"verification failed, nothing written: {'; '.join(problems)}")
     return damage

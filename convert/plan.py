@@ -36,17 +36,10 @@ from ladder.io.tensors import (
     shard_filenames,
     weight_files,
 )
-from ladder.layers import (
-    CONFIG_BOOKKEEPING,
-    LADDER_MODEL_TYPE,
-    AutoLayers,
-    LayerChoice,
-    check_llama_model_type,
-    resolve_layer_choice,
-)
+from ladder.layers import CONFIG_BOOKKEEPING, LADDER_MODEL_TYPE, AutoLayers, LayerChoice, resolve_layer_choice
 from ladder.model.config_rules import with_legacy_rope
 
-from .checks import check_tensors, config_size
+from .checks import check_config, check_weights, config_size
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +47,7 @@ if TYPE_CHECKING:
 
     from ladder.layer_search import LayerSearch
 
+    from .gguf import GGUFInfo
     from .verify import Damage
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # what save_pretrained uses ("5GB")
@@ -79,8 +73,9 @@ AUTO_MAP = {
 
 @dataclass
 class Source:
-    """A checkpoint opened for conversion. Of safetensors and pickle weights only the headers
-    are read so far; a GGUF file is dequantized whole by transformers (GGUF models are small)."""
+    """A checkpoint opened for conversion and checked (`ladder.convert.checks`). Of safetensors
+    and pickle weights only the headers are read so far; a GGUF file is dequantized whole by
+    transformers (GGUF models are small)."""
 
     path: Path
     format: str  # "safetensors", "pickle" or "gguf"
@@ -90,8 +85,13 @@ class Source:
     shards: list[Shard] = field(default_factory=list)  # safetensors: each file's header
     other_files: list[Path] = field(default_factory=list)  # tokenizer, generation config, licence: copied
     not_copied: list[str] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)  # tensor name -> why it is not kept
     model: PreTrainedModel | None = None  # gguf: the dequantized model, and its tokenizer
     tokenizer: PreTrainedTokenizerBase | None = None
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return config_size(self.config, "num_hidden_layers")
 
 
 @dataclass
@@ -152,12 +152,6 @@ def _check_output_location(source: Path, out: Path) -> None:
         raise UsageError(f"output {out} contains the source {source}; replacing it would delete the source")
 
 
-def _read_config(directory: Path) -> dict:
-    config = read_config_dict(directory)
-    check_llama_model_type(config.get("model_type"), str(directory / "config.json"))
-    return config
-
-
 def load_pickle(path: Path) -> dict[str, torch.Tensor]:
     import torch
 
@@ -204,7 +198,10 @@ def _open_directory(directory: Path, config: dict, allow_pickle: bool) -> Source
 def _load_gguf(path: Path, dtype: str) -> Source:
     model, tokenizer = load_model(path, dtype)
     tensors = {name: TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()}
-    return Source(path, "gguf", model.config.to_dict(), tensors, [path], model=model, tokenizer=tokenizer)
+    config = model.config.to_dict()
+    check_config(config, str(path))
+    dropped = check_weights(tensors, config)
+    return Source(path, "gguf", config, tensors, [path], dropped=dropped, model=model, tokenizer=tokenizer)
 
 
 def _output_layout(source: Source, kept: list[TensorSpec], max_shard_size: int | None) -> list[OutputShard]:
@@ -297,15 +294,20 @@ def check_weight_mode(weights: str) -> None:
         raise UsageError(f"--weights {weights!r}: choose from {', '.join(WEIGHT_MODES)}")
 
 
-def read_layer_count(source: Path) -> tuple[int, dict | None]:
-    """The source's number of layers, read before any weight, and its config.json (None for a GGUF
-    file, whose config comes with its weights)."""
-    if source.suffix == ".gguf":
+def read_source(path: Path, allow_pickle: bool) -> Source | GGUFInfo:
+    """A directory's config.json, checked alone, then its weight headers (pickle weights read
+    whole) checked against it (`ladder.convert.checks`); a GGUF file's metadata, checked, its
+    weights still quantized (`open_source` dequantizes them). The first step: nothing that grows
+    with the config's numbers is built before they are checked against the weights."""
+    if path.suffix == ".gguf":
         from .gguf import inspect_llama_gguf
 
-        return inspect_llama_gguf(source).num_hidden_layers, None
-    config = _read_config(source)
-    return config_size(config, "num_hidden_layers"), config
+        return inspect_llama_gguf(path)
+    config = read_config_dict(path)
+    check_config(config, str(path / "config.json"))
+    source = _open_directory(path, config, allow_pickle)
+    source.dropped = check_weights(source.tensors, config)
+    return source
 
 
 def check_calibration(calibration: list[Path] | None, choice: LayerChoice) -> None:
@@ -324,12 +326,12 @@ def output_dir(source: Path, out: str | Path | None, choice: LayerChoice, force:
     return out
 
 
-def open_source(path: Path, config: dict | None, dtype: str | None, allow_pickle: bool, progress: bool) -> Source:
-    """A directory's weight headers (pickle weights read whole), or a GGUF file dequantized."""
-    if config is None:
-        say(progress, f"dequantizing {path.name} ...")
-        return _load_gguf(path, dtype or "float32")
-    return _open_directory(path, config, allow_pickle)
+def open_source(path: Path, headers: Source | GGUFInfo, dtype: str | None, progress: bool) -> Source:
+    """What `read_source` read: a directory as it is, a GGUF file dequantized (and checked)."""
+    if isinstance(headers, Source):
+        return headers
+    say(progress, f"dequantizing {path.name} ...")
+    return _load_gguf(path, dtype or "float32")
 
 
 def choose_layers(
@@ -355,9 +357,9 @@ def lay_out(
     weights: str,
     verify: bool | None,
 ) -> Plan:
-    """Which tensors are kept (each checked against the config), in which output files, whether the
+    """Which tensors are kept (`Source.dropped` is not), in which output files, whether the
     source's files go over as they are, the ladder config, and whether verification runs."""
-    dropped = check_tensors(source.tensors, source.config)
+    dropped = source.dropped
     kept = [
         dataclasses.replace(spec, dtype=dtype) if dtype is not None and spec.is_floating_point else spec
         for spec in source.tensors.values()
@@ -379,7 +381,7 @@ def lay_out(
         source=str(source.path.resolve()),
         source_format=source.format,
         output=str(out.resolve()),
-        num_hidden_layers=config_size(source.config, "num_hidden_layers"),
+        num_hidden_layers=source.num_hidden_layers,
         ladder_layers=layers,
         dtype=_dtype_name(kept),
         weights="copied" if copy_as_is else "rewritten",

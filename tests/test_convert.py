@@ -244,9 +244,9 @@ def test_existing_output_needs_force(tiny_checkpoint, tmp_path, capsys):
 # --- Bad input: one line, exit 2, nothing written, the source untouched ----------------------------
 
 
-def _write_gguf(path: Path, architecture: str, tensor_type: gguf.GGMLQuantizationType) -> Path:
+def _write_gguf(path: Path, architecture: str, tensor_type: gguf.GGMLQuantizationType, block_count: int = 2) -> Path:
     writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_block_count(2)
+    writer.add_block_count(block_count)
     _, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
     writer.add_tensor("token_embd.weight", np.zeros((2, type_size), dtype=np.uint8), raw_dtype=tensor_type)
     writer.write_header_to_file()
