@@ -117,6 +117,20 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
         raise
 
 
+def path_inside(root: str | Path, relative: str, what: str) -> Path:
+    """`root / relative`, refused (one-line `UsageError` naming `what`) when it would leave `root`: an
+    absolute path, a `..` part, or a symlink on the way whose target lies outside. Checked before
+    anything is read, deleted or written there."""
+    root = Path(root).absolute()
+    parts = Path(relative).parts
+    if Path(relative).is_absolute() or ".." in parts or not parts:
+        raise UsageError(f"{what}: path {relative!r} leaves the folder {root} (absolute, `..` or empty)")
+    target = root.joinpath(*parts)
+    if not target.resolve().is_relative_to(root.resolve()):
+        raise UsageError(f"{what}: path {relative!r} leaves the folder {root} through a symlink")
+    return target
+
+
 def sha256_file(path: str | Path, chunk_size: int = 1 << 22, on_chunk: Callable[[int], None] | None = None) -> str:
     """Hex SHA-256 of a file, read in chunks (weight files are many GB). `on_chunk(nbytes)` runs
     after each chunk: a progress bar, or a cancellation check that raises."""
@@ -166,4 +180,4 @@ def ladder_data_dir() -> Path:
     raise UsageError("no data folder: set LADDER_DATA to the folder that holds the benchmark and training files")
 
 
-__all__ = ["StreamingSha256", "atomic_directory", "atomic_write", "ladder_data_dir", "sha256_file"]
+__all__ = ["StreamingSha256", "atomic_directory", "atomic_write", "ladder_data_dir", "path_inside", "sha256_file"]
