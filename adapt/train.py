@@ -38,7 +38,14 @@ from tqdm.auto import tqdm
 import ladder
 from ladder.errors import UsageError, first_line
 from ladder.io.files import atomic_directory, atomic_write
-from ladder.io.loading import gguf_parsed_once, load_model, load_tokenizer, read_config_dict, resolve_model_path
+from ladder.io.loading import (
+    check_llama_checkpoint,
+    gguf_parsed_once,
+    load_model,
+    load_tokenizer,
+    read_config_dict,
+    resolve_model_path,
+)
 from ladder.io.model_card import (
     SourceFacts,
     copy_licence_files,
@@ -678,6 +685,7 @@ def check_model(recipe: Recipe) -> bool:
     """Whether model.path is already a ladder checkpoint; refuses recipes that cannot work, before any
     weight loads."""
     path = resolve_model_path(model_path(recipe.model.path))
+    check_llama_checkpoint(path)  # any other model_type is refused, as convert does
     config = read_config_dict(path) if path.is_dir() else {}  # a .gguf file holds an original Llama
     is_ladder = config.get("model_type") == LADDER_MODEL_TYPE
     if recipe.model.ladder_layers is None and not is_ladder:
