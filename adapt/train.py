@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 import ladder
 from ladder.errors import UsageError, first_line
-from ladder.io.files import atomic_directory, atomic_write
+from ladder.io.files import atomic_directory, atomic_write, lock_output
 from ladder.io.loading import (
     check_llama_checkpoint,
     gguf_parsed_once,
@@ -132,6 +132,7 @@ class AdaptRun:
         keep_fewer_activations(model)
         self.setup_optimizer(model)
 
+        self.output_lock = lock_output(self.run_dir, "adapt") if self.main else None  # for the run's life
         if resume_from is not None:
             self.load_checkpoint(resume_from)
         else:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,7 @@ from test_data_fetch import Server, write_manifest
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 from ladder.io.data_fetch import DataFile
+from ladder.io.files import atomic_directory
 
 
 @pytest.mark.parametrize("escape", ["../victim.txt", "ABSOLUTE", "link/victim.txt"])
@@ -85,3 +89,192 @@ def test_every_reader_of_an_input_refuses_a_non_llama_model_type(tmp_path):
         with pytest.raises(UsageError, match="model_type 'evil'"):
             check()
     assert not (tmp_path / "ran").exists()
+
+
+# --- Two runs, one output (items 3, 4, 5) ----------------------------------------------------------
+
+HOLDER = """
+import fcntl, os, sys
+from ladder.errors import UsageError
+from ladder.io.files import atomic_directory
+out = sys.argv[1]
+try:
+    if sys.argv[2] == "lock":  # what a live `ladder adapt` holds on its output_dir
+        os.makedirs(out)
+        fcntl.flock(os.open(os.path.join(out, ".ladder-output"), os.O_RDWR | os.O_CREAT), fcntl.LOCK_EX)
+        print("ready", flush=True)
+        sys.stdin.readline()
+    else:
+        with atomic_directory(out) as staging:
+            (staging / "weights").write_text("this run's")
+            print("ready", flush=True)
+            sys.stdin.readline()
+except UsageError as error:
+    print(error, file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def start_holder(out: Path, mode: str = "stage", prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    """A run in another process that has started writing `out` (or locked it) and waits for a line on stdin."""
+    holder = subprocess.Popen(
+        [*prefix, sys.executable, "-c", HOLDER, str(out), mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline() == "ready\n", holder.stderr.read()
+    return holder
+
+
+def finish(holder: subprocess.Popen) -> tuple[int, str]:
+    _, error = holder.communicate("go\n", timeout=60)
+    return holder.returncode, error
+
+
+def test_an_output_that_appears_while_a_run_works_is_not_replaced(tmp_path):
+    """The "already exists" check ran only at the start: the final rename replaced what appeared."""
+    out = tmp_path / "out"
+    holder = start_holder(out)
+    out.mkdir()
+    (out / "theirs").write_text("another run's output")
+    code, error = finish(holder)
+    assert code == 2 and "appeared while this run worked" in error and len(error.strip().splitlines()) == 1
+    assert [p.name for p in out.iterdir()] == ["theirs"]
+    (kept,) = tmp_path.glob("out.conflict-*")  # this run's work is not lost either
+    assert (kept / "weights").read_text() == "this run's"
+
+
+def test_atomic_write_without_replace_refuses_a_file_that_appeared_meanwhile(tmp_path, monkeypatch):
+    """`ladder sample --out F` without --force: a file written at F by another run during the
+    write (here: at the moment the data is flushed) is kept, not replaced."""
+    from ladder.io.files import atomic_write
+
+    target, real_fsync = tmp_path / "samples.jsonl", os.fsync
+
+    def another_run_writes_the_target(descriptor):
+        real_fsync(descriptor)
+        if not target.exists():
+            target.write_text("theirs")
+
+    monkeypatch.setattr(os, "fsync", another_run_writes_the_target)
+    with pytest.raises(UsageError, match="appeared while this run wrote it"):
+        atomic_write(target, "ours", replace=False)
+    assert target.read_text() == "theirs" and [p.name for p in tmp_path.iterdir()] == ["samples.jsonl"]
+
+
+def dead_pid() -> int:
+    """A PID no process has in this namespace (the PID a run in another namespace may well have)."""
+    for pid in range(30000, 300, -1):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except PermissionError:
+            continue
+    pytest.skip("no free PID found")
+
+
+def test_a_live_run_in_another_pid_namespace_keeps_its_temporaries(tmp_path):
+    """Temporaries were judged stale by PID: a second run saw the PID of a run in another PID
+    namespace (container, node) as dead, deleted its staging folder, and the live run crashed.
+    Now the live run holds a lock, and the second run is refused instead."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-pfr", "true"]).returncode != 0:
+        pytest.skip("no unprivileged PID namespaces here")
+    pid = dead_pid()
+    # In a new PID namespace the live run gets PID `pid`, which is free (dead) in this one.
+    prefix = (
+        "unshare",
+        "-pfr",
+        "--mount-proc",
+        "sh",
+        "-c",
+        f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid; "$@"',
+        "-",
+    )
+    out = tmp_path / "out"
+    holder = start_holder(out, prefix=prefix)
+    with pytest.raises(UsageError, match="another run is writing"):
+        with atomic_directory(out) as staging:
+            (staging / "weights").write_text("second run's")
+    code, error = finish(holder)
+    assert code == 0, error
+    assert (out / "weights").read_text() == "this run's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_killed_writes_leave_no_temporaries_behind(tmp_path):
+    """atomic_write's `.tmp` files of killed writes stayed forever; a live write's is kept."""
+    from ladder.io.files import atomic_write
+
+    target = tmp_path / "scores.json"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITE, str(target)], capture_output=True, text=True, timeout=60
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert len(list(tmp_path.glob(".scores.json.tmp-*"))) == 1
+    atomic_write(target, "{}")
+    assert [p.name for p in tmp_path.iterdir()] == ["scores.json"]
+
+
+KILLED_WRITE = """
+import os, signal, sys
+import ladder.io.files as files
+def die(descriptor):
+    os.kill(os.getpid(), signal.SIGKILL)
+os.fsync = die
+files.atomic_write(sys.argv[1], "half")
+"""
+
+
+def test_force_replaces_only_an_earlier_output_of_the_same_command(tmp_path):
+    """--force deleted any folder, also one holding other models, without checking it was an
+    earlier output."""
+    models = tmp_path / "models"
+    (models / "llama").mkdir(parents=True)
+    (models / "llama" / "model.safetensors").write_text("weights")
+    with pytest.raises(UsageError, match="replaces only an earlier output of `ladder convert`"):
+        with atomic_directory(models, force=True, command="convert"):
+            pass
+    assert (models / "llama" / "model.safetensors").read_text() == "weights"
+    with atomic_directory(tmp_path / "out", command="convert") as staging:
+        (staging / "a").write_text("first")
+    with pytest.raises(UsageError, match="`ladder eval`"):
+        with atomic_directory(tmp_path / "out", force=True, command="eval"):
+            pass
+    with atomic_directory(tmp_path / "out", force=True, command="convert") as staging:
+        (staging / "a").write_text("second")
+    assert (tmp_path / "out" / "a").read_text() == "second"
+
+
+@pytest.mark.parametrize("where", ["the model", "inside the model", "its parent"])
+def test_eval_out_may_not_be_a_model_it_scores(tmp_path, tiny_checkpoint, capsys, where):
+    """`ladder eval MODEL --out MODEL --force` deleted the model and left a report in its place."""
+    model = tmp_path / "models" / "tiny"
+    shutil.copytree(tiny_checkpoint, model)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    out = {"the model": model, "inside the model": model / "results", "its parent": model.parent}[where]
+    argv = ["eval", str(model), "--out", str(out), "--force", "--limit", "2", "--no-cache", "--device", "cpu"]
+    assert ladder_main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and ("overlaps the input" in error or "earlier output" in error), error
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+def test_adapt_output_dir_is_locked_for_the_run_s_life(tmp_path, tiny_checkpoint, capsys):
+    """Two `ladder adapt` runs into one output_dir both ran (metrics.jsonl held 99 records for 50 steps)."""
+    from test_adapt import write_recipe
+
+    corpus = tmp_path / "corpus"
+    (corpus / "train").mkdir(parents=True)
+    (corpus / "train" / "book.txt").write_text("The sea was calm and the ship sailed on. " * 400)
+    (corpus / "heldout.txt").write_text("The wind rose over the hills at dawn. " * 300)
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=256)
+    holder = start_holder(tmp_path / "run", mode="lock")  # a run of this recipe, alive
+    try:
+        assert ladder_main(["adapt", str(recipe)]) == 2
+    finally:
+        finish(holder)
+    assert "another run is writing" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
