@@ -278,3 +278,26 @@ def test_adapt_output_dir_is_locked_for_the_run_s_life(tmp_path, tiny_checkpoint
         finish(holder)
     assert "another run is writing" in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_input_s_symlinks_are_not_followed_out_of_its_folder(tmp_path, capsys):
+    """A source whose LICENSE was a symlink to a system file had that file's contents copied into
+    the output. Links inside the folder, and a Hub snapshot's links into its blobs/, still count."""
+    from ladder.io.model_card import copy_licence_files
+
+    secret = tmp_path / "secret"
+    secret.write_text("a file the user never meant to publish")
+    source = tmp_path / "models--org--name" / "snapshots" / "0123abc"
+    (source.parents[1] / "blobs").mkdir(parents=True)
+    source.mkdir(parents=True)
+    (source.parents[1] / "blobs" / "f00d").write_text("Llama licence")
+    (source / "LICENSE").symlink_to(secret)
+    (source / "USE_POLICY.md").symlink_to("../../blobs/f00d")
+    (source / "NOTICE.txt").write_text("notice")
+    (source / "LICENCE.md").symlink_to("NOTICE.txt")
+    destination = tmp_path / "out"
+    destination.mkdir()
+    assert copy_licence_files(source, destination) == ["LICENCE.md", "NOTICE.txt", "USE_POLICY.md"]
+    assert not (destination / "LICENSE").exists() and (destination / "USE_POLICY.md").read_text() == "Llama licence"
+    (warning,) = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith("warning: skipping") and str(secret) in warning

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -332,6 +333,16 @@ def path_inside(root: str | Path, relative: str, what: str) -> Path:
     return target
 
 
+def resolves_inside(path: Path, root: Path) -> bool:
+    """Whether `path`, symlinks followed, stays inside the folder `root`; when it does not, one
+    warning line on stderr says it is skipped (an input's symlink may point at any file)."""
+    target = Path(path).resolve()
+    if target.is_relative_to(Path(root).resolve()):
+        return True
+    print(f"warning: skipping {path}: a symlink to {target}, outside {root}", file=sys.stderr)
+    return False
+
+
 def sha256_file(path: str | Path, chunk_size: int = 1 << 22, on_chunk: Callable[[int], None] | None = None) -> str:
     """Hex SHA-256 of a file, read in chunks (weight files are many GB). `on_chunk(nbytes)` runs
     after each chunk: a progress bar, or a cancellation check that raises."""
@@ -393,5 +404,6 @@ __all__ = [
     "lock_output",
     "output_command",
     "path_inside",
+    "resolves_inside",
     "sha256_file",
 ]
