@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -301,3 +302,21 @@ def test_an_input_s_symlinks_are_not_followed_out_of_its_folder(tmp_path, capsys
     assert not (destination / "LICENSE").exists() and (destination / "USE_POLICY.md").read_text() == "Llama licence"
     (warning,) = capsys.readouterr().err.strip().splitlines()
     assert warning.startswith("warning: skipping") and str(secret) in warning
+
+
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (b'{"w":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}}', "malformed entry"),
+        (b"[" * 200_000 + b"]" * 200_000, "nests too deeply"),
+    ],
+)
+def test_a_hostile_safetensors_header_is_one_line(tmp_path, tiny_checkpoint, capsys, header, message):
+    """A shape of 1e999 raised OverflowError, 200k nested brackets RecursionError, out of `ladder convert`."""
+    source = tmp_path / "source"
+    shutil.copytree(tiny_checkpoint, source)
+    (source / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    assert ladder_main(["convert", str(source), "--out", str(tmp_path / "out"), "--layers", "2"]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert "is not a valid safetensors file" in error and message in error
+    assert not (tmp_path / "out").exists()
