@@ -320,3 +320,31 @@ def test_a_hostile_safetensors_header_is_one_line(tmp_path, tiny_checkpoint, cap
     (error,) = capsys.readouterr().err.strip().splitlines()
     assert "is not a valid safetensors file" in error and message in error
     assert not (tmp_path / "out").exists()
+
+
+FULL_DISK_SAVE = """
+import sys, torch
+from safetensors.torch import save_file
+from ladder.errors import run_command
+from ladder.io.files import atomic_directory
+def save(argv):
+    with atomic_directory(argv[0]) as staging:  # as adapt's checkpoints and convert's outputs are written
+        save_file({"w": torch.zeros(1 << 20)}, staging / "model.safetensors")
+sys.exit(run_command("save", save, sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_during_a_safetensors_save_is_one_line(tmp_path):
+    """safetensors reports ENOSPC as its own SafetensorError, which the atomic writer let through as
+    a traceback. The output is on a 256 KiB tmpfs (a private mount namespace)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-mr", "true"]).returncode != 0:
+        pytest.skip("no unprivileged mount namespaces here")
+    full = tmp_path / "full"
+    full.mkdir()
+    script = f'mount -t tmpfs -o size=256k none {full} && exec "$@"'
+    command = ["unshare", "-mr", "sh", "-c", script, "-", sys.executable, "-c", FULL_DISK_SAVE, str(full / "out")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"ladder save: error: no space left on the device while writing {full / 'out'}"
+    ]

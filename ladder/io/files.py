@@ -250,6 +250,14 @@ def _install(staging: Path, final: Path, force: bool, command: str | None) -> No
             os.close(old_lock)
 
 
+def _disk_full(error: BaseException) -> bool:
+    """A full disk, as Python raises it (OSError ENOSPC) or as a library reports it in its own
+    exception type (safetensors' SafetensorError quotes the OS error: "(os error 28)")."""
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOSPC
+    return f"(os error {errno.ENOSPC})" in str(error) or os.strerror(errno.ENOSPC) in str(error)
+
+
 @contextlib.contextmanager
 def atomic_directory(final: str | Path, force: bool = False, command: str | None = None) -> Iterator[Path]:
     """Yield a temporary directory beside `final` (empty but for its marker file); on success it
@@ -275,13 +283,10 @@ def atomic_directory(final: str | Path, force: bool = False, command: str | None
         _fsync_directory(temporary)
         _install(temporary, final, force, command)
         _fsync_directory(final.parent)
-    except OSError as error:
+    except BaseException as error:
         _remove(temporary)
-        if error.errno == errno.ENOSPC:
+        if _disk_full(error):
             raise UsageError(f"no space left on the device while writing {final}") from None
-        raise
-    except BaseException:
-        _remove(temporary)
         raise
     finally:
         os.close(lock)
@@ -310,9 +315,9 @@ def atomic_write(path: str | Path, data: bytes | str, replace: bool = True) -> N
     except FileExistsError:
         temporary.unlink(missing_ok=True)
         raise UsageError(f"output {path} appeared while this run wrote it (another run?); not replaced") from None
-    except OSError as error:
+    except BaseException as error:
         temporary.unlink(missing_ok=True)
-        if error.errno == errno.ENOSPC:
+        if _disk_full(error):
             raise UsageError(f"no space left on the device while writing {path}") from None
         raise
     finally:
