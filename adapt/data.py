@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from ladder.errors import UsageError
+from ladder.errors import UsageError, first_line
 from ladder.io.files import atomic_directory, sha256_file
 
 from .recipe import DataSpec, SourceSpec, expand_path
@@ -297,10 +297,25 @@ def record_text(record: object, source: SourceSpec, tokenizer: PreTrainedTokeniz
     if tokenizer.chat_template is None:
         raise UsageError(f"{where}: chat records need a tokenizer with a chat template, and this one has none")
     messages = [chat_message(m, where) for m in messages]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = render_chat(tokenizer, messages, where)
     if source.train_on == "all":
         return Document(text)
     return Document(text, assistant_spans(messages, text, tokenizer, where))
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], where: str, add_generation_prompt: bool = False
+) -> str:
+    """A chat as the tokenizer's chat template renders it. The template comes with the model, and
+    may raise (`raise_exception`, an undefined name, a type error): one line naming it and the record."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except (TemplateError, TypeError, ValueError) as error:
+        raise UsageError(
+            f"{where}: the chat template of {tokenizer.name_or_path} failed on this chat: {first_line(error)}"
+        ) from None
 
 
 def assistant_spans(
@@ -314,8 +329,8 @@ def assistant_spans(
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        header = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True) if k else ""
-        turn = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+        header = render_chat(tokenizer, messages[:k], where, add_generation_prompt=True) if k else ""
+        turn = render_chat(tokenizer, messages[: k + 1], where)
         if not (text.startswith(turn) and turn.startswith(header)):
             raise UsageError(
                 f"{where}: the chat template renders this chat's turns differently from the whole chat, "

@@ -348,3 +348,25 @@ def test_a_full_disk_during_a_safetensors_save_is_one_line(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"ladder save: error: no space left on the device while writing {full / 'out'}"
     ]
+
+
+def test_a_chat_template_that_raises_is_one_line(tmp_path, tiny_checkpoint, capsys):
+    """A model whose chat template raises (here through its own `raise_exception`) ended
+    `ladder adapt --prepare-data` on chat records in a jinja2 traceback."""
+    from test_adapt import write_recipe
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = "{{ raise_exception('this template takes no system message') }}"
+    tokenizer.save_pretrained(model)
+    corpus = tmp_path / "corpus"
+    (corpus / "train").mkdir(parents=True)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    (corpus / "train" / "chats.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    (corpus / "heldout.txt").write_text("The wind rose over the hills at dawn. " * 300)
+    recipe = write_recipe(tmp_path, model, corpus)
+    assert ladder_main(["adapt", str(recipe), "--prepare-data"]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert f"the chat template of {model} failed on this chat: this template takes no system message" in error
