@@ -370,3 +370,34 @@ def test_a_chat_template_that_raises_is_one_line(tmp_path, tiny_checkpoint, caps
     assert ladder_main(["adapt", str(recipe), "--prepare-data"]) == 2
     (error,) = capsys.readouterr().err.strip().splitlines()
     assert f"the chat template of {model} failed on this chat: this template takes no system message" in error
+
+
+# --- ladder serve (item 12) -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "example.org"])
+def test_serve_refuses_a_non_loopback_host_without_an_api_key(tmp_path, tiny_checkpoint, capsys, monkeypatch, host):
+    """`ladder serve --host 0.0.0.0` bound every interface with no API key and no warning."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    for argv in (["--host", host], ["--", "--host", host]):
+        assert ladder_main(["serve", str(tiny_checkpoint), *argv, "--check-only"]) == 2
+        (error,) = capsys.readouterr().err.strip().splitlines()
+        assert f"--host {host} listens beyond this machine: give an API key" in error
+
+
+@pytest.mark.envs  # vLLM's environment, as tests/test_vllm.py (`make test-fast` skips it)
+def test_serve_pre_check_refuses_a_head_size_the_cpu_attention_cannot_run(tiny_checkpoint):
+    """The tiny model's heads are 16 wide: vLLM's CPU attention has no kernel for that, the pre-check
+    passed it, and the first request killed the engine. Runs this worktree's code in .venv-serve."""
+    from test_vllm import SERVE_PYTHON, serve_env_vars
+
+    if not SERVE_PYTHON.is_file():
+        pytest.skip("no serving environment (.venv-serve): `make serve-env`")
+    env = dict(serve_env_vars(), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    script = "import sys; from ladder.errors import run_command; from ladder.serving.server import main; "
+    script += "sys.exit(run_command('serve', main, sys.argv[1:]))"
+    command = [str(SERVE_PYTHON), "-c", script, str(tiny_checkpoint), "--check-only"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    (error,) = done.stderr.strip().splitlines()
+    assert "attention head size is 16, and vLLM's CPU attention runs 32, 64" in error
