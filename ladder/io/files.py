@@ -36,7 +36,8 @@ _RETIRED_SUFFIX = "-old"  # an existing output set aside while its replacement m
 # A `.new-` leftover is a run killed between creating its temporary and locking it (microseconds
 # apart): cleared once older than this, so that a run being born is never taken for one.
 BIRTH_GRACE_SECONDS = 60
-_AT_FDCWD, _RENAME_NOREPLACE = -100, 1
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # renameat2's arguments (linux/fcntl.h, linux/fs.h)
+_libc = ctypes.CDLL(None, use_errno=True)  # renameat2 is in glibc >= 2.28; without it, see _rename_noreplace
 
 
 def _lock(path: Path, blocking: bool = False) -> int | None:
@@ -138,9 +139,6 @@ def _rename_noreplace(source: Path, target: Path) -> None:
     else:
         os.link(source, target)
         source.unlink()
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def output_command(path: str | Path) -> str | None:
