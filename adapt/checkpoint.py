@@ -21,6 +21,7 @@ from .recipe import RESUME_FREE_KEYS, Recipe, dump_recipe, recipe_from_dict
 
 STATE_FILE = "trainer_state.json"
 RECIPE_FILE = "recipe.yaml"
+METRICS_FILE = "metrics.jsonl"  # in the run folder: one JSON line per step and per evaluation
 
 
 @dataclass
@@ -110,6 +111,7 @@ def load_checkpoint(accelerator: Accelerator, path: Path, recipe: Recipe, blocks
 
 
 __all__ = [
+    "METRICS_FILE",
     "RECIPE_FILE",
     "STATE_FILE",
     "TrainState",

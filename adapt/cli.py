@@ -7,14 +7,16 @@ Several processes (DDP or FSDP, on GPUs or on CPU over gloo):
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ladder.errors import ArgumentParser, UsageError, run_command
 
-from .recipe import dump_recipe, load_recipe
+from .recipe import Recipe, dump_recipe, load_recipe
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> ArgumentParser:
+    """The recipe, its overrides and the flags, in any order (`parse_intermixed_args`)."""
     parser = ArgumentParser(
         prog="ladder adapt",
         description="Retrain a ladder model from a YAML recipe; key=value arguments override recipe keys "
@@ -28,28 +30,53 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="tokenize and cache the data only (one process, no weights), then exit",
     )
+    return parser
+
+
+def parse_arguments(parser: ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Flags and overrides in any order; an unknown flag is named alone (argparse would also name
+    the overrides after it, which it leaves unparsed)."""
+    args, unknown = parser.parse_known_intermixed_args(argv)
+    if unknown:
+        flags = [item for item in unknown if item.startswith("-")]
+        parser.error(f"unrecognized arguments: {' '.join(flags or unknown)}")
+    return args
+
+
+def main(argv: list[str]) -> int:
     if not argv:
         raise UsageError("a recipe is needed: ladder adapt RECIPE.yaml [key=value ...] (see recipes/)")
-    args = parser.parse_args(argv)
+    args = parse_arguments(build_parser(), argv)
     recipe = load_recipe(args.recipe, args.overrides)
     if args.print_recipe:
         print(dump_recipe(recipe), end="")
         return 0
-
-    # torch, transformers and accelerate load here, after the recipe is checked: a bad recipe fails fast.
-    from .train import TrainingDiverged, prepare, train
-
     if args.prepare_data:
-        splits = prepare(recipe)
-        print(
-            f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks of {recipe.data.seq_len} tokens "
-            f"cached under {recipe.data.cache_dir}; {splits.train.masked_share():.1%} of the training tokens are "
-            "masked from the loss (not assistant turns)"
-        )
-        return 0
+        return prepare_data(recipe)
+    return train(recipe)
+
+
+def prepare_data(recipe: Recipe) -> int:
+    """Tokenize and cache the recipe's data, loading no weights."""
+    # torch, transformers and accelerate load here, after the recipe is checked: a bad recipe fails fast.
+    from .train import prepare
+
+    splits = prepare(recipe)
+    print(
+        f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks of {recipe.data.seq_len} tokens "
+        f"cached under {recipe.data.cache_dir}; {splits.train.masked_share():.1%} of the training tokens are "
+        "masked from the loss (not assistant turns)"
+    )
+    return 0
+
+
+def train(recipe: Recipe) -> int:
+    """Run the recipe; a diverged run is one line on stderr and status 1."""
+    from .train import TrainingDiverged
+    from .train import train as run_recipe
 
     try:
-        train(recipe)
+        run_recipe(recipe)
     except TrainingDiverged as error:
         print(f"ladder adapt: {error}", file=sys.stderr)
         return 1

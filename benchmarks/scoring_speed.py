@@ -1,7 +1,7 @@
 """Scoring speed of `ladder eval`'s shared-context log-likelihoods against lm-eval's HFLM, in one run.
 
 For each task of a suite (default: `demo`, the items `make demo` scores), lm-eval builds the
-task's requests once; lm-eval's own `HFLM` and `ladder eval`'s (eval/shared_prefix.py) then
+task's requests once; lm-eval's own `HFLM` and `ladder eval`'s (eval/backends/shared_prefix.py) then
 score the same requests on the same loaded model (the embedded SmolLM2-135M-Instruct, float32,
 CPU, the same batch size), alternating for `--rounds` rounds so that a change in the machine's
 load hits both. Prints per task the median seconds of each, the ratio, the largest difference in
@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 from lm_eval.models.huggingface import HFLM
 
-from ladder.eval import harness
+from ladder.eval.backends.hf import LoadedHFLM
+from ladder.eval.lm_tasks import hub_offline, task_manager
+from ladder.eval.runtime import Runtime
 from ladder.eval.suite import load_suite
 from ladder.io.loading import load_model
 
@@ -34,7 +36,7 @@ MAX_DIFFERENCE = 1e-3  # nats; float32 rounding between the two paths measured 1
 def requests_of(suite_name: str) -> dict[str, list]:
     """{leaf task: its log-likelihood requests (lm-eval Instances)} for the suite's items."""
     suite = load_suite(suite_name)
-    manager = harness.task_manager(suite)
+    manager = task_manager(suite)
     requests = {}
     for suite_task in suite.tasks:
         for name, task in manager.load([suite_task.task])["tasks"].items():
@@ -53,12 +55,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating (default 2)")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="scoring-speed-") as scratch, harness.hub_offline(Path(scratch)):
+    with tempfile.TemporaryDirectory(prefix="scoring-speed-") as scratch, hub_offline(Path(scratch)):
         tasks = requests_of(args.suite)
     model, tokenizer = load_model("embedded", dtype=torch.float32)
     sides = {
         "lm-eval HFLM": HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.batch_size),
-        "ladder eval": harness._HFLM(model, tokenizer, harness.Runtime("cpu", "float32", args.batch_size)),
+        "ladder eval": LoadedHFLM(model, tokenizer, Runtime("cpu", "float32", args.batch_size)),
     }
     print(
         f"suite {args.suite}, SmolLM2-135M-Instruct fp32 on CPU ({torch.get_num_threads()} threads), "

@@ -124,9 +124,9 @@ def main(argv: list[str]) -> int:
             print(f"reusing {ladder_dir} (--redo convert converts again)")
             reused.append("convert")
         else:
-            layers = recipe.model.ladder_layers
-            layers = format_layers(sorted(layers)) if isinstance(layers, list) else layers
-            _command("convert", original, "--layers", layers, "--out", ladder_dir, "--force")
+            layers = recipe.model.ladder_layers  # parsed by convert_checkpoint; text only in the command shown
+            shown = format_layers(sorted(layers)) if isinstance(layers, list) else layers
+            _command("convert", original, "--layers", shown, "--out", ladder_dir, "--force")
             summary = convert_checkpoint(original, out=ladder_dir, ladder_layers=layers, force=True, progress=True)
             print(format_summary(summary))
 

@@ -11,7 +11,8 @@ from ladder.io.loading import DTYPE_NAMES
 from ladder.layers import format_layers
 
 # Light on purpose (no torch, no transformers): `--help` and a copy-mode conversion start at once.
-from .convert import WEIGHT_MODES, ConversionSummary, convert_checkpoint
+from .convert import convert_checkpoint
+from .plan import WEIGHT_MODES, ConversionSummary
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +21,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rewire a Llama checkpoint (a Hugging Face directory or a .gguf file) into Ladder Residual "
         "form. No weight changes; the output loads with transformers.",
     )
+    _add_source_arguments(parser)
+    _add_output_arguments(parser)
+    _add_check_arguments(parser)
+    return parser
+
+
+def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to convert: the model and its ladder layers."""
     parser.add_argument(
         "model",
         nargs="?",
@@ -41,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --layers auto:N: text files or folders of training text to measure on "
         "(default: eight Gutenberg training books from the data folder)",
     )
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where and how the output is written."""
     parser.add_argument(
         "--out", type=Path, metavar="DIR", help="output directory (default: runs/convert/<model>-ladder<N>)"
     )
@@ -62,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         "only), auto (default: reflink where possible, else copy)",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+
+
+def _add_check_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is checked, and which inputs are trusted."""
     parser.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
@@ -71,7 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--allow-pickle", action="store_true", help="read pickle .bin weights, with torch.load(weights_only=True)"
     )
-    return parser
 
 
 def parse_size(text: str) -> int:

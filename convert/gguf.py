@@ -1,9 +1,11 @@
 """Checks on a GGUF file (llama.cpp's format) before transformers dequantizes it, which takes a
-while and fails late with less clear errors: the architecture must be Llama, and every tensor's
-type one that gguf-py (what transformers dequantizes with) can dequantize."""
+while and fails late with less clear errors: the architecture must be Llama, every tensor's type
+one that gguf-py (what transformers dequantizes with) can dequantize, and the block count the one
+its tensors hold."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -12,6 +14,10 @@ import gguf
 import numpy as np
 
 from ladder.errors import UsageError
+
+from .checks import is_every_layer
+
+BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")  # llama.cpp's name for a layer's tensors: blk.0.attn_q.weight
 
 
 @dataclass(frozen=True)
@@ -49,4 +55,9 @@ def inspect_llama_gguf(path: Path) -> GGUFInfo:
     block_count = reader.get_field("llama.block_count")
     if block_count is None:
         raise UsageError(f"GGUF file {path} has no llama.block_count: not a complete Llama GGUF")
-    return GGUFInfo(int(block_count.contents()), tuple(t.name for t in types))
+    count = int(block_count.contents())
+    # Checked before transformers builds the model, which has as many layers as the metadata says.
+    blocks = {int(match.group(1)) for tensor in reader.tensors if (match := BLOCK_TENSOR.match(tensor.name))}
+    if not is_every_layer(blocks, count):
+        raise UsageError(f"GGUF file {path} has llama.block_count {count}, but its tensors hold {len(blocks)} blocks")
+    return GGUFInfo(count, tuple(t.name for t in types))

@@ -8,6 +8,7 @@ mean KL(original || ladder) over every prompt position.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,14 +57,36 @@ def measure_damage(original: PreTrainedModel, ladder_model: PreTrainedModel, pro
         # hidden_states[i] is the stream entering layer i, so [: first + 1] is everything before it.
         compared = slice(None) if first is None else slice(first + 1)
         for expected, actual in zip(reference.hidden_states[compared], converted.hidden_states[compared], strict=True):
-            hidden_diff = max(hidden_diff, (expected - actual).abs().max().item())
-        logits_diff = max(logits_diff, (reference.logits - converted.logits).abs().max().item())
+            hidden_diff = largest(hidden_diff, (expected - actual).abs().max().item())
+        logits_diff = largest(logits_diff, (reference.logits - converted.logits).abs().max().item())
         log_p = F.log_softmax(reference.logits[0].float(), dim=-1)
         log_q = F.log_softmax(converted.logits[0].float(), dim=-1)
         kl_sum += F.kl_div(log_q, log_p, log_target=True, reduction="sum").item()
         agreements += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
         tokens += ids.numel()
     return Damage(len(prompts), tokens, first, hidden_diff, logits_diff, agreements / tokens, kl_sum / tokens)
+
+
+def largest(*values: float) -> float:
+    """The largest value, or NaN if any is NaN: Python's `max` keeps a number that comes before a
+    NaN, and so would report a NaN difference as the largest number before it."""
+    return math.nan if any(math.isnan(value) for value in values) else max(values)
+
+
+def damage_not_finite(damage: Damage) -> str | None:
+    """Why the damage is not a number or infinite, or None: the models' outputs are not finite,
+    so nothing about the conversion can be measured."""
+    values = {
+        "hidden states": damage.hidden_max_abs_diff,
+        "logits": damage.logits_max_abs_diff,
+        "mean KL": damage.mean_kl,
+    }
+    if broken := [f"{name} {value}" for name, value in values.items() if not math.isfinite(value)]:
+        return (
+            f"the damage measured is not finite ({', '.join(broken)}): the source's weights hold NaN or "
+            "infinite values, or its activations overflow float32"
+        )
+    return None
 
 
 def damage_problems(damage: Damage) -> list[str]:
@@ -111,7 +134,7 @@ def measure_damage_layerwise(
 
     reference = embed(original, read_original)
     attn_streams = mlp_streams = embed(ladder_model, read_ladder)
-    hidden_diff = max((a - b).abs().max().item() for a, b in zip(reference, mlp_streams))
+    hidden_diff = largest(*((a - b).abs().max().item() for a, b in zip(reference, mlp_streams)))
     rotary = type(ladder_model.model.rotary_emb)(config=ladder_model.config)  # inv_freq is computed, not stored
     extras = []
     for states in reference:
@@ -137,7 +160,7 @@ def measure_damage_layerwise(
         plain.to("meta")
         rewired.to("meta")
         if first is None or index < first:  # the stream entering layer index + 1
-            hidden_diff = max(hidden_diff, *((a - b).abs().max().item() for a, b in zip(reference, mlp_streams)))
+            hidden_diff = largest(hidden_diff, *((a - b).abs().max().item() for a, b in zip(reference, mlp_streams)))
 
     def logits(model: PreTrainedModel, read: TensorReader, states: list[torch.Tensor]) -> list[torch.Tensor]:
         _load_module(model.model.norm, "model.norm.", read, dtypes)
@@ -152,7 +175,7 @@ def measure_damage_layerwise(
     for expected, actual in zip(
         logits(original, read_original, reference), logits(ladder_model, read_ladder, mlp_streams)
     ):
-        logits_diff = max(logits_diff, (expected - actual).abs().max().item())
+        logits_diff = largest(logits_diff, (expected - actual).abs().max().item())
         log_p, log_q = F.log_softmax(expected, dim=-1), F.log_softmax(actual, dim=-1)
         kl_sum += F.kl_div(log_q, log_p, log_target=True, reduction="sum").item()
         agreements += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()

@@ -25,6 +25,7 @@ from ladder.errors import ArgumentParser, UsageError, run_command
 from ladder.io.files import ladder_data_dir
 from ladder.launch import multi_process_launcher
 
+from .backends import BACKENDS
 from .evaluate import DEFAULT_RUNS, evaluate_models
 from .suite import load_suite, suite_names
 
@@ -60,6 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Score models side by side with lm-evaluation-harness. The first MODEL (or --baseline) is "
         "the reference column; each other model gets its difference from it, with a standard error.",
     )
+    _add_models_and_suite(parser)
+    _add_folders(parser)
+    _add_runtime(parser)
+    _add_samples_option(parser)
+    _add_chat_options(parser)
+    _add_cache_and_logging(parser)
+    return parser
+
+
+def _add_models_and_suite(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "models",
         nargs="+",
@@ -75,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a suite name ({', '.join(suite_names())}) or a suite .yaml file (default: smoke)",
     )
     parser.add_argument("--limit", type=_positive_int, metavar="N", help="score at most N items of each task")
+
+
+def _add_folders(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, metavar="DIR", help="results folder (default: runs/eval/<time>-<suite>-<random>)"
     )
@@ -82,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--data", type=Path, metavar="DIR", help="benchmark data folder (default: $LADDER_DATA, else ../shared/data)"
     )
+
+
+def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size",
         type=_batch_size,
@@ -116,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--backend",
-        choices=("hf", "vllm"),
+        choices=tuple(BACKENDS),
         default="hf",
         help="hf: transformers in this process (default); vllm: a vLLM engine per model (in .venv-serve: "
         "make eval BACKEND=vllm)",
@@ -124,11 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel ranks of the vllm backend (default 1)"
     )
+
+
+def _add_samples_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-samples",
         action="store_true",
         help="keep lm-eval's per-item records (prompt, target, output or log-likelihoods) in DIR/samples/",
     )
+
+
+def _add_chat_options(parser: argparse.ArgumentParser) -> None:
     chat = parser.add_argument_group("instruct models (lm-eval's chat options; override the suite's)")
     chat.add_argument(
         "--apply-chat-template",
@@ -158,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K=V,...",
         help="generation settings of generating tasks, e.g. max_gen_toks=512,temperature=0",
     )
+
+
+def _add_cache_and_logging(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache",
         type=Path,
@@ -167,7 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-cache", action="store_true", help="score everything again, and cache nothing")
     parser.add_argument("-v", "--verbose", action="store_true", help="show lm-eval's log messages")
-    return parser
 
 
 def main(argv: list[str]) -> int:

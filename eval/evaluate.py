@@ -49,24 +49,25 @@ def evaluate_models(
     """Score `models` (checkpoint folders, .gguf files or `embedded`, each optionally `LABEL=MODEL`;
     the first is the reference column) on `suite` into `out` (default runs/eval/<time>-<suite>-<random>).
     `data_dir`: the folder our offline tasks read; `cache_dir` None scores everything again;
-    `device`, `dtype`, `batch_size`, `parallelize`: see `harness.resolve_runtime`; `log_samples`:
-    keep lm-eval's per-item records in out/samples/<model>/<task>.jsonl. Returns None on the
+    `device`, `dtype`, `batch_size`, `parallelize`, `backend`, `tensor_parallel`: see
+    `runtime.resolve_runtime`; `log_samples`: keep lm-eval's per-item records in
+    out/samples/<model>/<task>.jsonl. Returns None on the
     processes other than 0 of a multi-process run."""
     # lm-eval is slow to import: not until something is scored (`ladder eval --help` stays fast).
     import lm_eval
 
-    from . import harness, report
+    from . import report
+    from .backends import get_backend
+    from .models import check_chat_templates, file_name, lm_eval_json, resolve_models
+    from .runtime import resolve_runtime
 
-    refs = harness.resolve_models(models)
+    refs = resolve_models(models)
     out = out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
     check_force_target(out, "eval", force)  # before any work (atomic_directory checks again at the end)
     check_outside_inputs(out, [ref.path for ref in refs])
-    harness.check_chat_templates(refs, suite)
-    runtime = harness.resolve_runtime(device, dtype, batch_size, parallelize, backend, tensor_parallel)
-    if backend == "vllm":
-        from .vllm_backend import check_models
-
-        check_models(refs)
+    check_chat_templates(refs, suite)
+    runtime = resolve_runtime(device, dtype, batch_size, parallelize, backend, tensor_parallel)
+    get_backend(runtime.backend).check(runtime, refs)
     if not verbose:
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
         import datasets
@@ -84,8 +85,7 @@ def evaluate_models(
         results = _score(refs, suite, data_dir, runtime, cache_dir, samples_dir, datasets_cache)
         shutil.rmtree(datasets_cache, ignore_errors=True)
         for model_results in results:
-            name = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_results.model.label)
-            atomic_write(staging / f"{name}.json", _json(harness.lm_eval_json(model_results)))
+            atomic_write(staging / f"{file_name(model_results.model.label)}.json", _json(lm_eval_json(model_results)))
         header = {
             "suite": suite.name,
             "tasks": ", ".join(_describe(task) for task in suite.tasks),
@@ -99,13 +99,14 @@ def evaluate_models(
 
 
 def _score(refs, suite: Suite, data_dir, runtime, cache_dir, samples_dir, datasets_cache: Path) -> list:
-    from . import harness
+    from .harness import run_suite
+    from .lm_tasks import hub_offline, task_configs, task_manager
 
-    offline = harness.hub_offline(datasets_cache) if suite.offline else contextlib.nullcontext()
+    offline = hub_offline(datasets_cache) if suite.offline else contextlib.nullcontext()
     with offline:
-        manager = harness.task_manager(suite, data_dir)
-        prepared = harness.task_configs(suite, manager)
-        return harness.run_suite(refs, suite, manager, prepared, runtime, cache_dir=cache_dir, samples_dir=samples_dir)
+        manager = task_manager(suite, data_dir)
+        prepared = task_configs(suite, manager)
+        return run_suite(refs, suite, manager, prepared, runtime, cache_dir=cache_dir, samples_dir=samples_dir)
 
 
 def _describe(task: SuiteTask) -> str:

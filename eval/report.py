@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from lm_eval.api.registry import AGGREGATION_REGISTRY
 
-from .harness import ModelResults
+from .models import ModelResults
 
 BOOTSTRAP_DRAWS = 1000
 

@@ -5,6 +5,7 @@ so command-line checks run before any heavy import."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ladder.errors import UsageError
@@ -60,7 +61,7 @@ def parse_auto_layers(spec: object, num_hidden_layers: int, key: str = "ladder l
 def parse_ladder_layers(spec: str | int | list[int], num_hidden_layers: int, key: str = "ladder layers") -> list[int]:
     """A layer choice as a sorted list: `N` (the upper N layers), a range `16-31`, or a list of
     indices and ranges `3,5,7` / `3-5,9` (as text, an int or a list). Bad input raises `UsageError` naming `key`.
-    `auto:N` needs a model to measure: callers that accept it check `parse_auto_layers` first."""
+    `auto:N` needs a model to measure: callers that accept it use `parse_layer_choice`."""
     if parse_auto_layers(spec, num_hidden_layers, key) is not None:
         raise UsageError(
             f"{key}: {spec!r} chooses layers by measuring a model, which is not possible here; "
@@ -93,6 +94,34 @@ def _layer_range(part: str, key: str) -> list[int]:
     return list(range(first, last + 1))
 
 
+# A layer choice parsed once (`parse_layer_choice`): the layers themselves, or an `auto:N` search still to run.
+LayerChoice = list[int] | AutoLayers
+# What a layer choice may be given as: the spec as users write it, or an already parsed choice.
+LayerSpec = str | int | list[int] | AutoLayers | None
+
+
+def upper_half(num_hidden_layers: int) -> int:
+    """The default layer count: the upper half, as in the paper's 16 of 32."""
+    return num_hidden_layers // 2
+
+
+def parse_layer_choice(spec: LayerSpec, num_hidden_layers: int, key: str = "ladder layers") -> LayerChoice:
+    """A layer spec (N, "16-31", "3,5,7", a list, "auto:N", "auto:N:any"; None = the upper half)
+    parsed once into explicit layers or an `AutoLayers` search. Bad input raises `UsageError` naming `key`."""
+    if isinstance(spec, AutoLayers):
+        spec = str(spec)  # checked against this model's layer count like any other spec
+    if spec is None:
+        spec = upper_half(num_hidden_layers)
+    auto = parse_auto_layers(spec, num_hidden_layers, key)
+    return auto if auto is not None else parse_ladder_layers(spec, num_hidden_layers, key)
+
+
+def resolve_layer_choice(choice: LayerChoice, search: Callable[[AutoLayers], list[int]]) -> list[int]:
+    """The layers of a choice: explicit layers as they are, `auto:N` by running `search` (the caller's
+    `ladder.layer_search` run, on its model and calibration text)."""
+    return search(choice) if isinstance(choice, AutoLayers) else choice
+
+
 def format_layers(layers: list[int]) -> str:
     """[3, 4, 5, 9] -> '3-5,9' (also a valid `--layers` value); [] -> 'none'."""
     runs: list[list[int]] = []
@@ -117,9 +146,14 @@ __all__ = [
     "LADDER_MODEL_TYPE",
     "LLAMA_MODEL_TYPES",
     "AutoLayers",
+    "LayerChoice",
+    "LayerSpec",
     "check_llama_model_type",
     "format_layers",
     "overlapped_all_reduces",
     "parse_auto_layers",
     "parse_ladder_layers",
+    "parse_layer_choice",
+    "resolve_layer_choice",
+    "upper_half",
 ]

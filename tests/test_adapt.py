@@ -654,6 +654,17 @@ def test_cli_prints_the_resolved_recipe(tmp_path, tiny_checkpoint, corpus, capsy
     assert len(list((tmp_path / "cache").iterdir())) == 2 and not (tmp_path / "run").exists()
 
 
+def test_flags_and_overrides_mix_in_any_order(tmp_path, tiny_checkpoint, corpus, capsys):
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus)
+    assert ladder_main(["adapt", str(recipe), "--print-recipe", "optimizer.lr=5e-4", "budget=2048"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["optimizer"]["lr"] == 5e-4 and printed["budget"] == 2048
+    assert ladder_main(["adapt", "--print-recipe", str(recipe), "budget=4096"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["budget"] == 4096
+    assert ladder_main(["adapt", str(recipe), "budget=2048", "--print-recipes", "optimizer.lr=5e-4"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["ladder adapt: error: unrecognized arguments: --print-recipes"]
+
+
 # --- the objectives and LoRA against independent computations --------------------------------------
 
 

@@ -27,13 +27,17 @@ import ladder
 from benchmarks.common import write_synthetic_checkpoint
 from ladder import LadderLlamaForCausalLM, to_ladder
 from ladder.cli import main as ladder_main
-from ladder.convert import convert as convert_module
-from ladder.convert.convert import MODELING_FILES, default_output_dir, expected_shapes, ladder_config_dict
+from ladder.convert import execute as convert_execute
+from ladder.convert.checks import expected_shapes
+from ladder.convert.execute import MODELING_FILES
+from ladder.convert.plan import default_output_dir, ladder_config_dict
 from ladder.convert.verify import Damage, damage_problems, measure_damage, prompt_ids
+from ladder.io import fs as fs_io
 from ladder.io import tensors as tensor_io
 from ladder.io.files import sha256_file
+from ladder.io.fs import copy_file
 from ladder.io.loading import embedded_model_path
-from ladder.io.tensors import SafetensorsWriter, TensorSpec, copy_file, read_chunks, read_shard
+from ladder.io.tensors import SafetensorsWriter, TensorSpec, read_chunks, read_shard
 from tiny import random_ids
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -240,9 +244,9 @@ def test_existing_output_needs_force(tiny_checkpoint, tmp_path, capsys):
 # --- Bad input: one line, exit 2, nothing written, the source untouched ----------------------------
 
 
-def _write_gguf(path: Path, architecture: str, tensor_type: gguf.GGMLQuantizationType) -> Path:
+def _write_gguf(path: Path, architecture: str, tensor_type: gguf.GGMLQuantizationType, block_count: int = 2) -> Path:
     writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_block_count(2)
+    writer.add_block_count(block_count)
     _, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
     writer.add_tensor("token_embd.weight", np.zeros((2, type_size), dtype=np.uint8), raw_dtype=tensor_type)
     writer.write_header_to_file()
@@ -496,10 +500,10 @@ COPY_WAYS = {
     # it takes the O_DIRECT flag but refuses the write (some FUSE filesystems)
     "direct-refused": lambda patch, writes: writes.append("refuse direct"),
     # no direct I/O (tmpfs before Linux 6.6, not Linux): the kernel copies (copy_file_range)
-    "kernel-copy": lambda patch, writes: patch.setattr(tensor_io, "O_DIRECT", 0),
+    "kernel-copy": lambda patch, writes: patch.setattr(fs_io, "O_DIRECT", 0),
     # nor copy_file_range between the two files (EXDEV, as between some filesystems): written from the map
     "written-from-map": lambda patch, writes: (
-        patch.setattr(tensor_io, "O_DIRECT", 0),
+        patch.setattr(fs_io, "O_DIRECT", 0),
         patch.setattr(os, "copy_file_range", _refuse(18, "cross-device")),
     ),
 }
@@ -512,7 +516,7 @@ def test_copy_file_hashes_what_it_copies_in_one_pass(tmp_path, monkeypatch, way)
     writes, pwrite = [], os.pwrite
 
     def recorded_pwrite(descriptor, data, offset):
-        direct = bool(fcntl.fcntl(descriptor, fcntl.F_GETFL) & tensor_io.O_DIRECT)
+        direct = bool(fcntl.fcntl(descriptor, fcntl.F_GETFL) & fs_io.O_DIRECT)
         if direct and "refuse direct" in writes:
             raise OSError(errno.EINVAL, "Invalid argument")
         writes.append((direct, len(data)))
@@ -554,9 +558,9 @@ def test_weight_files_copy_side_by_side_and_the_first_error_stops_the_others(tmp
 
     bar = tqdm(file=io.StringIO())  # counts, prints nowhere
     with pytest.raises(OSError, match="No space left"):
-        convert_module._each_file(work, shards, bar)
+        convert_execute._each_file(work, shards, bar)
     assert len(chunks_done) < 1_000 and bar.n == len(chunks_done)
-    names = convert_module._each_file(lambda shard, progress: shard.path.name, shards, bar)
+    names = convert_execute._each_file(lambda shard, progress: shard.path.name, shards, bar)
     assert names == {name: name for name in ("0", "1", "2")}
 
 
@@ -621,7 +625,7 @@ def test_light_config_loads_as_what_save_pretrained_writes(tmp_path):
     heavy.save_pretrained(tmp_path / "heavy")
     light = ladder_config_dict(json.loads((tmp_path / "source" / "config.json").read_text()), [1, 3], "bfloat16")
     (tmp_path / "light").mkdir()
-    convert_module._write_config(tmp_path / "light", light)
+    convert_execute._write_config(tmp_path / "light", light)
 
     assert sorted(Path(p).name for p in written) == sorted(MODELING_FILES)
     for name in MODELING_FILES:

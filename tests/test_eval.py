@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lm_eval
 import numpy as np
 import pytest
 import yaml
@@ -22,11 +23,25 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ladder
 from ladder.errors import UsageError
-from ladder.eval import cli, harness, report
+from ladder.eval import cli, report
+from ladder.eval.backends.hf import LoadedHFLM
+from ladder.eval.cache import (
+    FILE_HASHES,
+    FileHashes,
+    cache_key,
+    code_digest,
+    fingerprint,
+    model_class,
+    task_identity,
+)
+from ladder.eval.lm_tasks import TASKS_DIR, hub_offline, task_configs, task_manager
+from ladder.eval.models import resolve_models
+from ladder.eval.runtime import Runtime, resolve_runtime
 from ladder.eval.suite import Suite, SuiteTask, load_suite, parse_suite, suite_names
 from ladder.io.files import ladder_data_dir
+from ladder.io.loading import DTYPES, load_model
 
-LM_EVAL_TASKS = Path(inspect.getfile(harness.lm_eval)).parent / "tasks"
+LM_EVAL_TASKS = Path(inspect.getfile(lm_eval)).parent / "tasks"
 OFFLINE_TASKS = {  # our task: (stock task yaml, items in the scored split)
     "ladder_wikitext": ("wikitext/wikitext.yaml", 62),
     "ladder_lambada_openai": ("lambada/lambada_openai.yaml", 5153),
@@ -53,7 +68,7 @@ def ladder_checkpoints(tiny_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def our_tasks():
-    return harness.task_manager(Suite("ours", "", True, tuple(SuiteTask(t) for t in OFFLINE_TASKS)))
+    return task_manager(Suite("ours", "", True, tuple(SuiteTask(t) for t in OFFLINE_TASKS)))
 
 
 def _write_suite(path: Path, tasks: list[dict]) -> Path:
@@ -78,7 +93,7 @@ def test_shipped_suites_load_and_name_known_tasks(our_tasks):
 def test_paper_suite_names_resolve_in_lm_eval():
     """The stock names resolve in lm-eval's task index (no dataset is downloaded to check this)."""
     suite = load_suite("paper")
-    manager = harness.task_manager(suite)
+    manager = task_manager(suite)
     assert [t.task for t in suite.tasks if t.task not in manager.all_tasks] == []
 
 
@@ -156,7 +171,7 @@ def _same(ours, stock) -> bool:
 @pytest.mark.parametrize("task", sorted(OFFLINE_TASKS))
 def test_offline_tasks_copy_the_stock_prompt_and_metrics(task):
     stock_file, _ = OFFLINE_TASKS[task]
-    ours = harness_yaml(harness.TASKS_DIR / f"{task}.yaml")
+    ours = harness_yaml(TASKS_DIR / f"{task}.yaml")
     stock = harness_yaml(LM_EVAL_TASKS / stock_file)
     for key in ("output_type", "doc_to_text", "doc_to_target", "doc_to_choice", "process_results", "metric_list"):
         if key == "doc_to_target" and task == "ladder_hellaswag":
@@ -296,7 +311,7 @@ def test_ladder_eval_writes_the_report_and_caches_the_baseline(tiny_checkpoint, 
     piqa = rows[("ladder_piqa", "acc")]
     assert piqa["differences"]["upper2"]["method"] == "paired" and piqa["n"] == 6
     # `every` spreads HellaSwag's items over the file (ActivityNet first, WikiHow from item 3243).
-    records = [json.loads(f.read_text()) for f in cache.glob("*.json") if f.name != harness.FILE_HASHES]
+    records = [json.loads(f.read_text()) for f in cache.glob("*.json") if f.name != FILE_HASHES]
     hellaswag = [record["per_item"].get("ladder_hellaswag") for record in records]
     assert [c["acc,none"]["doc_id"] for c in hellaswag if c] == [[0, 1000, 2000, 3000, 4000, 5000]] * 2
     wikitext = rows[("ladder_wikitext", "word_perplexity")]
@@ -338,7 +353,7 @@ def test_stock_lm_eval_command_line_gives_the_same_numbers(ladder_checkpoints, t
         "--tasks",
         "ladder_piqa,ladder_wikitext",
         "--include_path",
-        str(harness.TASKS_DIR),
+        str(TASKS_DIR),
         "--limit",
         "4",
         "--device",
@@ -362,35 +377,38 @@ def test_stock_lm_eval_command_line_gives_the_same_numbers(ladder_checkpoints, t
 def test_model_names_and_fingerprints(tiny_checkpoint, ladder_checkpoints, tmp_path):
     from ladder.io.loading import embedded_model_path
 
-    refs = harness.resolve_models(["embedded", str(tiny_checkpoint), str(tiny_checkpoint)])
+    refs = resolve_models(["embedded", str(tiny_checkpoint), str(tiny_checkpoint)])
     assert refs[0].path == embedded_model_path().resolve() and refs[0].label == "SmolLM2-135M-Instruct.Q4_1"
     assert [r.label for r in refs[1:]] == [f"{tiny_checkpoint.name} #2", f"{tiny_checkpoint.name} #3"]
-    named = harness.resolve_models(["original=embedded", f"ladder={tiny_checkpoint}"])
+    named = resolve_models(["original=embedded", f"ladder={tiny_checkpoint}"])
     assert [(r.label, r.spec) for r in named] == [("original", "embedded"), ("ladder", str(tiny_checkpoint))]
     with pytest.raises(UsageError, match="label"):
-        harness.resolve_models([f"={tiny_checkpoint}"])
+        resolve_models([f"={tiny_checkpoint}"])
     # Same weights, other wiring: the config is part of the key, so the cache cannot mix them up.
     upper2, _ = ladder_checkpoints
-    assert harness.fingerprint(tiny_checkpoint) != harness.fingerprint(upper2)
+    assert fingerprint(tiny_checkpoint) != fingerprint(upper2)
     copy = tmp_path / "copy"
     copy.mkdir()
     for file in upper2.iterdir():
         (copy / file.name).write_bytes(file.read_bytes())
     (copy / "README.md").write_text("notes do not change the model")
     (copy / "conversion.json").write_text('{"seconds": 1.5}')  # nor does a record of how it was made
-    assert harness.fingerprint(copy) == harness.fingerprint(upper2)
+    assert fingerprint(copy) == fingerprint(upper2)
 
 
 def test_cache_keys_are_the_same_in_every_process():
     """Task configs hold functions (HellaSwag's process_docs, WikiText's detokenizer): the key must
     not depend on where they sit in memory, or the cache would never hit in a new process."""
     script = (
-        "from ladder.eval import harness; from ladder.eval.suite import load_suite\n"
+        "from ladder.eval.cache import FileHashes, cache_key, task_identity\n"
+        "from ladder.eval.lm_tasks import task_configs, task_manager\n"
+        "from ladder.eval.runtime import Runtime\n"
+        "from ladder.eval.suite import load_suite\n"
         "suite = load_suite('offline')\n"
-        "prepared = harness.task_configs(suite, harness.task_manager(suite))\n"
-        "hashes, runtime = harness.FileHashes(None), harness.Runtime('cpu', 'float32')\n"
-        "identities = [harness.task_identity(task, prepared[task.task], hashes) for task in suite.tasks]\n"
-        "print(*[harness.cache_key({'weights': 'w'}, identity, runtime, 8) for identity in identities])\n"
+        "prepared = task_configs(suite, task_manager(suite))\n"
+        "hashes, runtime = FileHashes(None), Runtime('cpu', 'float32')\n"
+        "identities = [task_identity(task, prepared[task.task], hashes) for task in suite.tasks]\n"
+        "print(*[cache_key({'weights': 'w'}, identity, runtime, 8) for identity in identities])\n"
     )
     keys = [
         subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
@@ -409,7 +427,7 @@ def _samples(folder: Path, label: str, task: str) -> list[dict]:
 
 @pytest.mark.parametrize("which", ["llama", "ladder"])
 def test_shared_context_scoring_equals_lm_evals_per_request(tiny_checkpoint, ladder_checkpoints, which):
-    """`_HFLM` runs each shared context once and the head only on continuation positions; per
+    """`LoadedHFLM` runs each shared context once and the head only on continuation positions; per
     request it gives lm-eval's own HFLM numbers: 4 choices of different lengths on one context,
     one-token continuations, a context of one token, contexts longer than max_length (left
     truncation, so that two different contexts share their truncated tail), batches that split a
@@ -417,8 +435,8 @@ def test_shared_context_scoring_equals_lm_evals_per_request(tiny_checkpoint, lad
     from lm_eval.models.huggingface import HFLM
 
     path = tiny_checkpoint if which == "llama" else ladder_checkpoints[0]
-    model, tokenizer = harness.load_model(path, dtype=harness.DTYPES["float32"])
-    lm = harness._HFLM(model, tokenizer, harness.Runtime("cpu", "float32", batch_size=3))
+    model, tokenizer = load_model(path, dtype=DTYPES["float32"])
+    lm = LoadedHFLM(model, tokenizer, Runtime("cpu", "float32", batch_size=3))
     lm._max_length = 24
     rng = np.random.default_rng(0)
 
@@ -447,16 +465,16 @@ def test_shared_context_scoring_equals_lm_evals_per_request(tiny_checkpoint, lad
 def test_runtime_defaults_to_cpu_float32_without_a_gpu():
     import torch
 
-    runtime = harness.resolve_runtime()
+    runtime = resolve_runtime()
     if torch.cuda.is_available():
         assert runtime.device == "cuda:0" and runtime.dtype in ("bfloat16", "float16")
     else:
         assert (runtime.device, runtime.dtype, runtime.processes) == ("cpu", "float32", 1)
         with pytest.raises(UsageError, match="no CUDA GPU is visible"):
-            harness.resolve_runtime("cuda:0")
-    assert harness.resolve_runtime("cpu", "bfloat16").dtype == "bfloat16"
+            resolve_runtime("cuda:0")
+    assert resolve_runtime("cpu", "bfloat16").dtype == "bfloat16"
     with pytest.raises(UsageError, match="--device 'gpu'"):
-        harness.resolve_runtime("gpu")
+        resolve_runtime("gpu")
 
 
 def test_two_processes_score_the_items_of_one(tiny_checkpoint, tmp_path, capfd):
@@ -575,7 +593,7 @@ def test_cache_misses_on_a_data_byte_and_the_dtype_and_hits_unchanged(tiny_check
     assert run() == []
     assert run() == ["ladder_piqa"]  # unchanged: a hit
     items = data / "eval" / "piqa" / "valid.jsonl"
-    index = json.loads((cache / harness.FILE_HASHES).read_text())
+    index = json.loads((cache / FILE_HASHES).read_text())
     assert index[str(items.resolve())][:2] == [items.stat().st_size, items.stat().st_mtime_ns]
     # One byte of an item the run does not even score (the last one) changes the data: a miss.
     content = bytearray(items.read_bytes())
@@ -602,14 +620,14 @@ def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):
     from lm_eval.tasks import TaskManager
 
     tasks = tmp_path / "tasks"
-    shutil.copytree(harness.TASKS_DIR, tasks, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(TASKS_DIR, tasks, ignore=shutil.ignore_patterns("__pycache__"))
     suite = Suite("s", "", True, (SuiteTask("ladder_piqa", limit=4),))
-    runtime, hashes = harness.Runtime("cpu", "float32"), harness.FileHashes(None)
+    runtime, hashes = Runtime("cpu", "float32"), FileHashes(None)
 
     def key(model: dict) -> str:
         manager = TaskManager(include_path=str(tasks), include_defaults=False)
-        identity = harness.task_identity(suite.tasks[0], harness.task_configs(suite, manager)["ladder_piqa"], hashes)
-        return harness.cache_key(model, identity, runtime, 8)
+        identity = task_identity(suite.tasks[0], task_configs(suite, manager)["ladder_piqa"], hashes)
+        return cache_key(model, identity, runtime, 8)
 
     model = {"weights": "w", "code": "c"}
     before = key(model)
@@ -641,14 +659,14 @@ def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):
         spec.loader.exec_module(module)
         return module.MyLlama
 
-    first = harness.code_digest(
+    first = code_digest(
         [load_class("from transformers import LlamaForCausalLM\nclass MyLlama(LlamaForCausalLM):\n    pass\n")]
     )
-    edited = harness.code_digest(
+    edited = code_digest(
         [load_class("from transformers import LlamaForCausalLM\nclass MyLlama(LlamaForCausalLM):\n    x = 1\n")]
     )
     assert first != edited
-    assert harness.code_digest([LadderLlamaForCausalLM]) != harness.code_digest([LlamaForCausalLM])
+    assert code_digest([LadderLlamaForCausalLM]) != code_digest([LlamaForCausalLM])
 
 
 def test_model_class_is_the_installed_one(tiny_checkpoint, ladder_checkpoints):
@@ -657,9 +675,9 @@ def test_model_class_is_the_installed_one(tiny_checkpoint, ladder_checkpoints):
     from ladder.io.loading import embedded_model_path
     from ladder.model.modeling_ladder_llama import LadderLlamaForCausalLM
 
-    assert harness.model_class(tiny_checkpoint) is LlamaForCausalLM
-    assert harness.model_class(embedded_model_path()) is LlamaForCausalLM
-    assert harness.model_class(ladder_checkpoints[0]) is LadderLlamaForCausalLM
+    assert model_class(tiny_checkpoint) is LlamaForCausalLM
+    assert model_class(embedded_model_path()) is LlamaForCausalLM
+    assert model_class(ladder_checkpoints[0]) is LadderLlamaForCausalLM
 
 
 # --- bad input ------------------------------------------------------------------------------
@@ -715,7 +733,7 @@ def test_hub_switches_are_restored(tmp_path):
     import huggingface_hub.constants
 
     before = (os.environ.get("HF_DATASETS_CACHE"), datasets.config.HF_DATASETS_CACHE)
-    with harness.hub_offline(tmp_path):
+    with hub_offline(tmp_path):
         assert huggingface_hub.constants.HF_HUB_OFFLINE and datasets.config.HF_DATASETS_OFFLINE
         assert datasets.config.HF_DATASETS_CACHE == tmp_path == Path(os.environ["HF_DATASETS_CACHE"])
     assert (os.environ.get("HF_DATASETS_CACHE"), datasets.config.HF_DATASETS_CACHE) == before

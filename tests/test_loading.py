@@ -13,7 +13,7 @@ from huggingface_hub import ModelCard
 
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
-from ladder.eval.harness import resolve_models
+from ladder.eval.models import resolve_models
 from ladder.io.loading import embedded_model_path, hub_model_id, load_model, model_name, resolve_model_path
 
 

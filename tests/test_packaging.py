@@ -85,6 +85,7 @@ def test_the_wheel_installs_everything_under_ladder(tmp_path):
         "ladder/convert/convert.py",
         "ladder/adapt/train.py",
         "ladder/eval/harness.py",
+        "ladder/eval/backends/hf.py",
         "ladder/eval/tasks/ladder_wikitext.yaml",
         "ladder/eval/suites/smoke.yaml",
         "ladder/cli/demo.py",

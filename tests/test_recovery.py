@@ -24,7 +24,14 @@ from ladder.adapt.train import LAYER_SEARCH_FILE, train
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 from ladder.layer_search import calibration_from_files, choose_ladder_layers, forward_from, layer_inputs
-from ladder.layers import AutoLayers, overlapped_all_reduces, parse_auto_layers, parse_ladder_layers
+from ladder.layers import (
+    AutoLayers,
+    overlapped_all_reduces,
+    parse_auto_layers,
+    parse_ladder_layers,
+    parse_layer_choice,
+    resolve_layer_choice,
+)
 from tiny import random_ids, tiny_llama
 
 
@@ -43,6 +50,22 @@ def test_auto_specs_parse_and_plain_parsing_refuses_them():
     with pytest.raises(UsageError, match="trainable.layers: 'auto:2' chooses layers by measuring a model"):
         parse_ladder_layers("auto:2", 6, "trainable.layers")
     assert str(AutoLayers(4)) == "auto:4" and str(AutoLayers(4, False)) == "auto:4:any"
+
+
+def test_a_layer_choice_is_parsed_once_and_only_auto_runs_the_search():
+    searched = []
+
+    def search(auto: AutoLayers) -> list[int]:
+        searched.append(auto)
+        return [1, 2]
+
+    assert parse_layer_choice(None, 6) == [3, 4, 5]  # the upper half
+    assert resolve_layer_choice(parse_layer_choice("0-1,4", 6), search) == [0, 1, 4] and not searched
+    choice = parse_layer_choice("auto:2:any", 6)
+    assert parse_layer_choice(choice, 6) == choice == AutoLayers(2, contiguous=False)
+    assert resolve_layer_choice(choice, search) == [1, 2] and searched == [choice]
+    with pytest.raises(UsageError, match="1 <= N <= 3"):
+        parse_layer_choice(AutoLayers(4), 3, "--layers")
 
 
 @pytest.mark.parametrize("layers, overlapped", [([], 0), ([5], 1), ([2, 3, 4], 5), ([0, 1, 4], 4), ([1, 3, 5], 3)])

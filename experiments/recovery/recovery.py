@@ -53,7 +53,7 @@ from ladder.adapt.recipe import SourceSpec, load_recipe, model_path
 from ladder.adapt.train import train
 from ladder.io.loading import load_model, load_tokenizer
 from ladder.layer_search import calibration_from_blocks, choose_ladder_layers
-from ladder.layers import format_layers, overlapped_all_reduces, parse_auto_layers, parse_ladder_layers
+from ladder.layers import AutoLayers, format_layers, overlapped_all_reduces, parse_layer_choice, resolve_layer_choice
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "smollm2-135m-ladder-cpu.yaml"
@@ -103,16 +103,19 @@ def resolve_shape(shape: str, recipe, out: Path) -> dict:
         return json.loads(path.read_text())
     tokenizer = load_tokenizer(model_path(recipe.model.path))
     model, _ = load_model(model_path(recipe.model.path))
-    auto = parse_auto_layers(shape, model.config.num_hidden_layers)
-    if auto is None:
-        record = {"layers": parse_ladder_layers(shape, model.config.num_hidden_layers)}
-    else:
+    searched: dict = {}  # the search's record, for an auto shape
+
+    def search(auto: AutoLayers) -> list[int]:
         train_blocks = load_blocks(
             recipe.data.train, tokenizer, recipe.data.seq_len, Path(recipe.data.cache_dir), "train"
         )
-        search = choose_ladder_layers(model, calibration_from_blocks(train_blocks.ids), auto)
-        print(search.summary(), flush=True)
-        record = {"layers": search.chosen, "search": dataclasses.asdict(search)}
+        found = choose_ladder_layers(model, calibration_from_blocks(train_blocks.ids), auto)
+        print(found.summary(), flush=True)
+        searched["search"] = dataclasses.asdict(found)
+        return found.chosen
+
+    layers = resolve_layer_choice(parse_layer_choice(shape, model.config.num_hidden_layers), search)
+    record = {"layers": layers, **searched}
     path.write_text(json.dumps(record, indent=1))
     return record
 

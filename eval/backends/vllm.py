@@ -1,5 +1,5 @@
-"""lm-eval's `vllm` model type for `ladder eval --backend vllm`: one vLLM engine per model, with
-this package's plugin serving ladder checkpoints (vLLM loads it in each of its processes).
+"""The `vllm` backend: lm-eval's `vllm` model type, one vLLM engine per model, with this package's
+plugin serving ladder checkpoints (vLLM loads it in each of its processes).
 
 It runs in the serving environment (.venv-serve, `make serve-env`), where vLLM is installed;
 `make eval BACKEND=vllm` uses that environment's `ladder`.
@@ -8,15 +8,19 @@ It runs in the serving environment (.venv-serve, `make serve-env`), where vLLM i
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from ladder.errors import UsageError
 
-from .harness import ModelRef
+from ..models import ModelRef
+from ..runtime import Runtime
 
 
-def check_models(models: list[ModelRef]) -> None:
-    """Refuse, before anything loads, what the vLLM backend cannot score."""
+def check(runtime: Runtime, models: list[ModelRef]) -> None:
+    """Refuse, before anything loads, what the vLLM backend cannot run or score."""
+    if runtime.accelerator is not None or runtime.parallelize:
+        raise UsageError(
+            "--backend vllm runs one engine per model (its own --tp ranks): drop --processes and --parallelize"
+        )
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -32,14 +36,22 @@ def check_models(models: list[ModelRef]) -> None:
             )
 
 
-def vllm_lm(path: Path, tensor_parallel: int, dtype: str = "float32"):
-    """lm-eval's `VLLM` over a checkpoint directory, in the run's dtype (float32 on the CPU, like the
+def code_classes() -> list[type]:
+    """The code that runs the weights is the vLLM model's."""
+    from ladder.serving.model import LadderLlamaForCausalLM as VLLMLadderLlama
+
+    return [VLLMLadderLlama]
+
+
+def load_lm(ref: ModelRef, runtime: Runtime):
+    """lm-eval's `VLLM` over the checkpoint directory, in the run's dtype (float32 on the CPU, like the
     HF backend's models)."""
     from lm_eval.models.vllm_causallms import VLLM
     from vllm.platforms import current_platform
 
     from ladder.serving.engine import cpu_binding
 
+    tensor_parallel = runtime.tensor_parallel
     if current_platform.is_cpu() and tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel, sorted(os.sched_getaffinity(0)))
-    return VLLM(pretrained=str(path), dtype=dtype, tensor_parallel_size=tensor_parallel, batch_size="auto")
+    return VLLM(pretrained=str(ref.path), dtype=runtime.dtype, tensor_parallel_size=tensor_parallel, batch_size="auto")

@@ -1,0 +1,101 @@
+"""The accelerator a run trains under (one process, DDP or FSDP, as `accelerate launch` says) and
+its experiment trackers."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, parse_flag_from_env
+
+from ladder.errors import UsageError
+from ladder.io.files import atomic_write
+
+from .recipe import Recipe
+
+WANDB_ID_FILE = "wandb-run-id"
+
+
+def make_accelerator(recipe: Recipe, run_dir: Path) -> Accelerator:
+    """The accelerator with the recipe's experiment trackers; a tracker whose package is missing is
+    refused here, before any weight loads."""
+    for name in recipe.logging.log_with:
+        if name not in {str(t) for t in get_available_trackers()}:
+            raise UsageError(f"logging.log_with: {name} needs its package (pip install {name.replace('_', '-')})")
+    warn_single_cpu_launch()
+    # The main process may tokenize for a long while (when --prepare-data was not run first)
+    # while the others wait at a barrier.
+    process_group = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=6))
+    # With no GPU, processes started by `accelerate launch --multi_gpu` (or an FSDP config) train on CPU over gloo.
+    cpu = not torch.accelerator.is_available()
+    if cpu and parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        enable_fsdp_on_cpu(process_group)
+    return Accelerator(
+        cpu=cpu,
+        mixed_precision="bf16" if recipe.precision == "bf16" else "no",
+        step_scheduler_with_optimizer=False,
+        log_with=list(recipe.logging.log_with) or None,
+        project_dir=str(run_dir),
+        kwargs_handlers=[process_group],
+    )
+
+
+def start_trackers(accelerator: Accelerator, recipe: Recipe, run_dir: Path, resumed_at: int) -> None:
+    """Open the trackers so that a resumed run continues its history instead of repeating it:
+    TensorBoard purges the events the interrupted run logged after the checkpoint (`purge_step`),
+    wandb reopens the same run (its id is kept in the run folder) and ignores steps it has already."""
+    if not recipe.logging.log_with:
+        return
+    init_kwargs = {"tensorboard": {"purge_step": resumed_at + 1} if resumed_at else {}}
+    if "wandb" in recipe.logging.log_with and accelerator.is_main_process:
+        id_file = run_dir / WANDB_ID_FILE
+        if not id_file.is_file():
+            atomic_write(id_file, f"{recipe.name}-{os.urandom(4).hex()}")
+        init_kwargs["wandb"] = {
+            "id": id_file.read_text().strip(),
+            "resume": "allow",
+            "name": recipe.name,
+            "dir": str(run_dir),
+            "config": recipe.to_dict(),
+        }
+    accelerator.init_trackers(recipe.name, init_kwargs=init_kwargs)
+
+
+def enable_fsdp_on_cpu(process_group: InitProcessGroupKwargs) -> None:
+    """Let an FSDP launch (`accelerate launch --config_file recipes/accelerate/fsdp-cpu-2proc.yaml`)
+    run FSDP2 on CPU processes over gloo instead of silently falling back to DDP.
+
+    accelerate 1.16 applies FSDP only to GPU-type process groups: `AcceleratorState.__init__`
+    (accelerate/state.py:947, `elif self.distributed_type in [DistributedType.MULTI_GPU, ...]`)
+    leaves a CPU group as MULTI_CPU, which `prepare` wraps in DDP. FSDP2 itself (`fully_shard`,
+    DTensor parameters, the sharded checkpoints) runs over gloo, so the CPU process group is
+    started here and marked MULTI_GPU: the Accelerator built next takes that FSDP branch, and its
+    device stays the CPU. This is how the tests run the FSDP code path without GPUs."""
+    state = PartialState(cpu=True, **process_group.to_kwargs())
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+
+
+def warn_single_cpu_launch() -> None:
+    """`accelerate launch --cpu --num_processes N` starts one process unless mpirun is set up
+    (accelerate issue #2741); say so instead of silently training alone."""
+    if (
+        os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+        and "MASTER_ADDR" in os.environ
+        and "WORLD_SIZE" not in os.environ
+        and "PMI_SIZE" not in os.environ
+    ):
+        print(
+            "ladder adapt: warning: `accelerate launch --cpu` started a single process; for several CPU "
+            "processes use `accelerate launch --multi_gpu --num_processes N` (adapt trains on CPU over "
+            "gloo when no GPU is present)",
+            file=sys.stderr,
+        )
+
+
+__all__ = ["WANDB_ID_FILE", "enable_fsdp_on_cpu", "make_accelerator", "start_trackers", "warn_single_cpu_launch"]

@@ -1,0 +1,103 @@
+"""Checks a recipe passes before any weight loads: the model paths (resolved here, once), the run
+folder (fresh, or a checkpoint of the same recipe to continue), the data files, the step budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ladder.errors import UsageError
+from ladder.io.loading import check_llama_checkpoint, read_config_dict, resolve_model_path
+from ladder.layers import LADDER_MODEL_TYPE, parse_layer_choice
+
+from .checkpoint import METRICS_FILE, check_same_recipe, latest_checkpoint
+from .data import local_files
+from .recipe import Recipe, model_path
+
+
+@dataclass(frozen=True)
+class ModelSources:
+    """model.path and model.teacher resolved to files on disk (`ladder.io.loading.resolve_model_path`)."""
+
+    student: Path
+    teacher: Path | None
+
+
+def source_path(text: str) -> Path:
+    """A recipe's model.path or model.teacher as the folder or .gguf file it names."""
+    return resolve_model_path(model_path(text))
+
+
+def check_model(recipe: Recipe) -> ModelSources:
+    """The recipe's model paths, resolved; refuses recipes that cannot work, before any weight loads."""
+    path = source_path(recipe.model.path)
+    check_llama_checkpoint(path)  # any other model_type is refused, as convert does
+    config = read_config_dict(path) if path.is_dir() else {}  # a .gguf file holds an original Llama
+    is_ladder = config.get("model_type") == LADDER_MODEL_TYPE
+    if recipe.model.ladder_layers is None and not is_ladder:
+        raise UsageError("model.ladder_layers: model.path is an original Llama, so name the layers to rewire")
+    if recipe.model.ladder_layers is not None and "num_hidden_layers" in config:
+        parse_layer_choice(recipe.model.ladder_layers, config["num_hidden_layers"], "model.ladder_layers")
+    if recipe.objective.needs_teacher() and is_ladder and not recipe.model.teacher:
+        raise UsageError(
+            f"model.teacher: objective {recipe.objective.name} needs the original model as teacher, "
+            f"and model.path {path} is already a ladder checkpoint"
+        )
+    teacher = source_path(recipe.model.teacher) if recipe.model.teacher else None
+    return ModelSources(path, teacher)
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    tokens_per_step: int
+    total_steps: int
+
+
+def step_budget(recipe: Recipe, processes: int, fsdp: bool) -> StepBudget:
+    """Steps and tokens per step from the budget and the batch shape; refuses what cannot run."""
+    blocks_per_step = recipe.batch.micro_batch * recipe.batch.grad_accum * processes
+    tokens_per_step = blocks_per_step * recipe.data.seq_len
+    total_steps = int(recipe.budget // tokens_per_step)
+    if total_steps < 1:
+        raise UsageError(f"budget {recipe.budget:g} is less than one step ({tokens_per_step} tokens)")
+    if recipe.trainable.mode == "lora" and fsdp:
+        raise UsageError("trainable.mode=lora runs with DDP or one process, not FSDP (the merge needs whole weights)")
+    return StepBudget(tokens_per_step, total_steps)
+
+
+def resume_point(recipe: Recipe) -> Path | None:
+    """Where a run of `recipe` continues: its final model when complete, else its latest checkpoint,
+    else None (a fresh start). Either is refused, before any weight loads, when it was made with a
+    recipe that differs from `recipe` (the UsageError names the keys), and so is an earlier run
+    without `resume`."""
+    run_dir = recipe.run_dir()
+    final_dir, checkpoint_dir = run_dir / "model", run_dir / "checkpoints"
+    if not recipe.resume:
+        if final_dir.exists() or checkpoint_dir.exists() or (run_dir / METRICS_FILE).exists():
+            raise UsageError(
+                f"{run_dir} holds an earlier run: pass resume=true to continue it, "
+                "or choose another output_dir (or delete that folder)"
+            )
+        return None
+    found = final_dir if final_dir.exists() else latest_checkpoint(checkpoint_dir)
+    if found is not None:
+        check_same_recipe(found, recipe)
+    return found
+
+
+def check_data_files(recipe: Recipe) -> None:
+    """Every local data source matches files (Hub sources are checked when they stream)."""
+    for i, source in enumerate(recipe.data.train + recipe.data.eval):
+        if not source.path.startswith("hf:"):
+            local_files(source, f"data source {i} ({source.path})")
+
+
+__all__ = [
+    "ModelSources",
+    "StepBudget",
+    "check_data_files",
+    "check_model",
+    "resume_point",
+    "source_path",
+    "step_budget",
+]

@@ -1,0 +1,410 @@
+"""Plan a conversion, writing nothing: open the source (headers only, where it can), check it,
+choose the ladder layers (running the `auto:N` search where asked), and lay out the output (which
+tensors go into which file, the ladder config.json, whether the weight files go over as they are).
+`ladder.convert.execute` then writes what the `Plan` says.
+
+Nothing here imports torch or transformers for a safetensors source (they take seconds to import,
+longer than copying a small checkpoint): shapes are computed from config.json's numbers and the
+config is written as save_pretrained would write it (a test checks both); the steps that need
+tensors (pickle, GGUF, the layer search) import them when they run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+import re
+import sys
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil  # a dependency of accelerate
+
+from ladder.errors import UsageError, first_line
+from ladder.io.loading import DTYPE_NAMES, load_model, model_name, read_config_dict
+from ladder.io.tensors import (
+    INDEX_NAME,
+    OutputShard,
+    Shard,
+    ShardedTensorIndex,
+    TensorSpec,
+    check_weight_map,
+    plan_shards,
+    shard_filenames,
+    weight_files,
+)
+from ladder.layers import CONFIG_BOOKKEEPING, LADDER_MODEL_TYPE, AutoLayers, LayerChoice, resolve_layer_choice
+from ladder.model.config_rules import with_legacy_rope
+
+from .checks import check_config, check_weights, config_size
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from ladder.layer_search import LayerSearch
+
+    from .gguf import GGUFInfo
+    from .verify import Damage
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # what save_pretrained uses ("5GB")
+PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
+# Weights in other formats or layouts (TF, Flax, ONNX, Meta's consolidated.pth): stale once the
+# wiring changes, so they are not copied.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
+# Written fresh rather than copied; the source's own model card is kept as README.source.md.
+WRITTEN_FILES = ("config.json", "conversion.json", "README.md", INDEX_NAME, PICKLE_INDEX_NAME)
+# llama.cpp file names end in the quantization type: SmolLM2-135M-Instruct.Q4_1.gguf.
+GGUF_TYPE_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|B?F\d+)$", re.IGNORECASE)
+# How unchanged weight files reach the output. "auto": a reflink where the filesystem allows (as
+# safe as a copy, and instant), else a copy. "link" (hard links) is never chosen for the user: the
+# output's files then are the source's, and editing one in place edits the other.
+WEIGHT_MODES = ("auto", "copy", "reflink", "link")
+# The classes a ladder config.json's `auto_map` names, for trust_remote_code=True (the files that
+# hold them are `ladder.convert.execute.MODELING_FILES`).
+AUTO_MAP = {
+    "AutoConfig": "configuration_ladder_llama.LadderLlamaConfig",
+    "AutoModelForCausalLM": "modeling_ladder_llama.LadderLlamaForCausalLM",
+}
+
+
+@dataclass
+class Source:
+    """A checkpoint opened for conversion and checked (`ladder.convert.checks`). Of safetensors
+    and pickle weights only the headers are read so far; a GGUF file is dequantized whole by
+    transformers (GGUF models are small)."""
+
+    path: Path
+    format: str  # "safetensors", "pickle" or "gguf"
+    config: dict  # as config.json holds it
+    tensors: dict[str, TensorSpec]  # in reading order
+    weight_files: list[Path]
+    shards: list[Shard] = field(default_factory=list)  # safetensors: each file's header
+    other_files: list[Path] = field(default_factory=list)  # tokenizer, generation config, licence: copied
+    not_copied: list[str] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)  # tensor name -> why it is not kept
+    model: PreTrainedModel | None = None  # gguf: the dequantized model, and its tokenizer
+    tokenizer: PreTrainedTokenizerBase | None = None
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return config_size(self.config, "num_hidden_layers")
+
+
+@dataclass
+class ConversionSummary:
+    """What was done; `conversion.json` records it (plus tool and time), the CLI prints it."""
+
+    source: str
+    source_format: str
+    output: str
+    num_hidden_layers: int
+    ladder_layers: list[int]
+    dtype: str
+    weights: str  # "copied", "reflinked", "hard-linked" (files as they are) or "rewritten" (tensors streamed)
+    tensors: int
+    weight_bytes: int
+    shards: list[str]
+    dropped: dict[str, str]  # tensor name -> why
+    not_copied: list[str]
+    source_sha256: dict[str, str] | None  # weight file name -> hash; None for hard links (not read)
+    seconds: float = 0.0
+    damage: Damage | None = None
+    verify_skipped: str | None = None
+    layer_search: LayerSearch | None = None  # `--layers auto:N`: every candidate's measured damage and the choice
+
+
+@dataclass
+class Plan:
+    """What a conversion will write: the opened source, the kept tensors and their output files,
+    the ladder config.json, and the summary that the writing completes."""
+
+    source: Source
+    out: Path
+    kept: list[TensorSpec]
+    copy_as_is: bool  # the source's safetensors files go over as they are
+    layout: list[OutputShard]
+    config: dict  # the ladder config.json
+    verify_skipped: str | None  # why verification is skipped; None: it runs
+    summary: ConversionSummary
+
+
+def say(progress: bool, message: str) -> None:
+    if progress:
+        print(message, file=sys.stderr, flush=True)
+
+
+def default_output_dir(source: Path, num_ladder_layers: int) -> Path:
+    """runs/convert/<source name>-ladder<N>, the name a GGUF file's quantization suffix removed (a
+    Hub snapshot's name is its repository's)."""
+    name = GGUF_TYPE_SUFFIX.sub("", source.stem) if source.suffix == ".gguf" else model_name(source)
+    return Path("runs") / "convert" / f"{name}-ladder{num_ladder_layers}"
+
+
+def _check_output_location(source: Path, out: Path) -> None:
+    source, out = source.resolve(), out.resolve()
+    if out == source or source in out.parents:
+        raise UsageError(f"output {out} is inside the source {source}; choose a directory outside it")
+    if out in source.parents:
+        raise UsageError(f"output {out} contains the source {source}; replacing it would delete the source")
+
+
+def load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
+        raise UsageError(f"cannot read {path} with torch.load(weights_only=True): {first_line(error)}") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise UsageError(f"{path} does not hold a state dict of tensors")
+    return state
+
+
+def _open_directory(directory: Path, config: dict, allow_pickle: bool) -> Source:
+    if index := ShardedTensorIndex.from_directory(directory):
+        source = Source(directory, "safetensors", config, index.tensors, index.files, list(index.shards))
+    elif found := weight_files(directory, PICKLE_INDEX_NAME, "pytorch_model.bin"):
+        files, weight_map = found
+        if not allow_pickle:
+            raise UsageError(
+                f"{directory} holds pickle weights ({files[0].name}), which can run code when loaded; "
+                "pass --allow-pickle to read them with torch.load(weights_only=True)"
+            )
+        tensors, holder = {}, {}
+        for path in files:
+            for name, tensor in load_pickle(path).items():
+                tensors[name] = TensorSpec(name, tensor.dtype, tuple(tensor.shape))
+                holder[name] = path.name
+        check_weight_map(weight_map, holder, PICKLE_INDEX_NAME)
+        source = Source(directory, "pickle", config, tensors, files)
+    else:
+        raise UsageError(f"{directory} has no weights: expected model.safetensors, {INDEX_NAME} or pytorch_model.bin")
+    for path in sorted(directory.iterdir()):
+        if path.name.startswith(".") or path in source.weight_files or path.name in WRITTEN_FILES:
+            continue
+        if path.is_dir():
+            source.not_copied.append(path.name + "/")
+        elif path.name.endswith(WEIGHT_SUFFIXES) or path.suffix == ".py":
+            source.not_copied.append(path.name)
+        else:
+            source.other_files.append(path)
+    return source
+
+
+def _load_gguf(path: Path, dtype: str) -> Source:
+    model, tokenizer = load_model(path, dtype)
+    tensors = {name: TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()}
+    config = model.config.to_dict()
+    check_config(config, str(path))
+    dropped = check_weights(tensors, config)
+    return Source(path, "gguf", config, tensors, [path], dropped=dropped, model=model, tokenizer=tokenizer)
+
+
+def _output_layout(source: Source, kept: list[TensorSpec], max_shard_size: int | None) -> list[OutputShard]:
+    """Which output file holds which tensor: the source's grouping unless a shard size is asked."""
+    if source.format != "safetensors" or max_shard_size is not None:
+        return plan_shards(kept, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+    names = {spec.name: spec for spec in kept}
+    groups = [
+        kept_in_shard
+        for shard in source.shards
+        if (kept_in_shard := tuple(names[s.name] for s in shard.tensors if s.name in names))
+    ]
+    return [OutputShard(filename, group) for filename, group in zip(shard_filenames(len(groups)), groups)]
+
+
+def _check_link_possible(source: Path, out: Path) -> None:
+    """Hard links cannot cross filesystems: refuse before anything is written."""
+    existing = out.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if existing.stat().st_dev != source.stat().st_dev:
+        raise UsageError(
+            f"--weights link: the output {out} is on another filesystem than {source}, and hard "
+            "links cannot cross filesystems; use --weights copy"
+        )
+
+
+def ladder_config_dict(config: dict, layers: list[int], dtype: str) -> dict:
+    """The ladder model's config.json from the source's: its architecture, the ladder layers,
+    `auto_map` and the dtype; what save_pretrained of a `LadderLlamaConfig` writes, up to keys at
+    their defaults (a test loads both and compares)."""
+    ladder = {key: value for key, value in config.items() if key not in CONFIG_BOOKKEEPING and key != "torch_dtype"}
+    if "torch_dtype" in config:  # the older name
+        ladder.setdefault("dtype", config["torch_dtype"])
+    if dtype in DTYPE_NAMES:
+        ladder["dtype"] = dtype
+    ladder.update(
+        model_type=LADDER_MODEL_TYPE,
+        ladder_layers=layers,
+        architectures=["LadderLlamaForCausalLM"],
+        auto_map=AUTO_MAP,
+        transformers_version=version("transformers"),
+    )
+    return dict(sorted(with_legacy_rope(ladder).items()))
+
+
+def _dtype_name(tensors: list[TensorSpec]) -> str:
+    names = sorted({spec.dtype for spec in tensors if spec.is_floating_point})
+    return names[0] if len(names) == 1 else "mixed (" + ", ".join(names) + ")"
+
+
+def _fits_in_memory(tensors: list[TensorSpec]) -> str | None:
+    """Why verification would not fit in memory, or None when it does. It runs layer by layer, so it
+    holds one module of each model at a time in float32 (a decoder layer, or the embedding or LM head)."""
+    module_sizes: dict[str, int] = {}
+    for spec in tensors:
+        layer = re.match(r"model\.layers\.\d+\.", spec.name)
+        module = layer.group(0) if layer else spec.name
+        module_sizes[module] = module_sizes.get(module, 0) + math.prod(spec.shape)
+    needed = 2 * 4 * max(module_sizes.values())
+    available = psutil.virtual_memory().available
+    if needed < 0.8 * available:
+        return None
+    return (
+        f"skipped: one module of each model needs about {needed / 1e9:.1f} GB in float32, "
+        f"{available / 1e9:.1f} GB is available (--verify runs it anyway)"
+    )
+
+
+def _search_layers(source: Source, auto: AutoLayers, calibration: list[Path] | None, progress: bool) -> LayerSearch:
+    """Run the `auto:N` search on the source model (loaded whole, in float32, unless it is a GGUF
+    file, which is loaded already) with calibration text from training data."""
+    from ladder.layer_search import calibration_from_files, choose_ladder_layers
+
+    if source.model is not None:
+        model, tokenizer = source.model, source.tokenizer
+    else:
+        model, tokenizer = load_model(source.path)
+    say(progress, f"{auto}: measuring the damage of each candidate layer set on calibration text ...")
+    search = choose_ladder_layers(model, calibration_from_files(tokenizer, calibration), auto)
+    say(progress, search.summary())
+    return search
+
+
+# The steps of a plan, in the order `convert_checkpoint` runs them.
+
+
+def check_weight_mode(weights: str) -> None:
+    if weights not in WEIGHT_MODES:
+        raise UsageError(f"--weights {weights!r}: choose from {', '.join(WEIGHT_MODES)}")
+
+
+def read_source(path: Path, allow_pickle: bool) -> Source | GGUFInfo:
+    """A directory's config.json, checked alone, then its weight headers (pickle weights read
+    whole) checked against it (`ladder.convert.checks`); a GGUF file's metadata, checked, its
+    weights still quantized (`open_source` dequantizes them). The first step: nothing that grows
+    with the config's numbers is built before they are checked against the weights."""
+    if path.suffix == ".gguf":
+        from .gguf import inspect_llama_gguf
+
+        return inspect_llama_gguf(path)
+    config = read_config_dict(path)
+    check_config(config, str(path / "config.json"))
+    source = _open_directory(path, config, allow_pickle)
+    source.dropped = check_weights(source.tensors, config)
+    return source
+
+
+def check_calibration(calibration: list[Path] | None, choice: LayerChoice) -> None:
+    if calibration is not None and not isinstance(choice, AutoLayers):
+        raise UsageError("--calibration goes with --layers auto:N (it is the text the layer search measures on)")
+
+
+def output_dir(source: Path, out: str | Path | None, choice: LayerChoice, force: bool) -> Path:
+    """`out`, or the default named after the source and the layer count; refused where it would
+    overwrite the source or an existing directory without `force`."""
+    count = choice.count if isinstance(choice, AutoLayers) else len(choice)
+    out = Path(out) if out is not None else default_output_dir(source, count)
+    _check_output_location(source, out)
+    if out.exists() and not force:
+        raise UsageError(f"output {out} already exists; pass --force to replace it")
+    return out
+
+
+def open_source(path: Path, headers: Source | GGUFInfo, dtype: str | None, progress: bool) -> Source:
+    """What `read_source` read: a directory as it is, a GGUF file dequantized (and checked)."""
+    if isinstance(headers, Source):
+        return headers
+    say(progress, f"dequantizing {path.name} ...")
+    return _load_gguf(path, dtype or "float32")
+
+
+def choose_layers(
+    source: Source, choice: LayerChoice, calibration: list[Path] | None, progress: bool
+) -> tuple[list[int], LayerSearch | None]:
+    """The ladder layers, and the record of the `auto:N` search that chose them (None for named layers)."""
+    searched: list[LayerSearch] = []
+
+    def search(auto: AutoLayers) -> list[int]:
+        searched.append(_search_layers(source, auto, calibration, progress))
+        return searched[0].chosen
+
+    return resolve_layer_choice(choice, search), next(iter(searched), None)
+
+
+def lay_out(
+    source: Source,
+    out: Path,
+    layers: list[int],
+    search: LayerSearch | None,
+    dtype: str | None,
+    max_shard_size: int | None,
+    weights: str,
+    verify: bool | None,
+) -> Plan:
+    """Which tensors are kept (`Source.dropped` is not), in which output files, whether the
+    source's files go over as they are, the ladder config, and whether verification runs."""
+    dropped = source.dropped
+    kept = [
+        dataclasses.replace(spec, dtype=dtype) if dtype is not None and spec.is_floating_point else spec
+        for spec in source.tensors.values()
+        if spec.name not in dropped
+    ]
+    copy_as_is = (
+        source.format == "safetensors"
+        and not dropped
+        and max_shard_size is None
+        and all(spec.dtype == source.tensors[spec.name].dtype for spec in kept)
+    )
+    _check_weight_mode_possible(weights, copy_as_is, source.path, out)
+    layout = (
+        [OutputShard(s.path.name, s.tensors) for s in source.shards]
+        if copy_as_is
+        else _output_layout(source, kept, max_shard_size)
+    )
+    summary = ConversionSummary(
+        source=str(source.path.resolve()),
+        source_format=source.format,
+        output=str(out.resolve()),
+        num_hidden_layers=source.num_hidden_layers,
+        ladder_layers=layers,
+        dtype=_dtype_name(kept),
+        weights="copied" if copy_as_is else "rewritten",
+        tensors=len(kept),
+        weight_bytes=sum(spec.nbytes for spec in kept),
+        shards=[shard.filename for shard in layout],
+        dropped=dropped,
+        not_copied=source.not_copied,
+        source_sha256={},
+        layer_search=search,
+    )
+    config = ladder_config_dict(source.config, layers, summary.dtype)
+    verify_skipped = _fits_in_memory(kept) if verify is None else None if verify else "skipped: --no-verify"
+    return Plan(source, out, kept, copy_as_is, layout, config, verify_skipped, summary)
+
+
+def _check_weight_mode_possible(weights: str, copy_as_is: bool, source: Path, out: Path) -> None:
+    """Links need the source's files as they are, and hard links one filesystem."""
+    if weights in ("link", "reflink"):
+        if not copy_as_is:
+            raise UsageError(
+                f"--weights {weights}: the weights are rewritten here (a dtype cast, resharding, a "
+                "dropped tensor or a non-safetensors source), so there are no files to link"
+            )
+        if weights == "link":
+            _check_link_possible(source, out)

@@ -1,0 +1,72 @@
+"""The `hf` backend: the weights loaded here (`ladder.io.loading.load_model`, in the run's dtype,
+onto its device) and handed to lm-eval as an `HFLM`, whose log-likelihood requests on Llama-family
+models run each shared context once (eval/backends/shared_prefix.py). Under `accelerate launch`
+each process holds a copy of the model and lm-eval splits the items between them."""
+
+from __future__ import annotations
+
+import transformers
+from lm_eval.models.huggingface import HFLM
+
+from ladder.errors import UsageError
+from ladder.io.loading import DTYPES, load_model
+
+from ..models import ModelRef
+from ..runtime import Runtime
+from .shared_prefix import score_continuations
+
+
+def check(runtime: Runtime, models: list[ModelRef]) -> None:
+    """Refuse the settings of another backend."""
+    if runtime.tensor_parallel != 1:
+        raise UsageError("--tp is for --backend vllm")
+
+
+def code_classes() -> list[type]:
+    """Nothing besides the installed transformers class runs the weights."""
+    return []
+
+
+class LoadedHFLM(HFLM):
+    """lm-eval's HFLM over a model loaded here, sharing the items between the processes of an
+    `accelerate launch` as HFLM does when it loads a model itself: HFLM sets its rank and world
+    size only when it loads a `pretrained` path and counts more than one GPU, so a loaded model
+    (our GGUF and ladder loading) and CPU processes over gloo would each score every item."""
+
+    def __init__(self, model, tokenizer, runtime: Runtime):
+        super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=runtime.batch_size)
+        if runtime.accelerator is not None and runtime.processes > 1:
+            # The attributes HFLM's all_gather, gather_object and barrier use.
+            self.accelerator = runtime.accelerator
+            self._rank = runtime.accelerator.process_index
+            self._world_size = runtime.accelerator.num_processes
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """Llama-family models score with each shared context run once (eval/backends/shared_prefix.py).
+        lm-eval's own path stays for rolling windows (no request string: nothing is shared, every
+        position is read), `--batch-size auto` (its detection) and other architectures."""
+        batch_size = override_bs or self.batch_size
+        shared = (
+            isinstance(self.model, transformers.LlamaForCausalLM)
+            and isinstance(batch_size, int)
+            and all(request is not None for request, _, _ in requests)
+        )
+        if not shared:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        answers = score_continuations(
+            self.model.model,
+            self.model.lm_head,
+            [(context, continuation) for _, context, continuation in requests],
+            max_length=self.max_length,
+            batch_size=batch_size,
+        )
+        for (request, _, _), answer in zip(requests, answers):
+            self.cache_hook.add_partial("loglikelihood", request, answer)
+        return answers
+
+
+def load_lm(ref: ModelRef, runtime: Runtime) -> HFLM:
+    """HFLM over the weights loaded in the run's dtype straight onto its device (or split over the GPUs)."""
+    device_map = "auto" if runtime.parallelize else None if runtime.device == "cpu" else {"": runtime.device}
+    model, tokenizer = load_model(ref.path, dtype=DTYPES[runtime.dtype], device_map=device_map)
+    return LoadedHFLM(model, tokenizer, runtime)

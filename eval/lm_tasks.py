@@ -1,0 +1,201 @@
+"""lm-eval's side of a run: the task manager over our task folder, each suite task built once
+(configs, sizes, metric aggregations, the code and data files that define it), one
+`simple_evaluate` call per (model, suite task), and the per-item values the report pairs."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import lm_eval
+from lm_eval.api.registry import AGGREGATION_REGISTRY
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import handle_non_serializable
+
+from ladder.errors import UsageError, first_line
+from ladder.io.files import atomic_write
+
+from .models import file_name
+from .runtime import Runtime
+from .suite import Suite, SuiteTask
+from .tasks.utils import data_paths
+
+TASKS_DIR = Path(__file__).parent / "tasks"
+# lm-eval's default (100,000 bootstrap draws) takes minutes for LAMBADA's perplexity on a CPU;
+# 1,000 draws estimate a standard error to within a few percent.
+BOOTSTRAP_ITERS = 1000
+
+
+def _functions(value) -> Iterator[Callable]:
+    """Every function in a task config (process_docs, custom_dataset, doc_to_target, ...)."""
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _functions(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _functions(item)
+    elif callable(value) and hasattr(value, "__code__"):
+        yield value
+
+
+@contextlib.contextmanager
+def hub_offline(datasets_cache: Path) -> Iterator[None]:
+    """No Hub access and a private `datasets` cache for the duration (local suites).
+
+    huggingface_hub and datasets read these switches from the environment when first imported,
+    which has happened by now (transformers imports them), so their module flags are set too.
+    """
+    import datasets.config
+    import huggingface_hub.constants
+
+    patches = [
+        (huggingface_hub.constants, "HF_HUB_OFFLINE", True),
+        (datasets.config, "HF_HUB_OFFLINE", True),
+        (datasets.config, "HF_DATASETS_OFFLINE", True),
+        (datasets.config, "HF_DATASETS_CACHE", datasets_cache),
+    ]
+    saved_env = {key: os.environ.get(key) for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE")}
+    saved_attrs = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(datasets_cache))
+    for module, name, value in patches:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved_attrs:
+            setattr(module, name, value)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def task_manager(suite: Suite, data_dir: Path | None = None) -> TaskManager:
+    """A TaskManager over our task folder; lm-eval's own ~15k task configs are indexed (about 10 s)
+    only when the suite names a task that is not ours."""
+    # Our tasks read their files from here (eval/tasks/utils.py; without it, from `ladder_data_dir()`).
+    metadata = {"data_dir": str(data_dir.resolve())} if data_dir is not None else {}
+    ours = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)
+    if all(task.task in ours.all_tasks for task in suite.tasks):
+        return ours
+    return TaskManager(include_path=str(TASKS_DIR), metadata=metadata)
+
+
+def _aggregation_names() -> dict[Callable, str]:
+    return {function: name for name, function in AGGREGATION_REGISTRY.items()}
+
+
+def task_configs(suite: Suite, manager: TaskManager) -> dict[str, dict]:
+    """Build every suite task once, before any model loads: unknown names and missing data files
+    fail here. Returns per suite task its leaf tasks' configs and metric aggregations."""
+    unknown = [task.task for task in suite.tasks if task.task not in manager.all_tasks]
+    if unknown:
+        raise UsageError(
+            f"suite {suite.name}: unknown task(s) {', '.join(unknown)}; "
+            f"ours are {', '.join(sorted(t for t in manager.all_subtasks if t.startswith('ladder_')))}, "
+            "stock names are listed by `lm_eval ls tasks`"
+        )
+    names = _aggregation_names()
+    configs = {}
+    for suite_task in suite.tasks:
+        try:
+            loaded = manager.load([suite_task.task])
+        except FileNotFoundError as error:
+            raise UsageError(first_line(error)) from None
+        sources, data_files = set(), {}
+        for task in loaded["tasks"].values():
+            # dump_config() below has each function's own source; hash its whole module too (the
+            # helpers it calls), from the live config.
+            for function in _functions(vars(task.config)):
+                file = Path(function.__code__.co_filename)
+                if file.is_file():
+                    sources.add(hashlib.sha256(file.read_bytes()).hexdigest())
+            if callable(task.config.custom_dataset):
+                metadata = task.config.metadata or {}
+                paths = data_paths(task.config.dataset_kwargs, metadata.get("data_dir"))
+                data_files.update({relative: str(path) for relative, path in paths.items()})
+        configs[suite_task.task] = {
+            "sources": sorted(sources),  # SHA-256 of each module file its functions come from
+            "data_files": data_files,  # the files it reads: path in the data folder -> file
+            "configs": {name: task.dump_config() for name, task in loaded["tasks"].items()},
+            "sizes": {name: len(task.eval_docs) for name, task in loaded["tasks"].items()},
+            "aggregations": {
+                name: {metric: names.get(function, "") for metric, function in task.aggregation().items()}
+                for name, task in loaded["tasks"].items()
+            },
+        }
+    return configs
+
+
+def _plain(value):
+    """Per-item metric values as JSON types: floats, or lists for (loglikelihood, count) pairs."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, bool):
+        return float(value)
+    return float(value) if isinstance(value, (int, float)) else value
+
+
+def per_item_values(output: dict) -> dict[str, dict[str, dict]]:
+    """{task: {"metric,filter": {"doc_id": [...], "value": [...]}}} from lm-eval's logged samples."""
+    values: dict[str, dict[str, dict]] = {}
+    for task, samples in output.get("samples", {}).items():
+        metrics = {key.split(",")[0] for key in output["results"].get(task, {}) if "," in key and "_stderr" not in key}
+        columns: dict[str, dict] = {}
+        for sample in sorted(samples, key=lambda s: s["doc_id"]):
+            for metric in metrics & set(sample):
+                column = columns.setdefault(f"{metric},{sample.get('filter', 'none')}", {"doc_id": [], "value": []})
+                column["doc_id"].append(sample["doc_id"])
+                column["value"].append(_plain(sample[metric]))
+        values[task] = columns
+    return values
+
+
+def evaluate_task(
+    lm, suite_task: SuiteTask, manager: TaskManager, sizes: dict[str, int], runtime: Runtime
+) -> tuple[dict, dict] | None:
+    """One `simple_evaluate` call; returns lm-eval's results dict without the raw samples, plus
+    `per_item` metric values, and the samples ({leaf task: [lm-eval sample records]}). None on
+    the other processes of a multi-process run (lm-eval gathers the results on process 0).
+    `sizes`: the number of items of each of the suite task's tasks."""
+    # `every` picks items by index (lm-eval's `samples`), which excludes `limit`: apply both here.
+    samples = None
+    if suite_task.every > 1:
+        samples = {name: list(range(0, size, suite_task.every))[: suite_task.limit] for name, size in sizes.items()}
+    output = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=[suite_task.task],
+        num_fewshot=suite_task.num_fewshot,
+        limit=suite_task.limit if samples is None else None,
+        samples=samples,
+        task_manager=manager,
+        bootstrap_iters=BOOTSTRAP_ITERS,
+        log_samples=True,
+        # Recorded in lm-eval's `config` (the model is already placed: these do not move it).
+        device=runtime.describe()["device"],
+        batch_size=lm.batch_size_per_gpu,
+        **suite_task.chat_options(),
+    )
+    if output is None:
+        return None
+    record = {key: value for key, value in output.items() if key != "samples"}
+    record["config"] = {**record.get("config", {}), **runtime.describe(), "chat": suite_task.chat_options()}
+    record["per_item"] = per_item_values(output)
+    # Round-trip through JSON so that a fresh record and a cached one are the same objects.
+    record = json.loads(json.dumps(record, default=str))
+    return record, json.loads(json.dumps(output["samples"], default=handle_non_serializable, ensure_ascii=False))
+
+
+def write_samples(directory: Path, samples: dict) -> None:
+    """lm-eval's per-item records, one JSON line each, one file per leaf task (as `lm_eval
+    --log_samples` writes them): prompt and arguments, target, the model's responses (generated
+    text or log-likelihoods), the filtered answer and the item's metrics."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for task, records in samples.items():
+        lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+        atomic_write(directory / f"{file_name(task)}.jsonl", lines)

@@ -1,0 +1,89 @@
+"""The models of a run as the user named them (`ModelRef`) and what scoring them gave (`ModelResults`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ladder.errors import UsageError
+from ladder.io.loading import load_tokenizer, model_name, resolve_model_path
+
+from .suite import Suite
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model as the user named it (`spec`), the file or folder it resolves to, and its column label."""
+
+    spec: str
+    path: Path
+    label: str
+
+
+@dataclass
+class ModelResults:
+    model: ModelRef
+    fingerprint: str
+    tasks: dict[str, dict] = field(default_factory=dict)  # suite task name -> task record
+    cached: list[str] = field(default_factory=list)  # suite task names read from the cache
+
+
+def resolve_models(specs: list[str]) -> list[ModelRef]:
+    """Resolve model names (a checkpoint folder, a .gguf file or `embedded`, each optionally as
+    `LABEL=MODEL` to name its column) with distinct labels."""
+    refs = []
+    for spec in specs:
+        label, sep, model = spec.partition("=")
+        if not sep or Path(spec).exists():
+            label, model = "", spec
+        elif not label:
+            raise UsageError(f"model {spec!r}: the label before '=' is empty")
+        path = resolve_model_path(model)
+        path = path.resolve()
+        refs.append(ModelRef(model, path, label or model_name(path)))
+    labels = [ref.label for ref in refs]
+    return [
+        ModelRef(ref.spec, ref.path, f"{ref.label} #{i + 1}") if labels.count(ref.label) > 1 else ref
+        for i, ref in enumerate(refs)
+    ]
+
+
+def check_chat_templates(models: list[ModelRef], suite: Suite) -> None:
+    """A suite task with apply_chat_template needs a tokenizer with a chat template: say so before
+    anything is scored, not after the first model."""
+    if not any(task.apply_chat_template for task in suite.tasks):
+        return
+    for ref in models:
+        if not load_tokenizer(ref.path).chat_template:
+            raise UsageError(
+                f"{ref.label} ({ref.path}) has no chat template: drop --apply-chat-template (or the suite's "
+                "apply_chat_template) for a base model"
+            )
+
+
+def lm_eval_json(results: ModelResults) -> dict:
+    """One model's results in lm-eval's layout (results, configs, versions, n-shot, ...), merged over
+    the suite's tasks; the run-level fields (config, versions, date) are the latest evaluation's."""
+    merged: dict = {}
+    for record in results.tasks.values():
+        for key, value in record.items():
+            if key in ("per_item", "aggregations"):
+                continue
+            if isinstance(value, dict) and key != "config":
+                merged.setdefault(key, {}).update(value)
+            else:
+                merged[key] = value
+    merged["ladder"] = {
+        "model": results.model.spec,
+        "path": str(results.model.path),
+        "fingerprint_sha256": results.fingerprint,
+        "cached_tasks": results.cached,
+        # Per suite task: they may differ between tasks, unlike the rest of lm-eval's `config`.
+        "chat_options": {task: record.get("config", {}).get("chat") for task, record in results.tasks.items()},
+    }
+    return merged
+
+
+def file_name(text: str) -> str:
+    """`text` (a label, a task name) as a file name: anything but letters, digits, -_. becomes _."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)

@@ -1,0 +1,140 @@
+"""Where and how the weights run: one device and dtype per process, lm-eval's batch size, the
+accelerate state when `accelerate launch` started several processes, and the backend's name."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ladder.errors import UsageError
+from ladder.io.loading import DTYPES
+
+# `--device` values; `cuda:N` names one GPU.
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+# The backend a run uses unless told otherwise; its records and cache keys name no backend, as
+# before there was a choice (eval/backends/ holds every backend by name).
+DEFAULT_BACKEND = "hf"
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how the weights run: one device and dtype per process, lm-eval's batch size, and
+    the accelerate state when `accelerate launch` started several processes."""
+
+    device: str  # a torch device: "cpu", "cuda:0"
+    dtype: str  # a key of ladder.io.loading.DTYPES
+    batch_size: int | str = 8  # or "auto": lm-eval finds the largest that fits
+    parallelize: bool = False  # split one model over every visible GPU (device_map="auto")
+    accelerator: object | None = None  # an accelerate.Accelerator when processes > 1
+    backend: str = DEFAULT_BACKEND  # a name in eval/backends' table: "hf" (this process) or "vllm"
+    tensor_parallel: int = 1  # the vllm backend's tensor-parallel ranks
+
+    @property
+    def processes(self) -> int:
+        return self.accelerator.num_processes if self.accelerator is not None else 1
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index if self.accelerator is not None else 0
+
+    @property
+    def device_type(self) -> str:
+        return torch.device(self.device).type
+
+    def describe(self) -> dict:
+        """What the report and lm-eval's JSON record about the run."""
+        return {
+            "device": "auto (device_map)" if self.parallelize else self.device,
+            "dtype": self.dtype,
+            "batch_size": self.batch_size,
+            "processes": self.processes,
+            **(
+                {"backend": self.backend, "tensor_parallel": self.tensor_parallel}
+                if self.backend != DEFAULT_BACKEND
+                else {}
+            ),
+        }
+
+
+def resolve_runtime(
+    device: str = "auto",
+    dtype: str = "auto",
+    batch_size: int | str = 8,
+    parallelize: bool = False,
+    backend: str = DEFAULT_BACKEND,
+    tensor_parallel: int = 1,
+) -> Runtime:
+    """`auto` picks the GPU in bfloat16 where one is present (float16 on GPUs without bf16), else
+    the CPU in float32. Under `accelerate launch` with several processes each takes the device
+    accelerate gives it (its own GPU, or the CPU over gloo when there is none). What the backend
+    allows of these settings its own `check` says (eval/backends/)."""
+    _check_settings(device, dtype, batch_size)
+    accelerator = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        accelerator = _accelerator(device, parallelize)
+        device = "cpu" if accelerator.device.type == "cpu" else str(accelerator.device)
+    else:
+        device = _single_process_device(device)
+    if parallelize and not device.startswith("cuda"):
+        raise UsageError("--parallelize splits a model over GPUs: it needs --device cuda")
+    if dtype == "auto":
+        dtype = _default_dtype(device)
+    return Runtime(device, dtype, batch_size, parallelize, accelerator, backend, tensor_parallel)
+
+
+def _check_settings(device: str, dtype: str, batch_size: int | str) -> None:
+    if not DEVICE_PATTERN.fullmatch(device):
+        raise UsageError(f"--device {device!r}: choose auto, cpu, cuda or cuda:N")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    if not (batch_size == "auto" or (isinstance(batch_size, int) and batch_size >= 1)):
+        raise UsageError(f"--batch-size {batch_size!r}: a positive integer or auto")
+
+
+def _accelerator(device: str, parallelize: bool):
+    """The accelerate state of one of several processes that `accelerate launch` started."""
+    if device.startswith("cuda:"):
+        raise UsageError(f"--device {device} names one GPU; under accelerate launch each process takes its own")
+    if parallelize:
+        raise UsageError("--parallelize splits one model over all GPUs: run it in a single process")
+    from accelerate import Accelerator, InitProcessGroupKwargs
+
+    # Process 0 hashes the models and reads the cache while the others wait (a large model
+    # takes a while): a generous timeout for the first collective.
+    return Accelerator(
+        cpu=device == "cpu" or not torch.cuda.is_available(),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(hours=6))],
+    )
+
+
+def _single_process_device(device: str) -> str:
+    cuda = torch.cuda.is_available()
+    if device == "auto":
+        return "cuda:0" if cuda else "cpu"
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        if not cuda:
+            raise UsageError(f"--device {device}: no CUDA GPU is visible (torch {torch.__version__})")
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) are visible")
+        return f"cuda:{index}"
+    return device
+
+
+def _default_dtype(device: str) -> str:
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
+def share(runtime: Runtime, value):
+    """Process 0's `value` on every process (the cache decisions: only process 0 reads the cache)."""
+    if runtime.processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value], from_process=0)[0]
