@@ -80,8 +80,8 @@ def test_no_code_shipped_in_a_checkpoint_runs_even_when_the_user_says_yes(tmp_pa
 
 def test_every_reader_of_an_input_refuses_a_non_llama_model_type(tmp_path):
     """adapt's model check accepted any model_type; the TP reader asked transformers first."""
-    from adapt.recipe import load_recipe
     from adapt.preflight import check_model
+    from adapt.recipe import load_recipe
     from ladder.tp.runtime import read_config
 
     model = remote_code_checkpoint(tmp_path / "model", tmp_path / "ran")
