@@ -81,6 +81,7 @@ def write_blocks(
         tokenizer.chat_template,
         tokenizer.special_tokens_map,
         tokenizer.eos_token_id,
+        tokenizer.name_or_path,
     )
     with ChunkRunner(worker, workers) as runner:
         tokenized = [

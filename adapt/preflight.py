@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ladder.errors import UsageError
-from ladder.io.loading import read_config_dict, resolve_model_path
+from ladder.io.loading import check_llama_checkpoint, read_config_dict, resolve_model_path
 from ladder.layers import LADDER_MODEL_TYPE, parse_layer_choice
 
 from .checkpoint import METRICS_FILE, check_same_recipe, latest_checkpoint
@@ -31,6 +31,7 @@ def source_path(text: str) -> Path:
 def check_model(recipe: Recipe) -> ModelSources:
     """The recipe's model paths, resolved; refuses recipes that cannot work, before any weight loads."""
     path = source_path(recipe.model.path)
+    check_llama_checkpoint(path)  # any other model_type is refused, as convert does
     config = read_config_dict(path) if path.is_dir() else {}  # a .gguf file holds an original Llama
     is_ladder = config.get("model_type") == LADDER_MODEL_TYPE
     if recipe.model.ladder_layers is None and not is_ladder:

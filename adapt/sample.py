@@ -115,6 +115,6 @@ def main(argv: list[str]) -> int:
     sampled = sample_documents(model, tokenizer, documents, args.length, args.batch_size, args.seed, progress)
     lines = [json.dumps({"text": tokenizer.decode(ids)}) + "\n" for ids in sampled]
     args.out.parent.mkdir(parents=True, exist_ok=True)  # as every output folder of ladder's commands
-    atomic_write(args.out, "".join(lines))
+    atomic_write(args.out, "".join(lines), replace=args.force)
     print(f"{args.out}: {documents} documents of {args.length} sampled tokens ({time.perf_counter() - started:.0f} s)")
     return 0

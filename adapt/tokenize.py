@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ladder.errors import UsageError
+from ladder.errors import UsageError, first_line
 
 from .recipe import SourceSpec
 
@@ -68,12 +68,14 @@ class Document:
 
 @dataclass
 class Worker:
-    """What a worker needs: the tokenizer's JSON, its chat template and special tokens, the EOS id."""
+    """What a worker needs: the tokenizer's JSON, its chat template and special tokens, the EOS id, and
+    where the tokenizer came from (to name its chat template in errors)."""
 
     tokenizer_json: str
     chat_template: str | None
     special_tokens: dict
     eos: int
+    tokenizer_name: str = "the tokenizer"
 
     def __post_init__(self):
         from tokenizers import Tokenizer
@@ -86,7 +88,7 @@ class Worker:
     def renderer(self) -> ChatRenderer:
         """The chat renderer, made on first use (its probe renders a few chats)."""
         if self._renderer is None:
-            self._renderer = ChatRenderer(self.chat_template, self.special_tokens)
+            self._renderer = ChatRenderer(self.chat_template, self.special_tokens, self.tokenizer_name)
         return self._renderer
 
     def tokenize(self, chunk: Chunk) -> Tokenized:
@@ -198,10 +200,10 @@ class ChatRenderer:
     and the character spans of the assistant turns: each from the end of its role header to the end of
     the turn (its end-of-turn marker included), the text the model generates."""
 
-    def __init__(self, template: str, special_tokens: dict):
+    def __init__(self, template: str, special_tokens: dict, owner: str = "the tokenizer"):
         from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
-        self.template, self.special_tokens = template, special_tokens
+        self.template, self.special_tokens, self.owner = template, special_tokens, owner
         # The compiled template called directly (a third of the time of transformers' whole call, which
         # also normalizes richer messages than {role, content}), where the two agree on a probe chat.
         self.compiled, self.render_jinja_template = _compile_jinja_template(template), render_jinja_template
@@ -212,6 +214,16 @@ class ChatRenderer:
         self.keeps_whitespace, self.footer = self.learn()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The chat as the template renders it. The template comes with the model and may raise
+        (`raise_exception`, an undefined name, a type error): one line naming it."""
+        from jinja2 import TemplateError
+
+        try:
+            return self._render(messages, add_generation_prompt)
+        except (TemplateError, TypeError, ValueError) as error:
+            raise UsageError(f"the chat template of {self.owner} failed on this chat: {first_line(error)}") from None
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if not self.direct:
             rendered, _ = self.render_jinja_template(
                 [messages],

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 import ladder
 from ladder.errors import UsageError, first_line
-from ladder.io.files import atomic_directory, atomic_write
+from ladder.io.files import atomic_directory, atomic_write, lock_output
 from ladder.io.loading import load_tokenizer
 from ladder.io.model_card import copy_licence_files
 from ladder.layer_search import calibration_from_blocks, choose_ladder_layers
@@ -263,7 +263,9 @@ class AdaptRun:
         )
 
     def restore_or_start(self, resume_from: Path | None) -> None:
-        """Continue from a checkpoint, or start the run folder with an empty metrics log."""
+        """Continue from a checkpoint, or start the run folder with an empty metrics log; either way
+        the run folder is locked for the run's life (a second run into it is refused)."""
+        self.output_lock = lock_output(self.run_dir, "adapt") if self.main else None
         if resume_from is not None:
             self.load_checkpoint(resume_from)
         else:

@@ -3,7 +3,7 @@
 The first model (the `--baseline` when given) is the reference column; every other model gets its
 difference from it. A model is a checkpoint folder, a .gguf file, or `embedded` (the SmolLM2 GGUF
 that `make install` ships), optionally as LABEL=MODEL to name its column. Writes a results folder
-(default runs/eval/<time>-<suite>) holding lm-eval's JSON per model and report.md / report.json /
+(default runs/eval/<time>-<suite>-<random>) holding lm-eval's JSON per model and report.md / report.json /
 report.png, and prints the table.
 
 Several processes (data parallel, one model copy each): `--processes N`, or the same command under
@@ -89,7 +89,9 @@ def _add_models_and_suite(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_folders(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, metavar="DIR", help="results folder (default: runs/eval/<time>-<suite>)")
+    parser.add_argument(
+        "--out", type=Path, metavar="DIR", help="results folder (default: runs/eval/<time>-<suite>-<random>)"
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing results folder")
     parser.add_argument(
         "--data", type=Path, metavar="DIR", help="benchmark data folder (default: $LADDER_DATA, else ../shared/data)"
@@ -238,7 +240,7 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
     the CPU over gloo (`--cpu --num_processes N` starts only one: accelerate issue #2741)."""
     import torch
 
-    out = args.out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(args.suite).stem}"
+    out = args.out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(args.suite).stem}-{os.urandom(3).hex()}"
     if out.exists() and not args.force:
         raise UsageError(f"output {out.absolute()} already exists; pass --force to replace it")
     if args.parallelize:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ladder.errors import UsageError
-from ladder.io.files import atomic_directory, atomic_write
+from ladder.io.files import atomic_directory, atomic_write, check_force_target, check_outside_inputs
 
 from .suite import Suite, SuiteTask
 
@@ -47,7 +47,7 @@ def evaluate_models(
     tensor_parallel: int = 1,
 ) -> Evaluation | None:
     """Score `models` (checkpoint folders, .gguf files or `embedded`, each optionally `LABEL=MODEL`;
-    the first is the reference column) on `suite` into `out` (default runs/eval/<time>-<suite>).
+    the first is the reference column) on `suite` into `out` (default runs/eval/<time>-<suite>-<random>).
     `data_dir`: the folder our offline tasks read; `cache_dir` None scores everything again;
     `device`, `dtype`, `batch_size`, `parallelize`, `backend`, `tensor_parallel`: see
     `runtime.resolve_runtime`; `log_samples`: keep lm-eval's per-item records in
@@ -62,9 +62,9 @@ def evaluate_models(
     from .runtime import resolve_runtime
 
     refs = resolve_models(models)
-    out = out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}"
-    if out.exists() and not force:  # before any work (atomic_directory checks again at the end)
-        raise UsageError(f"output {out.absolute()} already exists; pass --force to replace it")
+    out = out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
+    check_force_target(out, "eval", force)  # before any work (atomic_directory checks again at the end)
+    check_outside_inputs(out, [ref.path for ref in refs])
     check_chat_templates(refs, suite)
     runtime = resolve_runtime(device, dtype, batch_size, parallelize, backend, tensor_parallel)
     get_backend(runtime.backend).check(runtime, refs)
@@ -79,7 +79,7 @@ def evaluate_models(
             _score(refs, suite, data_dir, runtime, cache_dir=None, samples_dir=None, datasets_cache=Path(scratch))
         return None
     started = time.monotonic()
-    with atomic_directory(out, force=force) as staging:
+    with atomic_directory(out, force=force, command="eval") as staging:
         datasets_cache = staging / ".datasets-cache"
         samples_dir = staging / "samples" if log_samples else None
         results = _score(refs, suite, data_dir, runtime, cache_dir, samples_dir, datasets_cache)

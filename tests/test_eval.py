@@ -294,6 +294,7 @@ def test_ladder_eval_writes_the_report_and_caches_the_baseline(tiny_checkpoint, 
 
     first = tmp_path / "first"
     assert {p.name for p in first.iterdir()} == {
+        ".ladder-output",
         "report.md",
         "report.json",
         "report.png",

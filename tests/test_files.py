@@ -31,7 +31,7 @@ def test_existing_output_is_refused_then_replaced_with_force(tmp_path):
     assert (final / "old").exists()
     with atomic_directory(final, force=True) as temporary:
         (temporary / "new").write_text("new")
-    assert sorted(p.name for p in final.iterdir()) == ["new"]
+    assert sorted(p.name for p in final.iterdir()) == [".ladder-output", "new"]
 
 
 def test_failure_keeps_the_old_output_and_leaves_no_temporary(tmp_path):
@@ -74,12 +74,12 @@ def test_sigkill_between_the_two_renames_of_a_replacement_loses_neither(tmp_path
     script = textwrap.dedent(f"""
         import os, signal
         from ladder.io.files import atomic_directory
-        real_replace = os.replace
-        def replace_then_die(source, target):
-            real_replace(source, target)
+        real_rename = os.rename
+        def rename_then_die(source, target):
+            real_rename(source, target)
             if str(source) == {str(final)!r}:
                 os.kill(os.getpid(), signal.SIGKILL)
-        os.replace = replace_then_die
+        os.rename = rename_then_die
         with atomic_directory({str(final)!r}, force=True) as temporary:
             (temporary / "new").write_text("new")
     """)

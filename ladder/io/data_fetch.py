@@ -22,7 +22,7 @@ import pooch
 import requests  # pooch's HTTP client: its errors are what a failed download raises
 
 from ladder.errors import UsageError, first_line
-from ladder.io.files import sha256_file
+from ladder.io.files import path_inside, sha256_file
 
 MANIFEST = Path(__file__).with_name("data_manifest.tsv")
 TIMEOUT_SECONDS = 60
@@ -79,7 +79,8 @@ def fetch_data(
 ) -> FetchReport:
     """Fetch every file of `files` (default: the manifest's) missing or wrong in `destination`.
 
-    Afterwards each listed file in `destination` is either verified or absent: a present file with
+    A listed path that leaves `destination` (absolute, `..`, a symlink out) is refused in one line
+    before any file is touched. Afterwards each listed file in `destination` is either verified or absent: a present file with
     a wrong checksum is deleted before its download, and a download that fails its checksum is
     deleted and reported in `refused` (the other files are still fetched). The first network
     failure raises a one-line `UsageError` that says what to fetch and where to put it; files
@@ -90,8 +91,9 @@ def fetch_data(
     downloader = pooch.HTTPDownloader(timeout=TIMEOUT_SECONDS, progressbar=False)
     pooch.get_logger().setLevel(logging.WARNING)  # pooch logs every file; the caller prints a summary
     report = FetchReport([], [], [])
-    for item in files:
-        target = destination / item.path
+    # Every place is checked before anything is deleted or downloaded: a manifest is untrusted input.
+    targets = [path_inside(destination, item.path, f"manifest {manifest}") for item in files]
+    for item, target in zip(files, targets, strict=True):
         try:
             if target.is_file():
                 if sha256_file(target) == item.sha256:

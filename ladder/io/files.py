@@ -2,53 +2,114 @@
 
 Every stage writes through these: a directory is built under a temporary name beside its final
 place and renamed at the end (rename is atomic within one filesystem); a single file is written
-to a temporary name, flushed to disk and renamed over the old one.
+to a temporary name, flushed to disk and renamed over the old one. Two runs never silently share
+an output: the final rename cannot replace what appeared meanwhile, a run's temporaries are
+locked while it lives, and `--force` replaces only an earlier output of the same command.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import fcntl
 import hashlib
+import json
 import os
 import shutil
+import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ladder.errors import UsageError
 
-_TEMPORARY_MARK = ".tmp-"
+# Every output folder carries this file: which command made it (`--force` replaces only an earlier
+# output of the same command). While a run builds the folder it holds an exclusive lock on it, so
+# the run's temporaries are recognised as live by that lock, not by a PID: flock works across PID
+# namespaces, and across machines on shared filesystems that support locks (NFSv4, Lustre, GPFS).
+OUTPUT_MARKER = ".ladder-output"
+_STAGING_MARK = ".tmp-"  # a run's temporary (folder or file), locked while the run lives
+_BIRTH_MARK = ".new-"  # the same, for the instant before its lock is taken (then renamed to .tmp-)
 _RETIRED_SUFFIX = "-old"  # an existing output set aside while its replacement moves in
+# A `.new-` leftover is a run killed between creating its temporary and locking it (microseconds
+# apart): cleared once older than this, so that a run being born is never taken for one.
+BIRTH_GRACE_SECONDS = 60
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # renameat2's arguments (linux/fcntl.h, linux/fs.h)
+_libc = ctypes.CDLL(None, use_errno=True)  # renameat2 is in glibc >= 2.28; without it, see _rename_noreplace
 
 
-def _pid_alive(pid: int) -> bool:
+def _lock(path: Path, blocking: bool = False) -> int | None:
+    """A descriptor holding an exclusive flock on `path` (released when it is closed, also by a
+    kill), or None when another process holds the lock or the file is gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        descriptor = os.open(path, os.O_RDWR)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(descriptor)
+        return None
+    return descriptor
+
+
+def _born_locked(parent: Path, stem: str, directory: bool, command: str | None = None) -> tuple[Path, int]:
+    """A new temporary `parent/.STEM.tmp-RANDOM` (a folder with its marker, or a file), already
+    locked when it appears under that name: it is created and locked under a `.new-` name, which
+    cleanup leaves alone while young, then renamed."""
+    token = os.urandom(6).hex()
+    birth = parent / f".{stem}{_BIRTH_MARK}{token}"
+    lock_path = birth / OUTPUT_MARKER if directory else birth
+    if directory:
+        birth.mkdir()
+    descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    fcntl.flock(descriptor, fcntl.LOCK_EX)
+    if directory:
+        os.write(descriptor, json.dumps({"command": command}).encode() + b"\n")
+    staging = parent / f".{stem}{_STAGING_MARK}{token}"
+    os.rename(birth, staging)
+    return staging, descriptor
+
+
+def _claim_if_stale(entry: Path) -> int | None:
+    """Lock a leftover temporary when no live run holds it: the descriptor, or None when it is live.
+    A temporary folder without a marker was left by a version before locks: stale."""
+    lock_path = entry / OUTPUT_MARKER if entry.is_dir() else entry
+    if entry.is_dir() and not lock_path.exists():
+        return os.open(entry, os.O_RDONLY)  # nothing to lock: a descriptor only to close
+    return _lock(lock_path)
+
+
+def _remove(entry: Path) -> None:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        entry.unlink(missing_ok=True)
 
 
 def _remove_stale_temporaries(final: Path) -> None:
-    """Temporary siblings left by runs that were killed (their process is gone). A retired output
-    (`..-old`) with no `final` beside it means the run died between its two renames: the old
+    """Temporary siblings left by runs that were killed: no process holds their lock. A retired
+    output (`..-old`) with no `final` beside it means the run died between its two renames: the old
     output goes back into place rather than being deleted with the half-installed new one."""
-    prefix = f".{final.name}{_TEMPORARY_MARK}"
-    stale = [
-        leftover
-        for leftover in final.parent.glob(prefix + "*")
-        if (pid_text := leftover.name[len(prefix) :].split("-", 1)[0]).isdigit() and not _pid_alive(int(pid_text))
-    ]
+    now = time.time()
+    for leftover in final.parent.glob(f".{final.name}{_BIRTH_MARK}*"):
+        with contextlib.suppress(FileNotFoundError):
+            if now - leftover.lstat().st_mtime > BIRTH_GRACE_SECONDS:
+                _remove(leftover)
+    stale = {}
+    for leftover in final.parent.glob(f".{final.name}{_STAGING_MARK}*"):
+        if (descriptor := _claim_if_stale(leftover)) is not None:
+            stale[leftover] = descriptor
     for leftover in stale:
         if leftover.name.endswith(_RETIRED_SUFFIX) and not final.exists():
-            os.replace(leftover, final)
+            os.rename(leftover, final)
             _fsync_directory(final.parent)
-    for leftover in stale:
+    for leftover, descriptor in stale.items():
         if leftover.exists():
-            shutil.rmtree(leftover, ignore_errors=True)
+            _remove(leftover)
+        os.close(descriptor)
 
 
 def _fsync_directory(path: Path) -> None:
@@ -59,62 +120,230 @@ def _fsync_directory(path: Path) -> None:
         os.close(descriptor)
 
 
-@contextlib.contextmanager
-def atomic_directory(final: str | Path, force: bool = False) -> Iterator[Path]:
-    """Yield an empty temporary directory beside `final`; on success it becomes `final`.
+def _rename_noreplace(source: Path, target: Path) -> None:
+    """Rename that never replaces: `FileExistsError` when `target` exists (also when it appeared a
+    moment ago). renameat2(RENAME_NOREPLACE) makes the check and the rename one step in the kernel;
+    on a filesystem without it, a file is hard-linked (link refuses an existing name, atomically) and
+    a folder is checked first (rename itself refuses a non-empty folder)."""
+    renameat2 = getattr(_libc, "renameat2", None)
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(code, os.strerror(code), str(target))
+    if source.is_dir():
+        if os.path.lexists(target):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
+        os.rename(source, target)
+    else:
+        os.link(source, target)
+        source.unlink()
 
-    An existing `final` is refused unless `force`, and is replaced only once the new one is
-    complete. On an exception the temporary directory is removed; after SIGKILL it is left under
-    a hidden name (`.NAME.tmp-PID-...`) and cleared by the next run, which first puts back an
-    old output that a kill left set aside (so no point of the replacement loses both). A full disk becomes a
-    `UsageError` that says so.
+
+def output_command(path: str | Path) -> str | None:
+    """The command that made an output folder (its marker), or None when it carries no marker."""
+    try:
+        made = json.loads((Path(path) / OUTPUT_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return made.get("command") if isinstance(made, dict) else None
+
+
+def check_force_target(path: str | Path, command: str | None, force: bool) -> None:
+    """Refuse, in one line, to write `path` when something is there, unless `force` and it is an
+    earlier output of `command` (its marker says so). `command` None: a folder the caller owns
+    (a cache, a checkpoint), replaced with `force` whatever it holds."""
+    path = Path(path).absolute()
+    if not os.path.lexists(path):
+        return
+    if not force:
+        raise UsageError(f"output {path} already exists; pass --force to replace it")
+    if command is not None and output_command(path) != command:
+        raise UsageError(
+            f"--force replaces only an earlier output of `ladder {command}`, and {path} is not one "
+            f"(no {OUTPUT_MARKER} naming it): delete it yourself or choose another folder"
+        )
+
+
+def check_outside_inputs(out: str | Path, inputs: list[str | Path], what: str = "--out") -> None:
+    """Refuse an output that is, is inside, or holds one of the input folders or files (writing
+    it, or replacing it with --force, would destroy an input)."""
+    out = Path(out).resolve()
+    for source in inputs:
+        source = Path(source).resolve()
+        if out == source or out.is_relative_to(source) or source.is_relative_to(out):
+            raise UsageError(f"{what} {out} overlaps the input {source}: choose a folder outside it")
+
+
+class OutputLock:
+    """An exclusive lock on an output folder for a run's life (`lock_output`); released by `close`,
+    or by the process's end, however it ends."""
+
+    def __init__(self, descriptor: int):
+        self._descriptor: int | None = descriptor
+
+    def close(self) -> None:
+        if self._descriptor is not None:
+            os.close(self._descriptor)
+            self._descriptor = None
+
+    def __enter__(self) -> OutputLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def lock_output(directory: str | Path, command: str) -> OutputLock:
+    """Create `directory` if needed and lock it for this run (its marker file, which names `command`):
+    a second run into the same folder is refused in one line while this one lives, wherever it runs."""
+    directory = Path(directory).absolute()
+    directory.mkdir(parents=True, exist_ok=True)
+    marker = directory / OUTPUT_MARKER
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    descriptor = _lock(marker)
+    if descriptor is None:
+        raise UsageError(f"another run is writing {directory} now (it holds {marker}): wait for it or choose another")
+    if output_command(directory) is None:
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, json.dumps({"command": command}).encode() + b"\n", 0)
+    return OutputLock(descriptor)
+
+
+def _check_no_live_staging(final: Path) -> None:
+    for leftover in final.parent.glob(f".{final.name}{_STAGING_MARK}*"):
+        if leftover.is_dir() and not leftover.name.endswith(_RETIRED_SUFFIX):
+            raise UsageError(f"another run is writing {final} now (its temporary {leftover.name} is locked)")
+
+
+def _install(staging: Path, final: Path, force: bool, command: str | None) -> None:
+    """Move a complete staging folder into place. The rename refuses to replace an output that
+    appeared while the run worked; with `force`, an earlier output of `command` is replaced, kept
+    until the new one is in place (a kill between the two renames leaves only `retired`, locked
+    by this run until then: the next run's cleanup puts it back)."""
+    try:
+        _rename_noreplace(staging, final)
+        return
+    except FileExistsError:
+        pass
+    kept = final.parent / f"{final.name}.conflict-{os.urandom(3).hex()}"
+    try:
+        check_force_target(final, command, force)
+    except UsageError as error:
+        os.rename(staging, kept)
+        raise UsageError(f"{error} (it appeared while this run worked; this run's output is kept at {kept})") from None
+    marker = final / OUTPUT_MARKER
+    with contextlib.suppress(FileExistsError, NotADirectoryError):
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    old_lock = _lock(marker, blocking=True) if final.is_dir() else None
+    try:
+        retired = final.parent / f".{final.name}{_STAGING_MARK}{os.urandom(6).hex()}{_RETIRED_SUFFIX}"
+        os.rename(final, retired)
+        _rename_noreplace(staging, final)
+        _remove(retired)
+    finally:
+        if old_lock is not None:
+            os.close(old_lock)
+
+
+def _disk_full(error: BaseException) -> bool:
+    """A full disk, as Python raises it (OSError ENOSPC) or as a library reports it in its own
+    exception type (safetensors' SafetensorError quotes the OS error: "(os error 28)")."""
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOSPC
+    return f"(os error {errno.ENOSPC})" in str(error) or os.strerror(errno.ENOSPC) in str(error)
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | Path, force: bool = False, command: str | None = None) -> Iterator[Path]:
+    """Yield a temporary directory beside `final` (empty but for its marker file); on success it
+    becomes `final`, carrying the marker `OUTPUT_MARKER` that names `command`.
+
+    An existing `final` is refused unless `force` and it is an earlier output of `command`
+    (`check_force_target`; `command` None: any folder), and is replaced only once the new one is
+    complete; one that appears while the run works is refused the same way at the end (the rename
+    cannot replace) and this run's output is kept beside it. A second run writing `final` while
+    this one lives is refused at its start. On an exception the temporary is removed; after
+    SIGKILL it is left under a hidden name (`.NAME.tmp-...`), no longer locked, and cleared by
+    the next run, which first puts back an old output that a kill left set aside (so no point of
+    the replacement loses both). A full disk becomes a `UsageError` that says so.
     """
     final = Path(final).absolute()
-    if final.exists() and not force:
-        raise UsageError(f"output {final} already exists; pass --force to replace it")
+    check_force_target(final, command, force)
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(final)
-    temporary = final.parent / f".{final.name}{_TEMPORARY_MARK}{os.getpid()}-{os.urandom(4).hex()}"
-    temporary.mkdir()
+    _check_no_live_staging(final)
+    temporary, lock = _born_locked(final.parent, final.name, directory=True, command=command)
     try:
         yield temporary
         _fsync_directory(temporary)
-        if final.exists():
-            # Keep the old output until the new one is in place, so a failure here loses neither.
-            # A kill between the two renames leaves only `retired`: the next run's cleanup puts it back.
-            retired = final.parent / f".{final.name}{_TEMPORARY_MARK}{os.getpid()}{_RETIRED_SUFFIX}"
-            os.replace(final, retired)
-            os.replace(temporary, final)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(temporary, final)
+        _install(temporary, final, force, command)
         _fsync_directory(final.parent)
-    except OSError as error:
-        shutil.rmtree(temporary, ignore_errors=True)
-        if error.errno == errno.ENOSPC:
+    except BaseException as error:
+        _remove(temporary)
+        if _disk_full(error):
             raise UsageError(f"no space left on the device while writing {final}") from None
         raise
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
+    finally:
+        os.close(lock)
 
 
-def atomic_write(path: str | Path, data: bytes | str) -> None:
-    """Write a whole file under a temporary name, flush it to disk, then rename it into place."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}{_TEMPORARY_MARK}{os.getpid()}")
+def atomic_write(path: str | Path, data: bytes | str, replace: bool = True) -> None:
+    """Write a whole file under a temporary name (locked while it is written), flush it to disk,
+    then rename it into place. `replace` False: a file at `path`, also one that appeared while
+    this wrote, is refused in one line (the rename cannot replace). Killed writes' temporaries
+    are cleared by the next write of the same path."""
+    path = Path(path).absolute()
+    if not replace and os.path.lexists(path):
+        raise UsageError(f"output {path} already exists; pass --force to replace it")
     payload = data.encode() if isinstance(data, str) else data
+    _remove_stale_temporaries(path)
+    temporary, descriptor = _born_locked(path.parent, path.name, directory=False)
     try:
-        with open(temporary, "wb") as handle:
+        with open(descriptor, "wb", closefd=False) as handle:
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except OSError as error:
+        if replace:
+            os.replace(temporary, path)
+        else:
+            _rename_noreplace(temporary, path)
+    except FileExistsError:
         temporary.unlink(missing_ok=True)
-        if error.errno == errno.ENOSPC:
+        raise UsageError(f"output {path} appeared while this run wrote it (another run?); not replaced") from None
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)
+        if _disk_full(error):
             raise UsageError(f"no space left on the device while writing {path}") from None
         raise
+    finally:
+        os.close(descriptor)
+
+
+def path_inside(root: str | Path, relative: str, what: str) -> Path:
+    """`root / relative`, refused (one-line `UsageError` naming `what`) when it would leave `root`: an
+    absolute path, a `..` part, or a symlink on the way whose target lies outside. Checked before
+    anything is read, deleted or written there."""
+    root = Path(root).absolute()
+    parts = Path(relative).parts
+    if Path(relative).is_absolute() or ".." in parts or not parts:
+        raise UsageError(f"{what}: path {relative!r} leaves the folder {root} (absolute, `..` or empty)")
+    target = root.joinpath(*parts)
+    if not target.resolve().is_relative_to(root.resolve()):
+        raise UsageError(f"{what}: path {relative!r} leaves the folder {root} through a symlink")
+    return target
+
+
+def resolves_inside(path: Path, root: Path) -> bool:
+    """Whether `path`, symlinks followed, stays inside the folder `root`; when it does not, one
+    warning line on stderr says it is skipped (an input's symlink may point at any file)."""
+    target = Path(path).resolve()
+    if target.is_relative_to(Path(root).resolve()):
+        return True
+    print(f"warning: skipping {path}: a symlink to {target}, outside {root}", file=sys.stderr)
+    return False
 
 
 def sha256_file(path: str | Path, chunk_size: int = 1 << 22, on_chunk: Callable[[int], None] | None = None) -> str:
@@ -166,4 +395,18 @@ def ladder_data_dir() -> Path:
     raise UsageError("no data folder: set LADDER_DATA to the folder that holds the benchmark and training files")
 
 
-__all__ = ["StreamingSha256", "atomic_directory", "atomic_write", "ladder_data_dir", "sha256_file"]
+__all__ = [
+    "OUTPUT_MARKER",
+    "OutputLock",
+    "StreamingSha256",
+    "atomic_directory",
+    "atomic_write",
+    "check_force_target",
+    "check_outside_inputs",
+    "ladder_data_dir",
+    "lock_output",
+    "output_command",
+    "path_inside",
+    "resolves_inside",
+    "sha256_file",
+]

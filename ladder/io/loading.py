@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ladder.errors import UsageError, first_line
+from ladder.layers import check_llama_model_type
 
 if TYPE_CHECKING:
     import torch
@@ -151,6 +152,15 @@ def read_config_dict(path: Path) -> dict:
         raise UsageError(f"cannot read {path / 'config.json'}: {error}") from None
 
 
+def check_llama_checkpoint(path: Path) -> None:
+    """Refuse, in one line, a checkpoint directory whose config.json is not a Llama or a ladder Llama,
+    before transformers reads it: a checkpoint with its own model_type and `auto_map` would otherwise
+    offer to run the code it ships. (Loads also pass trust_remote_code=False; the ladder classes are
+    the package's own, registered by ladder.model.auto.)"""
+    if path.is_dir():
+        check_llama_model_type(read_config_dict(path).get("model_type"), str(path / "config.json"))
+
+
 def from_pretrained_arguments(path: Path) -> tuple[str, dict]:
     """transformers reads a GGUF file as (its folder, gguf_file=its name)."""
     if path.suffix == ".gguf":
@@ -159,13 +169,15 @@ def from_pretrained_arguments(path: Path) -> tuple[str, dict]:
 
 
 def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
-    """The tokenizer of a checkpoint directory or a GGUF file (`resolve_model_path` names)."""
+    """The tokenizer of a checkpoint directory or a GGUF file (`resolve_model_path` names), a Llama
+    checkpoint's only (`check_llama_checkpoint`), never with code the checkpoint ships."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(path)
+    check_llama_checkpoint(path)
     location, extra = from_pretrained_arguments(path)
     try:
-        return AutoTokenizer.from_pretrained(location, **extra)
+        return AutoTokenizer.from_pretrained(location, trust_remote_code=False, **extra)
     except (OSError, ValueError, KeyError) as error:
         raise UsageError(f"cannot load the tokenizer of {path}: {first_line(error)}") from None
 
@@ -189,7 +201,9 @@ def load_model(
     with gguf_parsed_once() if extra else contextlib.nullcontext():
         tokenizer = load_tokenizer(path)
         try:
-            model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, device_map=device_map, **extra)
+            model = AutoModelForCausalLM.from_pretrained(
+                location, dtype=dtype, device_map=device_map, trust_remote_code=False, **extra
+            )
         except (OSError, ValueError, KeyError) as error:
             raise UsageError(f"cannot load model {path}: {first_line(error)}") from None
     if extra:

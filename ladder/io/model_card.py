@@ -17,6 +17,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 import ladder
 from ladder.errors import UsageError
+from ladder.io.files import resolves_inside
 from ladder.io.loading import EMBEDDED_HUB_ID, embedded_model_path, hub_model_id, model_name
 
 # Files a model's licence terms ask to be passed on with it (Llama: LICENSE and USE_POLICY.md).
@@ -84,10 +85,14 @@ def source_facts(path: Path) -> SourceFacts:
 
 
 def licence_files(directory: Path) -> list[Path]:
-    """The licence and use-policy files at the top of a checkpoint folder."""
+    """The licence and use-policy files at the top of a checkpoint folder. A symlink whose target
+    leaves the folder is skipped with a warning: a Hub snapshot's links into its repository's
+    `blobs/` are followed (they are the files), a link to a system file is not."""
     if not directory.is_dir():
         return []
-    return sorted({p for pattern in LICENCE_FILE_PATTERNS for p in directory.glob(pattern) if p.is_file()})
+    root = directory.parents[1] if hub_model_id(directory) else directory  # models--org--name/
+    found = {p for pattern in LICENCE_FILE_PATTERNS for p in directory.glob(pattern) if p.is_file()}
+    return sorted(p for p in found if resolves_inside(p, root))
 
 
 def copy_licence_files(source: Path, destination: Path) -> list[str]:

@@ -115,14 +115,19 @@ def read_shard(path: Path) -> Shard:
             header = json.loads(handle.read(header_size))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise invalid(f"the header is not JSON ({error})") from None
+        except RecursionError:
+            raise invalid("the header nests too deeply") from None
     if not isinstance(header, dict):
         raise invalid("the header is not a JSON object")
     header.pop("__metadata__", None)
     placed = []
     for name, entry in header.items():
         try:
-            spec = TensorSpec(name, SAFETENSORS_DTYPES[entry["dtype"]][0], tuple(int(n) for n in entry["shape"]))
-            begin, end = (int(n) for n in entry["data_offsets"])
+            # Whole numbers only: int() of 1e999 overflows, of 2.5 truncates silently.
+            if not all(type(n) is int for n in [*entry["shape"], *entry["data_offsets"]]):
+                raise ValueError
+            spec = TensorSpec(name, SAFETENSORS_DTYPES[entry["dtype"]][0], tuple(entry["shape"]))
+            begin, end = entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise invalid(f"tensor {name!r} has a malformed entry {entry!r}") from None
         if min(spec.shape, default=0) < 0 or end - begin != spec.nbytes:

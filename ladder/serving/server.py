@@ -1,18 +1,21 @@
-"""`ladder serve MODEL [--tp N] [--host H] [--port P] [-- VLLM_ARGS...]`: an OpenAI-compatible HTTP
+"""`ladder serve MODEL [--tp N] [--host H] [--port P] [--api-key KEY] [-- VLLM_ARGS...]`: an OpenAI-compatible HTTP
 server for a ladder (or plain Llama) checkpoint, run by vLLM (`vllm serve`) on its own distributed
 runtime, with this package's plugin loading the ladder architecture.
 
 It runs in the serving environment (`make serve-env` builds .venv-serve: vLLM pins another
 transformers than this package). It checks the checkpoint with vLLM's own configuration checks
 first, so that a checkpoint vLLM cannot serve (an architecture it does not know, heads that do
-not split over the ranks) is one line and exit status 2 instead of a server's traceback, then
-replaces itself with `vllm serve`.
+not split over the ranks, a head size the CPU attention cannot run) is one line and exit status 2
+instead of a server's traceback, then replaces itself with `vllm serve`. It listens on loopback
+unless given an API key, which vLLM then asks of every client.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
+import itertools
 import logging
 import os
 import sys
@@ -24,6 +27,7 @@ from ladder.serving.engine import cpu_binding, vllm_error_message
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+API_KEY_VARIABLE = "VLLM_API_KEY"  # what vLLM's own --api-key option defaults to
 # Seconds in-flight requests may finish after SIGTERM. vLLM's default, 0, aborts them and gives the
 # engine process no time to exit: its manager sends SIGTERM and SIGKILL at once, which leaks the
 # engine's shared memory and semaphores. With a grace period an idle engine exits on its own at
@@ -77,21 +81,61 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_VARIABLE),
+        help=f"the key clients must send (vLLM's --api-key; default ${API_KEY_VARIABLE}); "
+        "needed to listen on an address other than loopback",
+    )
     parser.add_argument("--check-only", action="store_true", help="check that vLLM can serve the checkpoint, then exit")
     return parser
 
 
+def passthrough_values(passthrough: list[str], option: str) -> list[str]:
+    """The values given to `option` among the arguments for `vllm serve` (`--opt V` or `--opt=V`)."""
+    values = [arg.split("=", 1)[1] for arg in passthrough if arg.startswith(option + "=")]
+    return values + [value for arg, value in itertools.pairwise(passthrough) if arg == option]
+
+
+def check_host(host: str, api_key: str | None, passthrough: list[str]) -> None:
+    """Refuse to listen beyond this machine (any address but loopback) without an API key: vLLM's
+    server otherwise answers anyone who can reach the port."""
+    if api_key or any(arg.split("=")[0] == "--api-key" for arg in passthrough):
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        loopback = False
+    if not loopback:
+        raise UsageError(
+            f"--host {host} listens beyond this machine: give an API key that clients must send "
+            f"(--api-key KEY or ${API_KEY_VARIABLE}), or listen on {DEFAULT_HOST}"
+        )
+
+
 def check_servable(model: Path, tp: int) -> None:
     """Build vLLM's engine configuration for the checkpoint, as `vllm serve` will: the same checks
-    (architecture known to vLLM or a plugin, heads divisible by the TP size, config readable)."""
+    (architecture known to vLLM or a plugin, heads divisible by the TP size, config readable), and
+    on a CPU the head sizes its attention kernel runs (vLLM checks those only at the first request,
+    which then kills the engine)."""
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
 
     try:
-        EngineArgs(model=str(model), tensor_parallel_size=tp).create_engine_config()
+        config = EngineArgs(model=str(model), tensor_parallel_size=tp).create_engine_config()
     except Exception as error:  # vLLM raises ValueError, TypeError, pydantic errors, RuntimeError...
         # vLLM follows an unknown architecture with the list of the ~400 it knows: drop the list.
         message = vllm_error_message(error).split(" Supported architectures:")[0]
         raise UsageError(f"vLLM cannot serve {model}: {message}") from None
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head_size, supported = config.model_config.get_head_size(), CPUAttentionBackend.get_supported_head_sizes()
+        if head_size not in supported:
+            raise UsageError(
+                f"vLLM cannot serve {model} on the CPU: its attention head size is {head_size}, and vLLM's CPU "
+                f"attention runs {', '.join(map(str, supported))}"
+            )
 
 
 def main(argv: list[str]) -> int:
@@ -101,6 +145,8 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"--tp {args.tp}: the tensor-parallel degree must be at least 1")
     if not args.model:
         raise UsageError("name the checkpoint folder to serve: make serve MODEL=DIR")
+    for host in [args.host, *passthrough_values(passthrough, "--host")]:  # vLLM takes the last --host
+        check_host(host, args.api_key, passthrough)
     model = resolve_model_path(args.model)
     if not model.is_dir():
         raise UsageError(f"{model} is a GGUF file: vLLM serves checkpoint directories; `ladder convert` writes one")
@@ -142,6 +188,8 @@ def main(argv: list[str]) -> int:
     if not any(arg.split("=")[0] == "--shutdown-timeout" for arg in passthrough):
         command += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
     print(" ".join(command), file=sys.stderr, flush=True)
+    if args.api_key:
+        os.environ[API_KEY_VARIABLE] = args.api_key  # vLLM's --api-key default: kept off the printed command
     os.environ[SERVE_ENV_FLAG] = "1"
     os.execv(command[0], command)
     return 0  # not reached

@@ -27,8 +27,8 @@ from transformers import AutoConfig, LlamaConfig
 
 import ladder.model.auto  # noqa: F401  (read_config reads ladder configs through AutoConfig)
 from ladder.errors import UsageError
+from ladder.io.loading import check_llama_checkpoint
 from ladder.io.tensors import LazyTensorLoader, ShardedTensorIndex
-from ladder.layers import check_llama_model_type
 from ladder.tp.shard import LlamaShard, Ready, ShardShape, local_sum
 
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -62,9 +62,8 @@ def read_config(path: str | Path) -> LlamaConfig:
         raise UsageError(
             f"{path} is not a checkpoint directory with config.json and safetensors (convert a .gguf first)"
         )
-    config = AutoConfig.from_pretrained(path)
-    check_llama_model_type(config.model_type, str(path))
-    return config
+    check_llama_checkpoint(path)  # before transformers reads it: an unknown model_type may ship code
+    return AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
 def _scaled(heads: range, width: int) -> range:
