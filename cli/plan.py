@@ -25,7 +25,9 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 def parse_args(argv: list[str]):
     parser = ArgumentParser(prog="ladder plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", nargs="?", help="a checkpoint folder, a .gguf file, 'embedded', or a Hub ID in the local cache")
+    parser.add_argument(
+        "model", nargs="?", help="a checkpoint folder, a .gguf file, 'embedded', or a Hub ID in the local cache"
+    )
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (default 8)")
     parser.add_argument(
         "--interconnect", default="nvlink",
@@ -47,10 +49,14 @@ def parse_args(argv: list[str]):
     parser.add_argument("--eager", action="store_true", help="kernels launched one by one (no CUDA graphs)")
     parser.add_argument("--json", action="store_true", help="print the predictions as JSON")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's profile (no MODEL)")
-    parser.add_argument("--out", default="runs/plan/calibration.json", help="where --calibrate writes (default %(default)s)")
+    parser.add_argument(
+        "--out", default="runs/plan/calibration.json", help="where --calibrate writes (default %(default)s)"
+    )
     args = parser.parse_args(argv)
     if not args.calibrate and args.model is None:
-        raise UsageError("name a MODEL (a checkpoint folder, a .gguf file, 'embedded' or a Hub ID), or pass --calibrate")
+        raise UsageError(
+            "name a MODEL (a checkpoint folder, a .gguf file, 'embedded' or a Hub ID), or pass --calibrate"
+        )
     for name in ("tp", "prompt", "new"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be at least 1")

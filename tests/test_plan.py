@@ -173,7 +173,10 @@ def test_plan_refuses_bad_input_in_one_line(llama_8b_folder, capsys, arguments, 
 
 @pytest.mark.parametrize(
     "model, message",
-    [("/no/such/folder", "is not a folder with config.json"), ("nobody/no-such-model", "not in the local Hugging Face cache")],
+    [
+        ("/no/such/folder", "is not a folder with config.json"),
+        ("nobody/no-such-model", "not in the local Hugging Face cache"),
+    ],
 )
 def test_plan_refuses_a_model_it_cannot_read(capsys, model, message):
     assert main(["plan", model]) == 2

@@ -50,18 +50,25 @@ def _median_seconds(function, repeats: int) -> float:
 
 
 def device_rates(threads: int = 1) -> dict[str, float]:
-    """This process's achieved float32 rates with `threads` threads: memory bytes/s, matmul FLOP/s,
-    and microseconds per eager operator."""
+    """This process's achieved float32 rates with `threads` threads, on what decode does: one pass of
+    matrix products over 8 weights of 2048 x 2048 (128 MiB, beyond the caches) gives the memory
+    bandwidth at one token and the matmul rate at four (small-batch matmuls run far below a large
+    matmul's rate on a CPU); plus microseconds per eager operator."""
     import torch
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    weight = torch.randn(4096, 8192)  # 128 MiB: far beyond any cache
-    vector = torch.randn(1, 8192)
-    torch.nn.functional.linear(vector, weight)
-    bandwidth = weight.numel() * 4 / _median_seconds(lambda: torch.nn.functional.linear(vector, weight), 7)
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    flops = 2 * 1024**3 / _median_seconds(lambda: a @ b, 5)
+    weights = [torch.randn(2048, 2048) for _ in range(8)]
+
+    def one_pass(tokens: torch.Tensor) -> None:
+        for weight in weights:
+            torch.nn.functional.linear(tokens, weight)
+
+    one, four = torch.randn(1, 2048), torch.randn(4, 2048)
+    one_pass(one), one_pass(four)
+    elements = sum(weight.numel() for weight in weights)
+    bandwidth = 4 * elements / _median_seconds(lambda: one_pass(one), 7)
+    flops = 2 * 4 * elements / _median_seconds(lambda: one_pass(four), 7)
     return {"flops": flops, "bandwidth": bandwidth, "operator_us": measure_operator_us(threads)}
 
 
