@@ -15,8 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ladder.errors import ArgumentParser, UsageError
-from ladder.layers import check_llama_model_type, format_layers, parse_auto_layers, parse_ladder_layers
 from ladder.io.loading import EMBEDDED, HUB_MODEL_ID, embedded_model_path, model_name
+from ladder.layers import check_llama_model_type, format_layers, parse_auto_layers, parse_ladder_layers
 from ladder.plan.costs import ModelShape
 from ladder.plan.speed import Prediction, Setting, device_names, device_profile, link_names, link_profile, predict
 
