@@ -10,8 +10,8 @@ in one run, and prints them side by side; exits 1 when a row misses its bound.
     405B rows predicted from the H100 and interconnect profiles (devices.tsv, links.tsv), each within
     15%; the no-communication bound beside the published 1.43x.
 
-    python benchmarks/plan_check.py                        # as root (the links are shaped namespaces)
-    python benchmarks/plan_check.py --links loopback,400mbit,100mbit --batch 1,4
+    python -m benchmarks.plan_check                        # as root (the links are shaped namespaces)
+    python -m benchmarks.plan_check --links loopback,400mbit,100mbit --batch 1,4
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from emulated_link import LOOPBACK, check_rate, emulated_link
-from shapes import PUBLISHED_SHAPES
-from tp_speed import BOUND, STANDARD, Plan, Variant, launch, positive_ints
 from transformers import LlamaConfig
 
+from benchmarks.common import PUBLISHED_SHAPES
+from benchmarks.emulated_link import LOOPBACK, check_rate, emulated_link
+from benchmarks.tp_speed import BOUND, STANDARD, Plan, Variant, launch, positive_ints
 from ladder.errors import UsageError
-from ladder.files import atomic_write
+from ladder.io.files import atomic_write
 from ladder.plan.calibrate import measure_link
 from ladder.plan.costs import ModelShape
 from ladder.plan.speed import Setting, device_profile, link_profile, predict
