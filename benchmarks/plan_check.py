@@ -113,7 +113,7 @@ def check_here(args: argparse.Namespace, config: LlamaConfig, report: dict) -> l
             print(
                 f"[{link_name}] calibrated: memory {device.bandwidth / 1e9:.1f} GB/s, matmul {device.flops / 1e9:.0f} "
                 f"GFLOP/s, {device.eager_kernel_us:.1f} us/operator; all-reduce {link.base_us:.0f} us + bytes / "
-                f"{link.bus_bandwidth / 1e6:.2f} MB/s, {link.host_us:.0f} us of it on the CPU",
+                f"{link.bus_bandwidth / 1e6:.2f} MB/s, {link.host_share:.0%} of it on the CPU",
                 flush=True,
             )
             measured = launch(plan, prefix)

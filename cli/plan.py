@@ -9,6 +9,7 @@ damage it measured (conversion.json, layer_search.json) is printed beside the ma
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from dataclasses import asdict
@@ -23,7 +24,7 @@ from ladder.plan.speed import Prediction, Setting, device_names, device_profile,
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def parse_args(argv: list[str]):
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = ArgumentParser(prog="ladder plan", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "model", nargs="?", help="a checkpoint folder, a .gguf file, 'embedded', or a Hub ID in the local cache"
@@ -178,7 +179,7 @@ def layer_choices(spec: str | None, num_layers: int) -> dict[str, list[int]]:
 # --- Output ------------------------------------------------------------------------------------------
 
 
-def plan(args, config: dict, folder: Path | None) -> dict:
+def plan(args: argparse.Namespace, config: dict, folder: Path | None) -> dict:
     shape = ModelShape.from_config(config)
     device, link = device_profile(args.device), link_profile(args.interconnect)
     on_cpu = device.name.startswith("cpu")
@@ -246,7 +247,7 @@ def run_calibration(out: str) -> None:
         f"this machine (2 ranks at once, 1 thread each, float32): memory {device['bandwidth'] / 1e9:.1f} GB/s, "
         f"matmul {device['flops'] / 1e9:.0f} GFLOP/s, {device['eager_kernel_us']:.1f} us per operator; gloo "
         f"all-reduce on loopback: {link['base_us']:.0f} us + bytes / {link['bus_bandwidth'] / 1e9:.2f} GB/s "
-        f"({link['host_us']:.0f} us of it on the CPU); load average {profile['machine']['load_average']:.2f}\n"
+        f"({link['host_share']:.0%} of it on the CPU); load average {profile['machine']['load_average']:.2f}\n"
         f"written to {out}: use it as --device {out} --interconnect {out}"
     )
 

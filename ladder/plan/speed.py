@@ -5,7 +5,7 @@ Three parts, each a plain function of published (or calibrated) figures:
 - compute: a roofline per module, max(bytes / bandwidth, FLOPs / FLOP rate) at the device's achieved
   share of peak, plus a fixed cost per kernel (small with CUDA graphs, larger launched from Python);
 - communication: an all-reduce of n bytes over T ranks takes latency + 2 (T-1)/T n / bus bandwidth
-  (the latency-bandwidth model of nccl-tests' bus bandwidth); `host` of it occupies the compute stream;
+  (the latency-bandwidth model of nccl-tests' bus bandwidth); a share of it occupies the compute stream;
 - overlap: the layer loop of Algorithm 1, replayed exactly as ladder/tp_model.py runs it, with the
   compute stream and the link as two serial resources: a ladder layer's all-reduce runs behind the
   next branch's compute, a standard layer waits for its own. A contiguous block of k ladder layers
@@ -55,7 +55,7 @@ class Link:
     base_us: float  # latency of any all-reduce
     hop_us: float  # latency per ring step, 2 (T - 1) of them
     bus_bandwidth: float  # bytes/s, nccl-tests convention
-    host_us: float  # the part of each all-reduce that occupies the compute stream
+    host_share: float  # the share of each all-reduce's time that occupies the compute stream
     source: str = ""
 
     def all_reduce_seconds(self, nbytes: float, ranks: int) -> float:
@@ -264,7 +264,7 @@ def _module_times(cost: ForwardCost, setting: Setting) -> tuple[float, float, fl
         return device.module_seconds(getattr(cost, name), kernels[name], setting.cuda_graphs)
 
     all_reduce = setting.link.all_reduce_seconds(cost.all_reduce_bytes, setting.tp)
-    host = min(1e-6 * setting.link.host_us, all_reduce) if setting.tp > 1 else 0.0
+    host = min(setting.link.host_share, 1.0) * all_reduce
     return seconds("attention"), seconds("mlp"), seconds("head"), all_reduce - host, host
 
 
