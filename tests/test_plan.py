@@ -89,6 +89,19 @@ def test_replay_times_standard_ladder_and_bound():
     assert slow.seconds >= 1.0 + 8 * 5.0 + 0.5
 
 
+def test_a_shared_link_delays_the_first_of_two_all_reduces_in_flight():
+    # All-ladder with a short attention branch: the MLP's all-reduce is still on the wire when the
+    # next attention's is launched. Queued (NCCL), the one needed first finishes first; shared (gloo),
+    # both progress at half speed, so the compute stream waits longer. Standard layers block on each
+    # all-reduce, so two are never in flight and the disciplines agree.
+    flags = [True] * 4
+    serial = replay(flags, 0.5, 2.0, 0.0, wire_s=1.5, host_s=0.0)
+    shared = replay(flags, 0.5, 2.0, 0.0, wire_s=1.5, host_s=0.0, shared_link=True)
+    assert shared.seconds > serial.seconds > 4 * 2.5
+    standard = [replay([False] * 4, 0.5, 2.0, 0.0, 1.5, 0.0, shared_link=shared) for shared in (False, True)]
+    assert standard[0].seconds == standard[1].seconds == 4 * 2.5 + 8 * 1.5
+
+
 def test_latency_bandwidth_fit_recovers_known_parameters():
     latency, bandwidth = 180e-6, 3.0e6  # a gloo all-reduce on a ~25 Mbit/s link
     sizes = [2048, 8192, 32768, 65536] * 5

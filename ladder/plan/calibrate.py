@@ -191,6 +191,7 @@ def measure_link(name: str, prefix: list[str] | None = None) -> tuple[Device, Li
         hop_us=0.0,
         bus_bandwidth=bandwidth,  # at T=2 the bus and algorithm bandwidths are equal
         host_share=min(host / probed, 1.0),
+        shared=True,  # gloo runs each collective in flight on its own worker thread
         source=f"measured here by ladder plan --calibrate: gloo, 2 ranks, {name}",
     )
 

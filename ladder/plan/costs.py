@@ -4,7 +4,7 @@ by `ladder plan` (inference speed) and any planner of training cost (`training_f
 
 Counting convention: a multiply-add is 2 FLOPs; a linear layer of P weights on t tokens costs 2 t P
 FLOPs forward (and twice that backward); attention scores and values cost 2 * 2 * t * heads * head_dim
-* context. Under tensor parallelism (Megatron, as ladder/tp_model.py shards it) every rank holds its share
+* context. Under tensor parallelism (Megatron, as ladder/tp/shard.py shards it) every rank holds its share
 of q/k/v/o and gate/up/down; the embedding, the final norm and the LM head are replicated.
 """
 
@@ -143,7 +143,7 @@ def forward_cost(
 ) -> ForwardCost:
     """Per-rank FLOPs and bytes of one forward of `batch` sequences of `query_tokens` new tokens each,
     attending over `context` cached positions (decode: query_tokens=1; prefill: the prompt length).
-    The LM head runs on every query position (as gpt-fast and ladder/tp.py do)."""
+    The LM head runs on every query position (as gpt-fast and ladder/tp/runtime.py do)."""
     rank = RankShape.of(shape, tp)
     h, d, tokens = shape.hidden_size, shape.head_dim, batch * query_tokens
     q_width, kv_width = rank.heads * d, rank.kv_heads * d

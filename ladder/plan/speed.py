@@ -6,7 +6,7 @@ Three parts, each a plain function of published (or calibrated) figures:
   share of peak, plus a fixed cost per kernel (small with CUDA graphs, larger launched from Python);
 - communication: an all-reduce of n bytes over T ranks takes latency + 2 (T-1)/T n / bus bandwidth
   (the latency-bandwidth model of nccl-tests' bus bandwidth); a share of it occupies the compute stream;
-- overlap: the layer loop of Algorithm 1, replayed exactly as ladder/tp_model.py runs it, with the
+- overlap: the layer loop of Algorithm 1, replayed exactly as ladder/tp/shard.py runs it, with the
   compute stream and the link as two serial resources: a ladder layer's all-reduce runs behind the
   next branch's compute, a standard layer waits for its own. A contiguous block of k ladder layers
   hides 2k - 1 of its 2k all-reduces (`ladder.layers.overlapped_all_reduces` counts the same).
@@ -30,7 +30,7 @@ PROFILES = Path(__file__).resolve().parent
 # Kernels (GPU, compiled) or eager operators (CPU) each module launches; each costs the device's
 # per-kernel overhead beyond its roofline time. Compiled counts follow gpt-fast's fused graph (norm,
 # fused projection, rope + cache write, attention, output projection, residual add); eager counts are
-# the operators ladder/tp_model.py dispatches (HF's RMSNorm and rope are several small ops each).
+# the operators ladder/tp/shard.py dispatches (HF's RMSNorm and rope are several small ops each).
 KERNELS = {"compiled": {"attention": 6, "mlp": 4, "head": 2}, "eager": {"attention": 39, "mlp": 14, "head": 12}}
 
 
@@ -56,6 +56,7 @@ class Link:
     hop_us: float  # latency per ring step, 2 (T - 1) of them
     bus_bandwidth: float  # bytes/s, nccl-tests convention
     host_share: float  # the share of each all-reduce's time that occupies the compute stream
+    shared: bool = False  # all-reduces in flight share the link (gloo) rather than queue (NCCL)
     source: str = ""
 
     def all_reduce_seconds(self, nbytes: float, ranks: int) -> float:
@@ -72,7 +73,7 @@ def _table(name: str) -> dict[str, dict[str, str]]:
 
 
 def _profile(kind: type, row: dict) -> Device | Link:
-    names = [name for name in kind.__dataclass_fields__ if name not in ("name", "source")]
+    names = [name for name in kind.__dataclass_fields__ if name not in ("name", "source", "shared")]
     return kind(name=row["name"], source=row.get("source", ""), **{key: float(row[key]) for key in names})
 
 
@@ -114,7 +115,7 @@ def link_profile(spec: str) -> Link:
     if spec in _table("links.tsv"):
         return _profile(Link, _table("links.tsv")[spec])
     if (values := _numbers(spec, 2)) is not None:
-        return Link(spec, values[1], 0.0, values[0], 0.0, "given on the command line")
+        return Link(spec, values[1], 0.0, values[0], 0.0, source="given on the command line")
     if spec.endswith(".json"):
         return Link(**_calibration(spec)["links"][0])
     raise UsageError(
@@ -145,13 +146,66 @@ class Timeline:
     all_reduces: int = 0
 
 
-class _Replay:
-    """The compute stream's clock and the link's: an all-reduce starts when it is launched and the
-    link is free, runs `wire` seconds there, and costs the compute stream `host` seconds."""
+class _SerialLink:
+    """NCCL: all-reduces on one communicator run one after another, in launch order."""
 
-    def __init__(self, wire: float, host: float):
-        self.wire, self.host = wire, host
-        self.clock = self.link_free = 0.0
+    def __init__(self, wire: float):
+        self.wire, self.free, self.done = wire, 0.0, {}
+
+    def start(self, index: int, now: float) -> None:
+        self.free = max(now, self.free) + self.wire
+        self.done[index] = self.free
+
+    def finish(self, index: int) -> float:
+        return self.done[index]
+
+
+class _SharedLink:
+    """gloo: each all-reduce in flight runs on its own worker thread and they share the link equally
+    (measured here: two 32 KB all-reduces launched together on a 100 Mbit/s link finish the first at
+    8.4 ms and both at 10.9 ms, one alone in 5.0 ms; sharing predicts 10 and 10, one after another 5 and 10)."""
+
+    def __init__(self, wire: float):
+        self.wire, self.now, self.active, self.done = wire, 0.0, {}, {}
+
+    def _advance(self, until: float) -> None:
+        """Run the link to time `until`: in-flight all-reduces progress at 1 / (how many are in flight)."""
+        while self.active and self.now < until:
+            share, smallest = len(self.active), min(self.active.values())
+            if self.now + smallest * share > until:
+                for index in self.active:
+                    self.active[index] -= (until - self.now) / share
+                break
+            self.now += smallest * share
+            for index, left in list(self.active.items()):
+                if left == smallest:
+                    self.done[index] = self.now
+                    del self.active[index]
+                else:
+                    self.active[index] = left - smallest
+        self.now = max(self.now, until)
+
+    def start(self, index: int, now: float) -> None:
+        self._advance(now)
+        if self.wire > 0:
+            self.active[index] = self.wire
+        else:  # nothing on the wire (all of it is host time)
+            self.done[index] = now
+
+    def finish(self, index: int) -> float:
+        while index not in self.done:  # nothing is launched while the compute stream waits
+            self._advance(self.now + min(self.active.values()) * len(self.active))
+        return self.done[index]
+
+
+class _Replay:
+    """The compute stream's clock and the link: an all-reduce costs the compute stream `host` seconds
+    and the link `wire` seconds, one at a time (NCCL) or sharing it (gloo)."""
+
+    def __init__(self, wire: float, host: float, shared: bool):
+        self.host = host
+        self.link = _SharedLink(wire) if shared else _SerialLink(wire)
+        self.clock = 0.0
         self.timeline = Timeline()
         self.launched_at: dict[int, int] = {}  # all-reduce index -> computes issued so far when launched
         self.computes = 0
@@ -161,37 +215,40 @@ class _Replay:
         self.timeline.compute_seconds += seconds
         self.computes += 1
 
-    def launch(self, index: int) -> float:
-        """Start all-reduce `index`; returns when its sum is complete."""
+    def launch(self, index: int) -> int:
         self.clock += self.host
-        start = max(self.clock, self.link_free)
-        self.link_free = start + self.wire
+        self.link.start(index, self.clock)
         self.launched_at[index] = self.computes
         self.timeline.all_reduces += 1
-        return self.link_free
+        return index
 
-    def wait(self, pending: tuple[int, float] | None) -> None:
-        if pending is None:
+    def wait(self, index: int | None) -> None:
+        if index is None:
             return
-        index, done = pending
         if self.computes > self.launched_at[index]:
             self.timeline.hidden.append(index)
-        self.clock = max(self.clock, done)
+        self.clock = max(self.clock, self.link.finish(index))
 
 
 def replay(
-    ladder: list[bool], attention_s: float, mlp_s: float, head_s: float, wire_s: float, host_s: float
+    ladder: list[bool],
+    attention_s: float,
+    mlp_s: float,
+    head_s: float,
+    wire_s: float,
+    host_s: float,
+    shared_link: bool = False,
 ) -> Timeline:
-    """Replay ladder/tp_model.py's `LlamaShard.forward` (one flag per layer) with these module times and
+    """Replay ladder/tp/shard.py's `LlamaShard.forward` (one flag per layer) with these module times and
     all-reduce costs; `wire_s` < 0 means no communication at all (the no-communication bound)."""
-    run = _Replay(max(wire_s, 0.0), host_s if wire_s >= 0 else 0.0)
+    run = _Replay(max(wire_s, 0.0), host_s if wire_s >= 0 else 0.0, shared_link)
     communicate = wire_s >= 0
     pending_attention = pending_mlp = None
 
-    def reduce(index: int, blocking: bool) -> tuple[int, float] | None:
+    def reduce(index: int, blocking: bool) -> int | None:
         if not communicate:
             return None
-        pending = (index, run.launch(index))
+        pending = run.launch(index)
         if blocking:
             run.wait(pending)
             return None
@@ -270,7 +327,7 @@ def _module_times(cost: ForwardCost, setting: Setting) -> tuple[float, float, fl
 
 def step_times(shape: ModelShape, setting: Setting, ladder_layers: list[int], query_tokens: int) -> dict[str, Timeline]:
     """The three wirings of one forward (standard, ladder with these layers, no communication)."""
-    context = setting.prompt + setting.new_tokens  # the static cache is attended whole (gpt-fast, ladder/tp.py)
+    context = setting.prompt + setting.new_tokens  # the static cache is attended whole (gpt-fast, ladder/tp/runtime.py)
     cost = forward_cost(shape, setting.batch, query_tokens, context, setting.tp, setting.dtype_bytes)
     attention, mlp, head, wire, host = _module_times(cost, setting)
     if setting.tp < 2:
@@ -278,8 +335,8 @@ def step_times(shape: ModelShape, setting: Setting, ladder_layers: list[int], qu
     chosen = set(ladder_layers)
     flags = [index in chosen for index in range(shape.num_layers)]
     return {
-        "standard": replay([False] * shape.num_layers, attention, mlp, head, wire, host),
-        "ladder": replay(flags, attention, mlp, head, wire, host),
+        "standard": replay([False] * shape.num_layers, attention, mlp, head, wire, host, setting.link.shared),
+        "ladder": replay(flags, attention, mlp, head, wire, host, setting.link.shared),
         "bound": replay([False] * shape.num_layers, attention, mlp, head, -1.0, 0.0),
     }
 
