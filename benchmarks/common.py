@@ -45,6 +45,14 @@ PUBLISHED_SHAPES = {
         num_hidden_layers=80,
         vocab_size=128256,
     ),
+    "llama-3.1-405b": dict(
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        num_hidden_layers=126,
+        vocab_size=128256,
+    ),
 }
 
 

@@ -40,6 +40,7 @@ from benchmarks.emulated_link import LOOPBACK, check_rate, emulated_link
 from ladder.errors import UsageError
 from ladder.io.files import atomic_write
 from ladder.io.loading import DTYPES
+from ladder.tp.runtime import GLOO_THREADS, prioritize_gloo_threads
 from ladder.tp.shard import LlamaShard, ShardShape
 
 # The ranks run `python -m benchmarks.tp_speed`: from the repository root, whatever the caller's folder.
@@ -124,26 +125,6 @@ def synthetic_shard(
             return LlamaShard(config, ShardShape.of(config, rank, tp_size)).eval()
     finally:
         torch.set_default_dtype(default_dtype)
-
-
-GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
-
-
-def prioritize_gloo_threads() -> int:
-    """Give gloo's communication threads real-time priority (SCHED_FIFO 1), so a message is handled
-    the moment it arrives instead of when the scheduler next preempts the compute thread sharing its
-    core. A GPU's collectives progress on their own engine; this is the nearest CPU equivalent.
-    Measured here: without it an asynchronous all-reduce mostly waits for a time slice, and every
-    blocking one pays the wake-up latency too (standard decode gets slower as well)."""
-    import torch.distributed as dist
-
-    dist.barrier()  # gloo's threads exist once a collective has run
-    boosted = 0
-    for task in Path("/proc/self/task").iterdir():
-        if (task / "comm").read_text().strip() in GLOO_THREADS:
-            os.sched_setscheduler(int(task.name), os.SCHED_FIFO, os.sched_param(1))
-            boosted += 1
-    return boosted
 
 
 def timed(function, device: torch.device) -> tuple[float, object]:

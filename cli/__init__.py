@@ -19,6 +19,7 @@ STAGES = {
     "demo": ("ladder.cli.demo", "convert, retrain and evaluate the embedded SmolLM2 (make demo)"),
     "data": ("ladder.cli.data", "fetch the data folder from its public sources and verify it (make data)"),
     "serve": ("ladder.serving.server", "serve a checkpoint with vLLM's OpenAI-compatible server (make serve)"),
+    "plan": ("ladder.cli.plan", "predict what ladder wiring buys under tensor parallelism, before converting"),
 }
 
 

@@ -159,6 +159,24 @@ class AllReduce:
         return InFlight(partial, work) if async_op else Ready(partial)
 
 
+GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
+
+
+def prioritize_gloo_threads() -> int:
+    """Give gloo's communication threads real-time priority (SCHED_FIFO 1), so a message is handled
+    the moment it arrives instead of when the scheduler next preempts the compute thread sharing its
+    core. A GPU's collectives progress on their own engine; this is the nearest CPU equivalent.
+    Measured here: without it an asynchronous all-reduce mostly waits for a time slice, and every
+    blocking one pays the wake-up latency too (standard decode gets slower as well)."""
+    dist.barrier()  # gloo's threads exist once a collective has run
+    boosted = 0
+    for task in Path("/proc/self/task").iterdir():
+        if (task / "comm").read_text().strip() in GLOO_THREADS:
+            os.sched_setscheduler(int(task.name), os.SCHED_FIFO, os.sched_param(1))
+            boosted += 1
+    return boosted
+
+
 COMMUNICATION = ("all-reduce", "none")
 
 
@@ -256,6 +274,7 @@ class CUDAGraphStep:
 
 __all__ = [
     "COMMUNICATION",
+    "GLOO_THREADS",
     "AllReduce",
     "CUDAGraphStep",
     "InFlight",
@@ -266,5 +285,6 @@ __all__ = [
     "install_communication",
     "load_shard",
     "prefill",
+    "prioritize_gloo_threads",
     "read_config",
 ]

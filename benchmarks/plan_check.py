@@ -1,0 +1,257 @@
+"""Checks `ladder plan`'s speed model (ladder/plan/speed.py) against measurements and published numbers,
+in one run, and prints them side by side; exits 1 when a row misses its bound.
+
+(a) here: this machine is calibrated (`ladder plan --calibrate`'s probe: both ranks' memory bandwidth,
+    matmul rate and operator cost; gloo all-reduce latency, bandwidth and CPU share) on each link
+    setting, then benchmarks/tp_speed.py measures standard, all-ladder and upper-half-ladder decode on
+    that link right after (TP=2 over gloo, the same synthetic weights, the wirings interleaved in each
+    round), and the model's predicted ladder/standard speed-up must be within 10% of the measured one.
+(b) published (arXiv 2501.06589, gpt-fast on H100, prompt 1024, 512 new tokens): the paper's 70B and
+    405B rows predicted from the H100 and interconnect profiles (devices.tsv, links.tsv), each within
+    15%; the no-communication bound beside the published 1.43x.
+
+    python -m benchmarks.plan_check                        # as root (the links are shaped namespaces)
+    python -m benchmarks.plan_check --links loopback,400mbit,100mbit --batch 1,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from transformers import LlamaConfig
+
+from benchmarks.common import PUBLISHED_SHAPES
+from benchmarks.emulated_link import LOOPBACK, check_rate, emulated_link
+from benchmarks.tp_speed import BOUND, STANDARD, Plan, Variant, launch, positive_ints
+from ladder.errors import UsageError
+from ladder.io.files import atomic_write
+from ladder.plan.calibrate import measure_link
+from ladder.plan.costs import ModelShape
+from ladder.plan.speed import Setting, device_profile, link_profile, predict
+
+# Wide enough that a branch computes for milliseconds on one core (an all-reduce costs ~0.2 ms of CPU
+# here), small enough that 3 links x 2 batches x 4 wirings run in a few minutes.
+CPU_SHAPE = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    num_hidden_layers=4,
+    vocab_size=4096,
+)
+HERE_TOLERANCE, PUBLISHED_TOLERANCE = 0.10, 0.15
+
+# Published speed-ups (Zhang et al., arXiv 2501.06589, inference with gpt-fast on H100, prompt 1024,
+# 512 new tokens, every layer ladder). ../shared/docs/ladder.md quotes them. The 405B row is a range.
+PUBLISHED = [
+    ("70B TP=8 NVLink batch 1", "llama-3.1-70b", 8, "nvlink", 1, (1.31, 1.31)),
+    ("70B TP=8 NVLink batch 64", "llama-3.1-70b", 8, "nvlink", 64, (1.16, 1.16)),
+    ("70B TP=8 no P2P batch 1", "llama-3.1-70b", 8, "pcie", 1, (1.60, 1.60)),
+    ("405B TP=16 two nodes batch 1", "llama-3.1-405b", 16, "ib", 1, (1.31, 1.39)),
+]
+PUBLISHED_BOUND = ("70B TP=8 NVLink batch 1, no-communication bound", 110.6 / 77.4)
+
+
+@dataclass
+class Row:
+    check: str
+    setting: str
+    predicted: float
+    observed: float  # measured here, or published (the range's nearest end)
+    tolerance: float | None  # None: shown for reference, not checked
+    bound: float | None = None  # predicted no-communication bound, for reference
+    spread: float | None = None  # measured: (max - min) / median of the per-round ratios
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.observed - 1
+
+    @property
+    def passed(self) -> bool:
+        return self.tolerance is None or abs(self.error) <= self.tolerance
+
+
+def measured_speedups(rows: list[dict], variant: str) -> dict[int, tuple[float, float]]:
+    """Per batch: the median over rounds of standard/variant decode time (both timed in the same round),
+    and the spread of those ratios."""
+    result = {}
+    for batch in sorted({row["batch"] for row in rows}):
+        standard = next(r for r in rows if r["batch"] == batch and r["variant"] == STANDARD)["decode_ms_samples"]
+        ladder = next(r for r in rows if r["batch"] == batch and r["variant"] == variant)["decode_ms_samples"]
+        ratios = [s / v for s, v in zip(standard, ladder)]
+        median = statistics.median(ratios)
+        result[batch] = (median, (max(ratios) - min(ratios)) / median)
+    return result
+
+
+def check_here(args: argparse.Namespace, config: LlamaConfig, report: dict) -> list[Row]:
+    layers = config.num_hidden_layers
+    wirings = {f"all {layers}": list(range(layers)), f"upper {layers // 2}": list(range(layers - layers // 2, layers))}
+    variants = [Variant(STANDARD, [], "all-reduce")]
+    variants += [Variant(f"ladder ({name})", chosen, "all-reduce") for name, chosen in wirings.items()]
+    variants.append(Variant(BOUND, [], "none"))  # shown beside, to tell a compute error from a communication one
+    plan = Plan(
+        model="synthetic:plan-check", config=config.to_dict(), tp=2, batches=args.batches,
+        prompt_length=args.prompt_length, new_tokens=args.new_tokens, repeats=args.repeats, warmup=1,
+        dtype="float32", device="cpu", threads=1, compile=False, cuda_graphs=False,
+        comm_priority="realtime", variants=variants,
+    )  # fmt: skip
+    shape, rows = ModelShape.from_config(config.to_dict()), []
+    for link_name in args.links:
+        plan.link = link_name
+        load_before = os.getloadavg()[0]
+        with emulated_link(link_name) as prefix:
+            device, link = measure_link(link_name, prefix)
+            print(
+                f"[{link_name}] calibrated: memory {device.bandwidth / 1e9:.1f} GB/s, matmul {device.flops / 1e9:.0f} "
+                f"GFLOP/s, {device.eager_kernel_us:.1f} us/operator; all-reduce {link.base_us:.0f} us + bytes / "
+                f"{link.bus_bandwidth / 1e6:.2f} MB/s, {link.host_share:.0%} of it on the CPU",
+                flush=True,
+            )
+            measured = launch(plan, prefix)
+        report["links"].append(
+            dict(
+                device=asdict(device),
+                link=asdict(link),
+                rows=measured,
+                load_before=load_before,
+                load_after=os.getloadavg()[0],
+            )
+        )
+        rows += compare(shape, device, link, args, measured, wirings)
+    return rows
+
+
+def compare(
+    shape: ModelShape, device, link, args: argparse.Namespace, measured: list[dict], wirings: dict
+) -> list[Row]:
+    """One link's rows: each wiring's predicted and measured speed-up per batch, then the bound's (not checked)."""
+    rows = []
+    for name, chosen in [*wirings.items(), (BOUND, None)]:
+        speedups = measured_speedups(measured, BOUND if chosen is None else f"ladder ({name})")
+        for batch, (speedup, spread) in speedups.items():
+            setting = Setting(device, link, tp=2, batch=batch, prompt=args.prompt_length,
+                              new_tokens=args.new_tokens, dtype_bytes=4, cuda_graphs=False)  # fmt: skip
+            prediction = predict(shape, setting, chosen or [])
+            if chosen is None:
+                rows.append(
+                    Row(
+                        "here",
+                        f"{link.name}, batch {batch}, {BOUND}",
+                        prediction.bound_speedup,
+                        speedup,
+                        None,
+                        spread=spread,
+                    )
+                )
+            else:
+                rows.append(
+                    Row(
+                        "here",
+                        f"{link.name}, batch {batch}, ladder {name}",
+                        prediction.speedup,
+                        speedup,
+                        HERE_TOLERANCE,
+                        prediction.bound_speedup,
+                        spread,
+                    )
+                )
+    return rows
+
+
+def check_published() -> list[Row]:
+    rows = []
+    for name, shape_name, tp, link, batch, (low, high) in PUBLISHED:
+        shape = ModelShape.from_config(PUBLISHED_SHAPES[shape_name])
+        setting = Setting(device_profile("h100"), link_profile(link), tp=tp, batch=batch)
+        prediction = predict(shape, setting, list(range(shape.num_layers)))
+        nearest = min(max(prediction.speedup, low), high)  # inside a published range counts as exact
+        rows.append(Row("paper", name, prediction.speedup, nearest, PUBLISHED_TOLERANCE, prediction.bound_speedup))
+    name, published_bound = PUBLISHED_BOUND
+    shape = ModelShape.from_config(PUBLISHED_SHAPES["llama-3.1-70b"])
+    prediction = predict(shape, Setting(device_profile("h100"), link_profile("nvlink"), tp=8, batch=1), [])
+    rows.append(Row("paper", name, prediction.bound_speedup, published_bound, PUBLISHED_TOLERANCE))
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    header = (
+        f"{'check':<6} {'setting':<50} {'predicted':>9} {'observed':>9} {'error':>7} {'bound':>6} {'spread':>6}  result"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        bound = f"{row.bound:.2f}x" if row.bound is not None else ""
+        spread = f"{row.spread:.0%}" if row.spread is not None else ""
+        if row.tolerance is None:
+            verdict = "(reference)"
+        else:
+            verdict = (
+                "ok" if row.passed else f"MISS (by {abs(row.error) - row.tolerance:.0%} beyond ±{row.tolerance:.0%})"
+            )
+        lines.append(
+            f"{row.check:<6} {row.setting:<50} {row.predicted:>8.2f}x {row.observed:>8.2f}x {row.error:>+7.1%} "
+            f"{bound:>6} {spread:>6}  {verdict}"
+        )
+    lines.append(
+        "predicted/observed: ladder's decode speed-up over standard (the bound row: the no-communication bound's); "
+        "observed = measured here (median over rounds of the per-round ratio) or published; bound: the model's "
+        "no-communication bound; spread: (max - min) / median of the measured per-round ratios."
+    )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--links", default=f"{LOOPBACK},400mbit,100mbit", help="link settings (default %(default)s)")
+    parser.add_argument("--batch", default="1,4", help="batch sizes (default %(default)s)")
+    parser.add_argument("--prompt-length", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=10, help="timed rounds per link (default %(default)s)")
+    parser.add_argument("--published-only", action="store_true", help="only (b): no measurement")
+    parser.add_argument("--out", default="runs/bench/plan_check.json")
+    args = parser.parse_args(argv)
+    args.links = [check_rate(link.strip()) for link in args.links.split(",") if link.strip()]
+    args.batches = positive_ints(args.batch, "--batch")
+    if args.repeats < 1 or args.new_tokens < 2 or args.prompt_length < 1:
+        raise UsageError("--repeats and --prompt-length must be at least 1, --new-tokens at least 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        started, load = time.time(), os.getloadavg()[0]
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), platform.processor())  # fmt: skip
+        print(f"machine: {cpu}, {os.cpu_count()} CPUs, load average {load:.2f} at start", flush=True)
+        report = dict(machine=dict(cpu=cpu, cpus=os.cpu_count(), load_at_start=load), links=[])
+        rows = (
+            [] if args.published_only else check_here(args, LlamaConfig(**CPU_SHAPE, tie_word_embeddings=False), report)
+        )
+        rows += check_published()
+        print(table(rows))
+        print(
+            f"{time.time() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at the end (started at {load:.2f})"
+        )
+        report["rows"] = [asdict(row) | {"error": row.error, "passed": row.passed} for row in rows]
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(args.out, json.dumps(report, indent=2) + "\n")
+        missed = [row for row in rows if not row.passed]
+        if missed:
+            print(f"plan_check: {len(missed)} of {len(rows)} rows miss their bound", file=sys.stderr)
+        return 1 if missed else 0
+    except UsageError as error:
+        print(f"plan_check: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

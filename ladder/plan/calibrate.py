@@ -1,0 +1,213 @@
+"""`ladder plan --calibrate`: measure this machine's profile for the model in speed.py.
+
+- device (each of two ranks at once, one thread each, float32): memory bandwidth from matrix-vector products over
+  weights far larger than the caches (what decode does), the matmul rate from a large square matmul,
+  and the cost of one eager operator from a forward of a tiny model (whose roofline time is nil);
+- link: two ranks over gloo (torchrun; behind a command prefix such as benchmarks/emulated_link.py's
+  network namespace) time blocking all-reduces of several sizes, fitted to base + bytes / bandwidth
+  (`fit_latency_bandwidth`), and an asynchronous all-reduce beside a longer matmul, whose excess over
+  the matmul alone is the all-reduce's cost to the compute stream (`host_share` of its time: gloo's
+  thread wakes per packet, so the cost grows with the bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .speed import KERNELS, Device, Link
+
+LINK_SIZES = (2048, 8192, 32768)  # bytes: the branch outputs of the CPU benchmark shapes at batch 1-4
+LINK_REPEATS = 12
+
+
+def fit_latency_bandwidth(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares fit of seconds = latency + size / bandwidth; returns (latency s, bandwidth bytes/s).
+    A non-positive slope (a link whose size term drowns in noise) is reported as infinite bandwidth."""
+    n = len(sizes)
+    if n < 2 or len(set(sizes)) < 2:
+        raise ValueError("the fit needs at least two different sizes")
+    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
+    sxx = sum((x - mean_x) ** 2 for x in sizes)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds)) / sxx
+    latency = mean_y - slope * mean_x
+    return max(latency, 0.0), (1 / slope if slope > 0 else float("inf"))
+
+
+def _median_seconds(function, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def device_rates(threads: int = 1) -> dict[str, float]:
+    """This process's achieved float32 rates with `threads` threads, on what decode does: one pass of
+    matrix products over 8 weights of 2048 x 2048 (128 MiB, beyond the caches) gives the memory
+    bandwidth at one token and the matmul rate at four (small-batch matmuls run far below a large
+    matmul's rate on a CPU); plus microseconds per eager operator."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    weights = [torch.randn(2048, 2048) for _ in range(8)]
+
+    def one_pass(tokens: torch.Tensor) -> None:
+        for weight in weights:
+            torch.nn.functional.linear(tokens, weight)
+
+    one, four = torch.randn(1, 2048), torch.randn(4, 2048)
+    one_pass(one), one_pass(four)
+    elements = sum(weight.numel() for weight in weights)
+    bandwidth = 4 * elements / _median_seconds(lambda: one_pass(one), 7)
+    flops = 2 * 4 * elements / _median_seconds(lambda: one_pass(four), 7)
+    return {"flops": flops, "bandwidth": bandwidth, "operator_us": measure_operator_us(threads)}
+
+
+def device_from_rates(rates: dict[str, float], how: str) -> Device:
+    return Device(
+        name="cpu (measured)",
+        flops=rates["flops"],
+        bandwidth=rates["bandwidth"],
+        efficiency=1.0,
+        kernel_us=rates["operator_us"],
+        eager_kernel_us=rates["operator_us"],
+        source=f"measured here by ladder plan --calibrate: {how}, float32, 1 thread per rank",
+    )
+
+
+def measure_operator_us(threads: int = 1) -> float:
+    """Microseconds per eager operator: a one-token decode step of a tiny model (hidden 64) divided
+    by the operators it dispatches (speed.KERNELS['eager'] counts them per module)."""
+    import torch
+    from transformers import LlamaConfig
+
+    from ..tp.shard import LlamaShard, ShardShape
+
+    torch.set_num_threads(threads)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    shard = LlamaShard(config, ShardShape.of(config)).eval()
+    shard.setup_cache(1, 32)
+    ids, position = torch.zeros(1, 1, dtype=torch.long), torch.tensor([3])
+    with torch.inference_mode():
+        shard(ids, position)
+        seconds = _median_seconds(lambda: shard(ids, position), 30)
+    kernels = KERNELS["eager"]
+    operators = config.num_hidden_layers * (kernels["attention"] + kernels["mlp"]) + kernels["head"]
+    return 1e6 * seconds / operators
+
+
+# --- The link: two ranks over gloo ---------------------------------------------------------------
+
+
+def _link_rank(out: Path) -> None:
+    """One rank of the link probe (under torchrun); rank 0 writes the samples to `out`."""
+    import torch
+    import torch.distributed as dist
+
+    from ..tp.runtime import prioritize_gloo_threads
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    if os.geteuid() == 0:
+        prioritize_gloo_threads()
+    rank = dist.get_rank()
+    dist.barrier()
+    # Both ranks at once, as they decode: they share the memory bus (and the machine's other load).
+    rates = device_rates()
+    slowest = torch.tensor([rates["bandwidth"], rates["flops"], -rates["operator_us"]], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
+    rates = {"bandwidth": slowest[0].item(), "flops": slowest[1].item(), "operator_us": -slowest[2].item()}
+    blocking = {size: [] for size in LINK_SIZES}
+    for _ in range(LINK_REPEATS):
+        for size in LINK_SIZES:
+            tensor = torch.ones(size // 4)
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            blocking[size].append(time.perf_counter() - start)
+    # Overlap probe: the largest size's all-reduce launched asynchronously beside a matmul loop that
+    # runs about twice as long; the excess over the matmul alone is what the all-reduce cost the CPU.
+    size = LINK_SIZES[-1]
+    all_reduce_s = statistics.median(blocking[size])
+    a = torch.randn(256, 256)
+    one = _median_seconds(lambda: a @ a, 20)
+    loops = max(1, round(2 * all_reduce_s / one))
+
+    def compute() -> None:
+        for _ in range(loops):
+            a @ a
+
+    alone, beside = [], []
+    for _ in range(LINK_REPEATS):
+        dist.barrier()
+        alone.append(_median_seconds(compute, 1))
+        tensor = torch.ones(size // 4)
+        dist.barrier()
+        start = time.perf_counter()
+        work = dist.all_reduce(tensor, async_op=True)
+        compute()
+        work.wait()
+        beside.append(time.perf_counter() - start)
+    if rank == 0:
+        samples = {"blocking": {str(k): v for k, v in blocking.items()}, "alone": alone, "beside": beside}
+        out.write_text(json.dumps(samples | {"device": rates}))
+    dist.destroy_process_group()
+
+
+def measure_link(name: str, prefix: list[str] | None = None) -> tuple[Device, Link]:
+    """Two gloo ranks (behind `prefix`, e.g. `ip netns exec NAME`): the device as the slower rank sees
+    it while both run, and the fitted latency-bandwidth link."""
+    with tempfile.TemporaryDirectory(prefix="ladder-plan-link-") as scratch:
+        out = Path(scratch, "link.json")
+        command = [*(prefix or []), sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node=2", "-m", "ladder.plan.calibrate", "--link-rank", str(out)]  # fmt: skip
+        env = os.environ | {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        if result.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"the link probe failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
+        samples = json.loads(out.read_text())
+    sizes = [int(size) for size in samples["blocking"]]
+    medians = [statistics.median(samples["blocking"][str(size)]) for size in sizes]
+    latency, bandwidth = fit_latency_bandwidth(sizes, medians)
+    host = max(0.0, statistics.median(samples["beside"]) - statistics.median(samples["alone"]))
+    probed = statistics.median(samples["blocking"][str(LINK_SIZES[-1])])
+    device = device_from_rates(samples["device"], f"2 ranks at once ({name})")
+    return device, Link(
+        name=name,
+        base_us=1e6 * latency,
+        hop_us=0.0,
+        bus_bandwidth=bandwidth,  # at T=2 the bus and algorithm bandwidths are equal
+        host_share=min(host / probed, 1.0),
+        shared=True,  # gloo runs each collective in flight on its own worker thread
+        source=f"measured here by ladder plan --calibrate: gloo, 2 ranks, {name}",
+    )
+
+
+def calibrate(links: dict[str, list[str]] | None = None) -> dict:
+    """The device and each named link (name -> command prefix); what `--device/--interconnect FILE` read."""
+    measured = [measure_link(name, prefix) for name, prefix in (links or {"loopback": []}).items()]
+    return {
+        "device": asdict(measured[0][0]),
+        "links": [asdict(link) for _, link in measured],
+        "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()[0]},
+    }
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--link-rank":
+        _link_rank(Path(sys.argv[2]))
+    else:
+        sys.exit("usage: python -m ladder.plan.calibrate --link-rank OUT (run by measure_link under torchrun)")

@@ -1,0 +1,182 @@
+"""What a Llama costs to run, from its config alone: parameter counts, and the FLOPs and bytes each
+module moves for a given number of tokens, per tensor-parallel rank. Pure arithmetic (no torch), shared
+by `ladder plan` (inference speed) and any planner of training cost (`training_flops_per_token`).
+
+Counting convention: a multiply-add is 2 FLOPs; a linear layer of P weights on t tokens costs 2 t P
+FLOPs forward (and twice that backward); attention scores and values cost 2 * 2 * t * heads * head_dim
+* context. Under tensor parallelism (Megatron, as ladder/tp/shard.py shards it) every rank holds its share
+of q/k/v/o and gate/up/down; the embedding, the final norm and the LM head are replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a Llama config.json that decide its cost."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelShape:
+        """From a config.json's dict; a missing or non-positive size is a UsageError naming the key."""
+
+        def size(key: str, default: int | None = None) -> int:
+            value = config.get(key, default)
+            if value is None:
+                value = default
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise UsageError(f"config.json: {key} must be a positive integer, not {value!r}")
+            return value
+
+        hidden, heads = size("hidden_size"), size("num_attention_heads")
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=size("intermediate_size"),
+            num_layers=size("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=size("num_key_value_heads", heads),
+            head_dim=size("head_dim", hidden // heads),
+            vocab_size=size("vocab_size"),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Weights of the whole model (not per rank), by where they sit."""
+
+    attention: int  # per layer: q, k, v, o and the input norm
+    mlp: int  # per layer: gate, up, down and the post-attention norm
+    embedding: int
+    lm_head: int  # 0 when tied to the embedding
+    final_norm: int
+
+    @property
+    def per_layer(self) -> int:
+        return self.attention + self.mlp
+
+    def total(self, num_layers: int) -> int:
+        return num_layers * self.per_layer + self.embedding + self.lm_head + self.final_norm
+
+
+def parameter_counts(shape: ModelShape) -> ParameterCounts:
+    """Parameter counts of a Llama (what `sum(p.numel() for p in LlamaForCausalLM(config).parameters())`
+    adds up to, with tied embeddings counted once)."""
+    h, q_width, kv_width = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    return ParameterCounts(
+        attention=h * (q_width + 2 * kv_width) + q_width * h + h,
+        mlp=3 * h * shape.intermediate_size + h,
+        embedding=shape.vocab_size * h,
+        lm_head=0 if shape.tied_embeddings else shape.vocab_size * h,
+        final_norm=h,
+    )
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """The largest share any one rank holds at tensor-parallel degree `tp` (the slowest rank sets the
+    pace). KV heads are split when there are at least `tp` of them, else replicated (gpt-fast's
+    choice for 405B's 8 KV heads at TP=16); query heads follow their KV heads."""
+
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+    @classmethod
+    def of(cls, shape: ModelShape, tp: int) -> RankShape:
+        if shape.num_kv_heads >= tp:
+            kv_heads = math.ceil(shape.num_kv_heads / tp)
+            heads = kv_heads * (shape.num_heads // shape.num_kv_heads)
+        else:
+            kv_heads, heads = 1, math.ceil(shape.num_heads / tp)
+        return cls(heads=heads, kv_heads=kv_heads, intermediate=math.ceil(shape.intermediate_size / tp))
+
+
+@dataclass(frozen=True)
+class ModuleCost:
+    """One module's work on one rank for one forward: FLOPs, and bytes read from memory."""
+
+    flops: float
+    weight_bytes: float
+    kv_bytes: float = 0.0
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """Per-rank cost of one forward over `tokens` tokens: each layer's attention and MLP (all layers
+    alike), the LM head (with the final norm), and the bytes of each all-reduced branch output."""
+
+    attention: ModuleCost
+    mlp: ModuleCost
+    head: ModuleCost
+    all_reduce_bytes: float
+    num_layers: int
+
+    @property
+    def flops(self) -> float:
+        return self.num_layers * (self.attention.flops + self.mlp.flops) + self.head.flops
+
+    @property
+    def bytes(self) -> float:
+        return self.num_layers * (self.attention.bytes + self.mlp.bytes) + self.head.bytes
+
+
+def forward_cost(
+    shape: ModelShape, batch: int, query_tokens: int, context: int, tp: int = 1, dtype_bytes: int = 2
+) -> ForwardCost:
+    """Per-rank FLOPs and bytes of one forward of `batch` sequences of `query_tokens` new tokens each,
+    attending over `context` cached positions (decode: query_tokens=1; prefill: the prompt length).
+    The LM head runs on every query position (as gpt-fast and ladder/tp/runtime.py do)."""
+    rank = RankShape.of(shape, tp)
+    h, d, tokens = shape.hidden_size, shape.head_dim, batch * query_tokens
+    q_width, kv_width = rank.heads * d, rank.kv_heads * d
+    attention_weights = h * (q_width + 2 * kv_width) + q_width * h + h
+    mlp_weights = 3 * h * rank.intermediate + h
+    head_weights = shape.vocab_size * h + h
+    return ForwardCost(
+        attention=ModuleCost(
+            flops=2 * tokens * attention_weights + 4 * tokens * rank.heads * d * context,
+            weight_bytes=dtype_bytes * attention_weights,
+            kv_bytes=dtype_bytes * 2 * batch * kv_width * context,
+        ),
+        mlp=ModuleCost(flops=2 * tokens * mlp_weights, weight_bytes=dtype_bytes * mlp_weights),
+        head=ModuleCost(flops=2 * tokens * head_weights, weight_bytes=dtype_bytes * head_weights),
+        all_reduce_bytes=dtype_bytes * tokens * h,
+        num_layers=shape.num_layers,
+    )
+
+
+def training_flops_per_token(shape: ModelShape, sequence_length: int) -> float:
+    """FLOPs to train on one token (forward + backward = 3 x forward) of sequences of `sequence_length`
+    with causal attention (each position attends to the positions before it: half the square)."""
+    forward = forward_cost(shape, batch=1, query_tokens=sequence_length, context=sequence_length // 2 or 1)
+    return 3 * forward.flops / sequence_length
+
+
+__all__ = [
+    "ForwardCost",
+    "ModelShape",
+    "ModuleCost",
+    "ParameterCounts",
+    "RankShape",
+    "forward_cost",
+    "parameter_counts",
+    "training_flops_per_token",
+]

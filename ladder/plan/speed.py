@@ -1,0 +1,379 @@
+"""Predicted tensor-parallel decode time of a Llama, standard against ladder wiring.
+
+Three parts, each a plain function of published (or calibrated) figures:
+
+- compute: a roofline per module, max(bytes / bandwidth, FLOPs / FLOP rate) at the device's achieved
+  share of peak, plus a fixed cost per kernel (small with CUDA graphs, larger launched from Python);
+- communication: an all-reduce of n bytes over T ranks takes latency + 2 (T-1)/T n / bus bandwidth
+  (the latency-bandwidth model of nccl-tests' bus bandwidth); a share of it occupies the compute stream;
+- overlap: the layer loop of Algorithm 1, replayed exactly as ladder/tp/shard.py runs it, with the
+  compute stream and the link as two serial resources: a ladder layer's all-reduce runs behind the
+  next branch's compute, a standard layer waits for its own. A contiguous block of k ladder layers
+  hides 2k - 1 of its 2k all-reduces (`ladder.layers.overlapped_all_reduces` counts the same).
+
+Device and link figures are data: devices.tsv and links.tsv beside this file, each row with its source.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import UsageError
+from .costs import ForwardCost, ModelShape, ModuleCost, forward_cost
+
+PROFILES = Path(__file__).resolve().parent
+
+# Kernels (GPU, compiled) or eager operators (CPU) each module launches; each costs the device's
+# per-kernel overhead beyond its roofline time. Compiled counts follow gpt-fast's fused graph (norm,
+# fused projection, rope + cache write, attention, output projection, residual add); eager counts are
+# the operators ladder/tp/shard.py dispatches (HF's RMSNorm and rope are several small ops each).
+KERNELS = {"compiled": {"attention": 6, "mlp": 4, "head": 2}, "eager": {"attention": 39, "mlp": 14, "head": 12}}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    flops: float  # peak FLOP/s in the dtype decoded in
+    bandwidth: float  # peak memory bytes/s
+    efficiency: float  # share of both peaks that decode kernels reach
+    kernel_us: float  # per kernel replayed in a CUDA graph
+    eager_kernel_us: float  # per kernel (or CPU operator) launched one by one
+    source: str = ""
+
+    def module_seconds(self, cost: ModuleCost, kernels: int, graphs: bool) -> float:
+        roofline = max(cost.bytes / self.bandwidth, cost.flops / self.flops) / self.efficiency
+        return roofline + kernels * 1e-6 * (self.kernel_us if graphs else self.eager_kernel_us)
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    base_us: float  # latency of any all-reduce
+    hop_us: float  # latency per ring step, 2 (T - 1) of them
+    bus_bandwidth: float  # bytes/s, nccl-tests convention
+    host_share: float  # the share of each all-reduce's time that occupies the compute stream
+    shared: bool = False  # all-reduces in flight share the link (gloo) rather than queue (NCCL)
+    source: str = ""
+
+    def all_reduce_seconds(self, nbytes: float, ranks: int) -> float:
+        if ranks < 2:
+            return 0.0
+        steps = 2 * (ranks - 1)
+        return 1e-6 * (self.base_us + steps * self.hop_us) + steps / ranks * nbytes / self.bus_bandwidth
+
+
+@functools.cache
+def _table(name: str) -> dict[str, dict[str, str]]:
+    lines = [line for line in (PROFILES / name).read_text().splitlines() if line and not line.startswith("#")]
+    return {row["name"]: row for row in csv.DictReader(lines, delimiter="\t")}
+
+
+def _profile(kind: type, row: dict) -> Device | Link:
+    names = [name for name in kind.__dataclass_fields__ if name not in ("name", "source", "shared")]
+    return kind(name=row["name"], source=row.get("source", ""), **{key: float(row[key]) for key in names})
+
+
+def device_names() -> list[str]:
+    return list(_table("devices.tsv"))
+
+
+def link_names() -> list[str]:
+    return list(_table("links.tsv"))
+
+
+def _numbers(text: str, count: int) -> list[float] | None:
+    parts = text.split(",")
+    try:
+        values = [float(part) for part in parts]
+    except ValueError:
+        return None
+    return values if len(values) == count and min(values) > 0 else None
+
+
+def device_profile(spec: str) -> Device:
+    """A device by name (devices.tsv), `FLOPS,BANDWIDTH` (per second, e.g. 989e12,3.35e12), or a JSON
+    file `ladder plan --calibrate` wrote."""
+    if spec in _table("devices.tsv"):
+        return _profile(Device, _table("devices.tsv")[spec])
+    if (values := _numbers(spec, 2)) is not None:
+        return Device(spec, values[0], values[1], 1.0, 1.0, 4.5, "given on the command line")
+    if spec.endswith(".json"):
+        return Device(**_calibration(spec)["device"])
+    raise UsageError(
+        f"--device {spec!r} is not one of {', '.join(device_names())}, FLOPS,BANDWIDTH (e.g. 989e12,3.35e12) "
+        "or a calibration .json"
+    )
+
+
+def link_profile(spec: str) -> Link:
+    """An interconnect by name (links.tsv), `BANDWIDTH,LATENCY_US` (bus bytes/s and microseconds,
+    e.g. 370e9,20), or a JSON file `ladder plan --calibrate` wrote."""
+    if spec in _table("links.tsv"):
+        return _profile(Link, _table("links.tsv")[spec])
+    if (values := _numbers(spec, 2)) is not None:
+        return Link(spec, values[1], 0.0, values[0], 0.0, source="given on the command line")
+    if spec.endswith(".json"):
+        return Link(**_calibration(spec)["links"][0])
+    raise UsageError(
+        f"--interconnect {spec!r} is not one of {', '.join(link_names())}, BANDWIDTH,LATENCY_US "
+        "(e.g. 370e9,20) or a calibration .json"
+    )
+
+
+def _calibration(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+        Device(**data["device"]), [Link(**link) for link in data["links"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UsageError(f"{path} is not a calibration `ladder plan --calibrate` wrote ({error})") from None
+    return data
+
+
+# --- The layer loop of Algorithm 1, replayed on two serial resources -----------------------------
+
+
+@dataclass
+class Timeline:
+    """One forward replayed: its duration, and which all-reduces ran behind compute."""
+
+    seconds: float = 0.0
+    compute_seconds: float = 0.0
+    hidden: list[int] = field(default_factory=list)  # indices (2 per layer: attention, MLP) of overlapped all-reduces
+    all_reduces: int = 0
+
+
+class _SerialLink:
+    """NCCL: all-reduces on one communicator run one after another, in launch order."""
+
+    def __init__(self, wire: float):
+        self.wire, self.free, self.done = wire, 0.0, {}
+
+    def start(self, index: int, now: float) -> None:
+        self.free = max(now, self.free) + self.wire
+        self.done[index] = self.free
+
+    def finish(self, index: int) -> float:
+        return self.done[index]
+
+
+class _SharedLink:
+    """gloo: each all-reduce in flight runs on its own worker thread and they share the link equally
+    (measured here: two 32 KB all-reduces launched together on a 100 Mbit/s link finish the first at
+    8.4 ms and both at 10.9 ms, one alone in 5.0 ms; sharing predicts 10 and 10, one after another 5 and 10)."""
+
+    def __init__(self, wire: float):
+        self.wire, self.now, self.active, self.done = wire, 0.0, {}, {}
+
+    def _advance(self, until: float) -> None:
+        """Run the link to time `until`: in-flight all-reduces progress at 1 / (how many are in flight)."""
+        while self.active and self.now < until:
+            share, smallest = len(self.active), min(self.active.values())
+            if self.now + smallest * share > until:
+                for index in self.active:
+                    self.active[index] -= (until - self.now) / share
+                break
+            self.now += smallest * share
+            for index, left in list(self.active.items()):
+                if left == smallest:
+                    self.done[index] = self.now
+                    del self.active[index]
+                else:
+                    self.active[index] = left - smallest
+        self.now = max(self.now, until)
+
+    def start(self, index: int, now: float) -> None:
+        self._advance(now)
+        if self.wire > 0:
+            self.active[index] = self.wire
+        else:  # nothing on the wire (all of it is host time)
+            self.done[index] = now
+
+    def finish(self, index: int) -> float:
+        while index not in self.done:  # nothing is launched while the compute stream waits
+            self._advance(self.now + min(self.active.values()) * len(self.active))
+        return self.done[index]
+
+
+class _Replay:
+    """The compute stream's clock and the link: an all-reduce costs the compute stream `host` seconds
+    and the link `wire` seconds, one at a time (NCCL) or sharing it (gloo)."""
+
+    def __init__(self, wire: float, host: float, shared: bool):
+        self.host = host
+        self.link = _SharedLink(wire) if shared else _SerialLink(wire)
+        self.clock = 0.0
+        self.timeline = Timeline()
+        self.launched_at: dict[int, int] = {}  # all-reduce index -> computes issued so far when launched
+        self.computes = 0
+
+    def compute(self, seconds: float) -> None:
+        self.clock += seconds
+        self.timeline.compute_seconds += seconds
+        self.computes += 1
+
+    def launch(self, index: int) -> int:
+        self.clock += self.host
+        self.link.start(index, self.clock)
+        self.launched_at[index] = self.computes
+        self.timeline.all_reduces += 1
+        return index
+
+    def wait(self, index: int | None) -> None:
+        if index is None:
+            return
+        if self.computes > self.launched_at[index]:
+            self.timeline.hidden.append(index)
+        self.clock = max(self.clock, self.link.finish(index))
+
+
+def replay(
+    ladder: list[bool],
+    attention_s: float,
+    mlp_s: float,
+    head_s: float,
+    wire_s: float,
+    host_s: float,
+    shared_link: bool = False,
+) -> Timeline:
+    """Replay ladder/tp/shard.py's `LlamaShard.forward` (one flag per layer) with these module times and
+    all-reduce costs; `wire_s` < 0 means no communication at all (the no-communication bound)."""
+    run = _Replay(max(wire_s, 0.0), host_s if wire_s >= 0 else 0.0, shared_link)
+    communicate = wire_s >= 0
+    pending_attention = pending_mlp = None
+
+    def reduce(index: int, blocking: bool) -> int | None:
+        if not communicate:
+            return None
+        pending = run.launch(index)
+        if blocking:
+            run.wait(pending)
+            return None
+        return pending
+
+    for layer, is_ladder in enumerate(ladder):
+        if is_ladder:
+            run.wait(pending_attention)
+            run.compute(attention_s)
+            pending_attention = reduce(2 * layer, blocking=False)
+            run.wait(pending_mlp)
+            run.compute(mlp_s)
+            pending_mlp = reduce(2 * layer + 1, blocking=False)
+        else:
+            run.wait(pending_attention)
+            run.wait(pending_mlp)
+            run.compute(attention_s)
+            pending_attention = reduce(2 * layer, blocking=True)
+            run.compute(mlp_s)
+            pending_mlp = reduce(2 * layer + 1, blocking=True)
+    run.wait(pending_attention)
+    run.wait(pending_mlp)
+    run.compute(head_s)
+    run.timeline.seconds = run.clock
+    return run.timeline
+
+
+# --- Predictions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Where and how the model runs."""
+
+    device: Device
+    link: Link
+    tp: int
+    batch: int
+    prompt: int = 1024
+    new_tokens: int = 512
+    dtype_bytes: int = 2
+    cuda_graphs: bool = True
+
+
+@dataclass
+class Prediction:
+    layers: list[int]
+    standard_ms: float  # decode, per token (per step of the whole batch)
+    ladder_ms: float
+    bound_ms: float  # no communication at all
+    hidden: int  # all-reduces overlapped, of 2 * num_layers
+    all_reduces: int
+    standard_prefill_ms: float
+    ladder_prefill_ms: float
+
+    @property
+    def speedup(self) -> float:
+        return self.standard_ms / self.ladder_ms
+
+    @property
+    def bound_speedup(self) -> float:
+        return self.standard_ms / self.bound_ms
+
+
+def _module_times(cost: ForwardCost, setting: Setting) -> tuple[float, float, float, float, float]:
+    kernels = KERNELS["compiled" if setting.cuda_graphs else "eager"]
+    device = setting.device
+
+    def seconds(name: str) -> float:
+        return device.module_seconds(getattr(cost, name), kernels[name], setting.cuda_graphs)
+
+    all_reduce = setting.link.all_reduce_seconds(cost.all_reduce_bytes, setting.tp)
+    host = min(setting.link.host_share, 1.0) * all_reduce
+    return seconds("attention"), seconds("mlp"), seconds("head"), all_reduce - host, host
+
+
+def step_times(shape: ModelShape, setting: Setting, ladder_layers: list[int], query_tokens: int) -> dict[str, Timeline]:
+    """The three wirings of one forward (standard, ladder with these layers, no communication)."""
+    context = setting.prompt + setting.new_tokens  # the static cache is attended whole (gpt-fast, ladder/tp/runtime.py)
+    cost = forward_cost(shape, setting.batch, query_tokens, context, setting.tp, setting.dtype_bytes)
+    attention, mlp, head, wire, host = _module_times(cost, setting)
+    if setting.tp < 2:
+        wire = -1.0
+    chosen = set(ladder_layers)
+    flags = [index in chosen for index in range(shape.num_layers)]
+    return {
+        "standard": replay([False] * shape.num_layers, attention, mlp, head, wire, host, setting.link.shared),
+        "ladder": replay(flags, attention, mlp, head, wire, host, setting.link.shared),
+        "bound": replay([False] * shape.num_layers, attention, mlp, head, -1.0, 0.0),
+    }
+
+
+def predict(shape: ModelShape, setting: Setting, ladder_layers: list[int]) -> Prediction:
+    """Decode time per token (and prefill time) of standard, ladder and no-communication wirings."""
+    decode = step_times(shape, setting, ladder_layers, query_tokens=1)
+    prefill = step_times(shape, setting, ladder_layers, query_tokens=setting.prompt)
+    return Prediction(
+        layers=sorted(ladder_layers),
+        standard_ms=1e3 * decode["standard"].seconds,
+        ladder_ms=1e3 * decode["ladder"].seconds,
+        bound_ms=1e3 * decode["bound"].seconds,
+        hidden=len(decode["ladder"].hidden),
+        all_reduces=decode["ladder"].all_reduces,
+        standard_prefill_ms=1e3 * prefill["standard"].seconds,
+        ladder_prefill_ms=1e3 * prefill["ladder"].seconds,
+    )
+
+
+def profile_dict(profile: Device | Link) -> dict:
+    return asdict(profile)
+
+
+__all__ = [
+    "KERNELS",
+    "Device",
+    "Link",
+    "Prediction",
+    "Setting",
+    "Timeline",
+    "device_names",
+    "device_profile",
+    "link_names",
+    "link_profile",
+    "predict",
+    "profile_dict",
+    "replay",
+    "step_times",
+]

@@ -1,0 +1,223 @@
+"""`ladder plan`: the overlap rule against the TP runtime's own waits, the latency-bandwidth fit, the cost
+arithmetic against transformers, and the command line (bad input, --json)."""
+
+import json
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaForCausalLM
+
+from ladder.cli import main
+from ladder.layers import overlapped_all_reduces
+from ladder.plan.calibrate import fit_latency_bandwidth
+from ladder.plan.costs import ModelShape, forward_cost, parameter_counts
+from ladder.plan.speed import KERNELS, Link, replay
+from ladder.tp.shard import LlamaShard, ShardShape
+from tiny import NUM_LAYERS, random_ids, tiny_config
+
+LLAMA_8B = dict(
+    model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+    num_hidden_layers=32, vocab_size=128256, rms_norm_eps=1e-5,
+)  # fmt: skip
+
+
+def runtime_hidden_all_reduces(ladder_layers: list[int]) -> list[int]:
+    """The TP runtime's own record: which all-reduces (2 per layer: attention, MLP) it waits on only after
+    another branch has computed since their launch. Its `reduce` hook and its branches are observed."""
+    config = tiny_config()
+    shard = LlamaShard(config, ShardShape.of(config)).eval()
+    shard.set_ladder_layers(ladder_layers)
+    events = []
+
+    class Observed:
+        def __init__(self, index, pending):
+            self.index, self.pending = index, pending
+
+        def wait(self):
+            events.append(("wait", self.index))
+            return self.pending.wait()
+
+    def observed_reduce(partial, async_op):
+        index = sum(event[0] == "launch" for event in events)
+        events.append(("launch", index))
+        pending = Observed(index, runtime_reduce(partial, async_op))
+        if not async_op:  # blocking: the runtime's call returns only once the sum is complete
+            pending.wait()
+        return pending
+
+    runtime_reduce, shard.reduce = shard.reduce, observed_reduce
+    for block in shard.layers:
+        for branch in (block.attention, block.mlp):
+            branch.register_forward_pre_hook(lambda *_: events.append(("compute", None)))
+    shard.setup_cache(1, 8)
+    with torch.inference_mode():
+        shard(random_ids(1, 1, vocab_size=config.vocab_size), torch.tensor([0]))
+    hidden, launched_at, waited = [], {}, set()
+    for position, (kind, index) in enumerate(events):
+        if kind == "launch":
+            launched_at[index] = position
+        elif kind == "wait" and index not in waited:  # the first wait is the one that blocks
+            waited.add(index)
+            if ("compute", None) in events[launched_at[index] : position]:
+                hidden.append(index)
+    return sorted(hidden)
+
+
+@pytest.mark.parametrize(
+    "ladder_layers", [[], list(range(NUM_LAYERS)), [3, 4, 5], [0], [2], [5], [0, 2, 3], [1, 2, 4, 5], [0, 1, 3, 5]]
+)
+def test_overlap_rule_matches_the_runtimes_waited_all_reduces(ladder_layers):
+    flags = [layer in ladder_layers for layer in range(NUM_LAYERS)]
+    timeline = replay(flags, attention_s=1.0, mlp_s=2.0, head_s=0.5, wire_s=0.5, host_s=0.0)
+    assert sorted(timeline.hidden) == runtime_hidden_all_reduces(ladder_layers)
+    assert len(timeline.hidden) == overlapped_all_reduces(ladder_layers)
+    assert timeline.all_reduces == 2 * NUM_LAYERS
+
+
+def test_replay_times_standard_ladder_and_bound():
+    # Standard pays every all-reduce; all-ladder hides each behind the next branch (shorter here) but the
+    # last; the bound pays none.
+    flags = [True] * 4
+    standard = replay([False] * 4, 1.0, 2.0, 0.5, wire_s=0.25, host_s=0.0)
+    assert standard.seconds == pytest.approx(4 * 3.0 + 0.5 + 8 * 0.25)
+    assert replay(flags, 1.0, 2.0, 0.5, wire_s=0.25, host_s=0.0).seconds == pytest.approx(4 * 3.0 + 0.5 + 0.25)
+    assert replay(flags, 1.0, 2.0, 0.5, wire_s=-1, host_s=0.0).seconds == pytest.approx(4 * 3.0 + 0.5)
+    # A link slower than the compute: ladder is bound by the link, which carries one all-reduce at a time.
+    slow = replay(flags, 1.0, 2.0, 0.5, wire_s=5.0, host_s=0.0)
+    assert slow.seconds >= 1.0 + 8 * 5.0 + 0.5
+
+
+def test_a_shared_link_delays_the_first_of_two_all_reduces_in_flight():
+    # All-ladder with a short attention branch: the MLP's all-reduce is still on the wire when the
+    # next attention's is launched. Queued (NCCL), the one needed first finishes first; shared (gloo),
+    # both progress at half speed, so the compute stream waits longer. Standard layers block on each
+    # all-reduce, so two are never in flight and the disciplines agree.
+    flags = [True] * 4
+    serial = replay(flags, 0.5, 2.0, 0.0, wire_s=1.5, host_s=0.0)
+    shared = replay(flags, 0.5, 2.0, 0.0, wire_s=1.5, host_s=0.0, shared_link=True)
+    assert shared.seconds > serial.seconds > 4 * 2.5
+    standard = [replay([False] * 4, 0.5, 2.0, 0.0, 1.5, 0.0, shared_link=shared) for shared in (False, True)]
+    assert standard[0].seconds == standard[1].seconds == 4 * 2.5 + 8 * 1.5
+
+
+def test_latency_bandwidth_fit_recovers_known_parameters():
+    latency, bandwidth = 180e-6, 3.0e6  # a gloo all-reduce on a ~25 Mbit/s link
+    sizes = [2048, 8192, 32768, 65536] * 5
+    exact = [latency + size / bandwidth for size in sizes]
+    assert fit_latency_bandwidth(sizes, exact) == pytest.approx((latency, bandwidth), rel=1e-9)
+    noise = random.Random(0)
+    noisy = [t * (1 + noise.gauss(0, 0.02)) for t in exact]
+    fitted_latency, fitted_bandwidth = fit_latency_bandwidth(sizes, noisy)
+    assert fitted_bandwidth == pytest.approx(bandwidth, rel=0.05)
+    assert fitted_latency == pytest.approx(latency, abs=100e-6)
+    link = Link("fitted", 1e6 * fitted_latency, 0.0, fitted_bandwidth, 0.0)
+    assert link.all_reduce_seconds(8192, ranks=2) == pytest.approx(latency + 8192 / bandwidth, rel=0.05)
+    with pytest.raises(ValueError):
+        fit_latency_bandwidth([4096, 4096], [1e-3, 1e-3])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_counts_and_flops_match_transformers(tied):
+    config = tiny_config(tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config)
+    shape = ModelShape.from_config(config.to_dict())
+    assert parameter_counts(shape).total(shape.num_layers) == sum(p.numel() for p in model.parameters())
+    # Every weight is read once per forward, and a matmul costs 2 FLOPs per weight per token.
+    cost = forward_cost(shape, batch=1, query_tokens=1, context=1, tp=1, dtype_bytes=4)
+    layer_weights = sum(p.numel() for p in model.model.layers.parameters())
+    assert cost.num_layers * (cost.attention.weight_bytes + cost.mlp.weight_bytes) == 4 * layer_weights
+
+
+def test_eager_operator_counts_are_the_runtimes():
+    """speed.KERNELS['eager'] prices each CPU operator the runtime dispatches: count them for real."""
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    config = tiny_config()
+    shard = LlamaShard(config, ShardShape.of(config)).eval()
+    shard.setup_cache(1, 8)
+    ids, position = random_ids(1, 1, vocab_size=config.vocab_size), torch.tensor([2])
+    with torch.inference_mode(), Count():
+        shard(ids, position)
+    kernels = KERNELS["eager"]
+    expected = NUM_LAYERS * (kernels["attention"] + kernels["mlp"]) + kernels["head"]
+    assert Count.calls == pytest.approx(expected, rel=0.05)
+
+
+# --- The command line ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def llama_8b_folder(tmp_path):
+    """Llama-3.1-8B's config.json alone (no weights: the planner reads none), and a conversion's record
+    of the damage of its upper 16 layers."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    damage = dict(mean_kl=0.1234, top1_agreement=0.8)
+    (tmp_path / "conversion.json").write_text(json.dumps(dict(ladder_layers=list(range(16, 32)), damage=damage)))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--tp", "0"], "--tp must be at least 1"),
+        (["--batch", "1,x"], "must be positive integers"),
+        (["--layers", "40"], "the model has 32 layers"),
+        (["--layers", "auto:0"], "needs 1 <= N <= 32"),
+        (["--device", "tpu9"], "--device 'tpu9' is not one of"),
+        (["--interconnect", "carrier-pigeon"], "--interconnect 'carrier-pigeon' is not one of"),
+        (["--interconnect", "/no/such.json"], "is not a calibration"),
+        (["--tp", "two"], "invalid int value"),
+    ],
+)
+def test_plan_refuses_bad_input_in_one_line(llama_8b_folder, capsys, arguments, message):
+    assert main(["plan", str(llama_8b_folder), *arguments]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("/no/such/folder", "is not a folder with config.json"),
+        ("nobody/no-such-model", "not in the local Hugging Face cache"),
+    ],
+)
+def test_plan_refuses_a_model_it_cannot_read(capsys, model, message):
+    assert main(["plan", model]) == 2
+    error = capsys.readouterr().err
+    assert message in error and len(error.strip().splitlines()) == 1
+
+
+def test_plan_json_shape_and_damage_beside_its_layers(llama_8b_folder, capsys):
+    arguments = ["plan", str(llama_8b_folder), "--tp", "8", "--batch", "1,64", "--layers", "8,16,all,auto:4,0-3+8-11"]
+    assert main([*arguments, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"model", "shape", "tp", "device", "interconnect", "dtype", "cuda_graphs", "rows"} <= set(result)
+    assert result["shape"]["num_layers"] == 32 and result["device"]["name"] == "h100"
+    rows = result["rows"]
+    assert [(row["batch"], row["choice"]) for row in rows] == [
+        (batch, choice) for batch in (1, 64) for choice in ("upper 8", "upper 16", "all 32", "auto:4", "0-3,8-11")
+    ]
+    for row in rows:
+        assert row["all_reduces"] == 64
+        assert row["speedup"] == pytest.approx(row["standard_ms_per_token"] / row["ladder_ms_per_token"])
+        assert row["ladder_ms_per_token"] >= row["bound_ms_per_token"] > 0
+    assert [row["hidden_all_reduces"] for row in rows[:5]] == [15, 31, 63, 7, 14]
+    assert [row["damage"] for row in rows[:5]] == [None, "KL 0.1234, top-1 80.0%", None, None, None]
+    # More ladder layers never slow decoding down.
+    assert rows[0]["speedup"] <= rows[1]["speedup"] <= rows[2]["speedup"]
+
+
+def test_plan_prints_a_table(llama_8b_folder, capsys):
+    assert main(["plan", str(llama_8b_folder), "--interconnect", "pcie", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "TP=8 on h100 over pcie" in out and "upper 8" in out and "all 32" in out and "predicted" in out
