@@ -83,7 +83,14 @@ def fsdp_run(tmp_path_factory, tiny_checkpoint, corpus) -> Path:  # noqa: F811
     recipe = write_recipe(directory, tiny_checkpoint, corpus, budget=STEPS * 256, **{"batch.micro_batch": 2})
     output = launch(recipe, fsdp_launcher())
     assert "2 process(es)" in output
+    assert len(host_memory(output)) == 2  # process 0 read the checkpoint, process 1 received its shards
     return directory / "run"
+
+
+def host_memory(output: str) -> list[float]:
+    """The peak RSS (MiB) of each process from the models' loading to the first step, as the run said."""
+    (line,) = [line for line in output.splitlines() if line.startswith("host memory from the models' loading")]
+    return [float(part.split(" MiB")[0]) for part in line.split(": ", 1)[1].split(", ")]
 
 
 # --- FSDP -------------------------------------------------------------------------------------------
