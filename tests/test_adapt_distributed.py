@@ -185,7 +185,11 @@ def test_two_nodes_read_the_checkpoint_once_and_give_the_loss_curve_of_one_proce
     two = write_recipe(tmp_path / "two", wide_checkpoint, corpus, **overrides, **{"batch.micro_batch": 2})
     assert ladder_main(["adapt", str(two), "--prepare-data"]) == 0
     port = free_port()
-    nodes = [run_adapt([str(two)], launcher=machine_launcher(rank, port)) for rank in (0, 1)]
+    # On a machine with GPUs each "node" takes its own (both are local rank 0).
+    gpus = [
+        {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)} if torch.cuda.device_count() > 1 else None for rank in (0, 1)
+    ]
+    nodes = [run_adapt([str(two)], launcher=machine_launcher(rank, port), env=gpus[rank]) for rank in (0, 1)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "2 process(es)" in outputs[0]
