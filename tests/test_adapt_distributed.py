@@ -1,8 +1,9 @@
 """adapt/ beyond one plain process: FSDP2 on 2 CPU processes over gloo (the path the 8-GPU recipes
-take), gradient accumulation (with DDP's no_sync), SIGKILLs of the launcher and of a checkpoint
-save, and the refusal to reuse a run made under another recipe.
+take; process 0 reads the checkpoint, process 1 receives its shards), two localhost "nodes" of one
+process (the multi-node config), gradient accumulation (with DDP's no_sync), SIGKILLs of the
+launcher and of a checkpoint save, and the refusal to reuse a run made under another recipe.
 
-Each multi-process run is a real `accelerate launch` of `ladder adapt` on the tiny checkpoint.
+Each multi-process run is a real `accelerate launch` of `ladder adapt` on a tiny checkpoint.
 """
 
 from __future__ import annotations
