@@ -48,7 +48,15 @@ from .data import BlockOrder, Splits, data_prepared, prepare_data
 from .distill import Distiller
 from .launch import make_accelerator, start_trackers
 from .memory import allocate_optimizer_state, keep_fewer_activations
-from .models import configure_student, load_student, load_teacher, prepare_teacher
+from .models import (
+    configure_student,
+    load_student,
+    load_teacher,
+    peak_host_memory,
+    prepare_teacher,
+    reset_peak_host_memory,
+    weights_from_main,
+)
 from .optimizer import build_optimizer
 from .preflight import check_data_files, check_model, resume_point, source_path, step_budget
 from .recipe import Recipe, dump_recipe
@@ -109,7 +117,7 @@ class AdaptRun:
         self.check_data_prepared()
         student = self.setup_student()
         self.setup_data()  # before the rewiring: `auto:N` calibrates on training blocks
-        teacher = load_teacher(self.recipe, self.sources.teacher, student)
+        teacher = load_teacher(self.recipe, self.sources.teacher, student, empty=self.receives_weights)
         student = self.rewire(student)
         self.setup_teacher(teacher)
         student = self.select_trainable(student)
@@ -134,8 +142,12 @@ class AdaptRun:
         self.tokens_per_step, self.total_steps = budget.tokens_per_step, budget.total_steps
 
     def setup_student(self) -> torch.nn.Module:
-        """model.path as loaded, with its tokenizer and the facts the model card names."""
-        model, self.tokenizer, self.source_facts = load_student(self.sources.student)
+        """model.path as loaded, with its tokenizer and the facts the model card names; on the meta
+        device in a process that receives its weights from the main one (adapt/models.py)."""
+        self.weights_from_main = weights_from_main(self.accelerator)
+        self.receives_weights = self.weights_from_main and not self.main
+        reset_peak_host_memory()  # `describe` reports the peak from here
+        model, self.tokenizer, self.source_facts = load_student(self.sources.student, empty=self.receives_weights)
         return model
 
     def rewire(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -195,7 +207,7 @@ class AdaptRun:
     def setup_teacher(self, teacher: torch.nn.Module | None) -> None:
         """The teacher frozen on the device (adapt/models.py), once the student is rewired."""
         if teacher is not None:
-            self.teacher = prepare_teacher(teacher, self.recipe, self.accelerator.device)
+            self.teacher = prepare_teacher(teacher, self.recipe, self.accelerator.device, self.weights_from_main)
 
     def select_trainable(self, model: torch.nn.Module) -> torch.nn.Module:
         """Freeze all but the ladder layers (`ladder`), the named layers (`layers`), or wrap the model
@@ -288,6 +300,7 @@ class AdaptRun:
             f"the loss); {self.total_steps} steps of {self.tokens_per_step} tokens"
             + (f" (the run repeats the data {repeats:.1f} times)" if repeats > 1 else "")
             + (f"; resuming at step {self.state.step}" if resumed else "")
+            + f"\n{peak_host_memory(self.accelerator)}"
         )
 
     # --- the loop ---------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """adapt/ beyond one plain process: FSDP2 on 2 CPU processes over gloo (the path the 8-GPU recipes
-take), gradient accumulation (with DDP's no_sync), SIGKILLs of the launcher and of a checkpoint
-save, and the refusal to reuse a run made under another recipe.
+take; process 0 reads the checkpoint, process 1 receives its shards), two localhost "nodes" of one
+process (the multi-node config), gradient accumulation (with DDP's no_sync), SIGKILLs of the
+launcher and of a checkpoint save, and the refusal to reuse a run made under another recipe.
 
-Each multi-process run is a real `accelerate launch` of `ladder adapt` on the tiny checkpoint.
+Each multi-process run is a real `accelerate launch` of `ladder adapt` on a tiny checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_adapt import corpus, losses, metrics, run_adapt, write_recipe  # noqa: F401 (corpus: a fixture)
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from ladder.adapt.data import prepare_data
 from ladder.adapt.losses import block_losses
@@ -28,10 +29,11 @@ from ladder.adapt.recipe import load_recipe
 from ladder.adapt.train import train
 from ladder.cli import main as ladder_main
 from ladder.launch import free_port, multi_process_launcher
-from tiny import two_processes
+from tiny import tiny_llama, two_processes
 
 REPO = Path(__file__).resolve().parents[1]
 FSDP_CONFIG = REPO / "recipes" / "accelerate" / "fsdp-cpu-2proc.yaml"
+MULTINODE_CONFIG = REPO / "recipes" / "accelerate" / "fsdp-multinode.yaml"
 STEPS = 8  # 256 tokens each; checkpoints at steps 3 and 6
 
 
@@ -83,7 +85,14 @@ def fsdp_run(tmp_path_factory, tiny_checkpoint, corpus) -> Path:  # noqa: F811
     recipe = write_recipe(directory, tiny_checkpoint, corpus, budget=STEPS * 256, **{"batch.micro_batch": 2})
     output = launch(recipe, fsdp_launcher())
     assert "2 process(es)" in output
+    assert len(host_memory(output)) == 2  # process 0 read the checkpoint, process 1 received its shards
     return directory / "run"
+
+
+def host_memory(output: str) -> list[float]:
+    """The peak RSS (MiB) of each process from the models' loading to the first step, as the run said."""
+    (line,) = [line for line in output.splitlines() if line.startswith("host memory from the models' loading")]
+    return [float(part.split(" MiB")[0]) for part in line.split(": ", 1)[1].split(", ")]
 
 
 # --- FSDP -------------------------------------------------------------------------------------------
@@ -124,6 +133,72 @@ def test_fsdp_final_model_is_the_gathered_trained_model(one_process_run, fsdp_ru
     with torch.no_grad():
         logged = block_losses(model, torch.from_numpy(heldout.astype(np.int64))).mean()
     assert float(logged) == pytest.approx([r["eval_loss"] for r in metrics(fsdp_run) if "eval_loss" in r][-1], rel=1e-5)
+
+
+# --- several nodes ----------------------------------------------------------------------------------
+
+
+def machine_launcher(machine_rank: int, port: int) -> list[str]:
+    """`accelerate launch` as one node of fsdp-multinode.yaml runs it, here 2 "nodes" of one process."""
+    return [
+        *[sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(MULTINODE_CONFIG)],
+        *["--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine_rank)],
+        *["--main_process_ip", "127.0.0.1", "--main_process_port", str(port)],
+    ]
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny checkpoint whose decoder layers, not its (tied) embedding, hold most of its 88 MB: what a
+    process that receives its shards saves shows in its memory, as for an 8B model."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    model = tiny_llama(
+        vocab_size=len(tokenizer),
+        num_hidden_layers=8,
+        intermediate_size=8192,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    directory = tmp_path_factory.mktemp("wide-llama")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@two_processes
+def test_two_nodes_read_the_checkpoint_once_and_give_the_loss_curve_of_one_process(
+    tmp_path,
+    wide_checkpoint,
+    corpus,  # noqa: F811
+):
+    # Two "nodes" of one process each on localhost (two launchers, static rendezvous, gloo) train the
+    # recipe that one process trains, with a teacher (kd mixed with lm, plus the hidden-stream term).
+    # Process 1 builds the student and the teacher on the meta device, rewires there, and receives
+    # the student's shards and the whole teacher from process 0: its peak memory stays below process
+    # 0's by much of the checkpoint, and the losses are one process's (today's tolerance).
+    steps = 4
+    overrides = {"budget": steps * 256, "objective.name": "mix", "objective.hidden_weight": 0.5, "eval_every": 2}
+    one = write_recipe(tmp_path / "one", wide_checkpoint, corpus, **overrides)
+    train(load_recipe(one))
+    two = write_recipe(tmp_path / "two", wide_checkpoint, corpus, **overrides, **{"batch.micro_batch": 2})
+    assert ladder_main(["adapt", str(two), "--prepare-data"]) == 0
+    port = free_port()
+    # On a machine with GPUs each "node" takes its own (both are local rank 0).
+    gpus = [
+        {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)} if torch.cuda.device_count() > 1 else None for rank in (0, 1)
+    ]
+    nodes = [run_adapt([str(two)], launcher=machine_launcher(rank, port), env=gpus[rank]) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "2 process(es)" in outputs[0]
+    assert_same_curve(metrics(tmp_path / "one" / "run"), metrics(tmp_path / "two" / "run"), 1e-5, 1e-3)
+    checkpoint_mib = (wide_checkpoint / "model.safetensors").stat().st_size / 2**20
+    main, other = host_memory(outputs[0])
+    print(f"peak RSS from loading to the first step: process 0 {main:.0f} MiB, process 1 {other:.0f} MiB")
+    assert other < main - checkpoint_mib / 2, (main, other, checkpoint_mib)
 
 
 def wait_for_losses(process: subprocess.Popen, run_dir: Path, count: int, timeout: float = 240) -> None:
