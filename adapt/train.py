@@ -46,7 +46,7 @@ from .card import TrainingFacts, model_card
 from .checkpoint import METRICS_FILE, RECIPE_FILE, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import BlockOrder, Splits, prepare_data
 from .distill import Distiller
-from .launch import make_accelerator, start_trackers
+from .launch import fsdp_precision, make_accelerator, start_trackers
 from .memory import allocate_optimizer_state, keep_fewer_activations
 from .models import configure_student, load_student, load_teacher, prepare_teacher
 from .optimizer import build_optimizer
@@ -272,6 +272,7 @@ class AdaptRun:
             f"the loss); {self.total_steps} steps of {self.tokens_per_step} tokens"
             + (f" (the run repeats the data {repeats:.1f} times)" if repeats > 1 else "")
             + (f"; resuming at step {self.state.step}" if resumed else "")
+            + (f"\nFSDP2: {fsdp_precision(self.model)}" if self.fsdp else "")
         )
 
     # --- the loop ---------------------------------------------------------------------------------

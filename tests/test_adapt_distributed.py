@@ -82,6 +82,8 @@ def fsdp_run(tmp_path_factory, tiny_checkpoint, corpus) -> Path:  # noqa: F811
     recipe = write_recipe(directory, tiny_checkpoint, corpus, budget=STEPS * 256, **{"batch.micro_batch": 2})
     output = launch(recipe, fsdp_launcher())
     assert "2 process(es)" in output
+    # The mixed-precision policy, as the run read it back from its FSDP units: gradients reduce in fp32.
+    assert "FSDP2: parameters in float32, gradients reduced in float32" in output.splitlines()
     return directory / "run"
 
 
