@@ -50,6 +50,7 @@ from .launch import fsdp_precision, make_accelerator, start_trackers
 from .memory import allocate_optimizer_state, keep_fewer_activations
 from .models import configure_student, load_student, load_teacher, prepare_teacher
 from .optimizer import build_optimizer
+from .preemption import Preempted, StopSignals
 from .preflight import check_data_files, check_model, resume_point, source_path, step_budget
 from .recipe import Recipe, dump_recipe
 from .step import TrainingStep
@@ -68,16 +69,18 @@ def prepare(recipe: Recipe) -> Splits:
 
 
 def train(recipe: Recipe) -> Path:
-    """Run a recipe to the end (or continue it, with `resume`); returns the final model directory."""
+    """Run a recipe to the end (or continue it, with `resume`); returns the final model directory.
+    SIGTERM or SIGUSR1 ends it after the step in progress with a checkpoint: `Preempted`."""
     run = AdaptRun(recipe)
-    finished = run.setup()
-    if finished is not None:
-        return finished
-    try:
-        run.train()
-        return run.save_final()
-    finally:
-        run.cleanup()
+    with run.stop_signals:
+        finished = run.setup()
+        if finished is not None:
+            return finished
+        try:
+            run.train()
+            return run.save_final()
+        finally:
+            run.cleanup()
 
 
 class AdaptRun:
@@ -91,6 +94,7 @@ class AdaptRun:
         self.postfix: dict[str, str] = {}
         self.teacher = None
         self.distiller: Distiller | None = None
+        self.stop_signals = StopSignals()
 
     # --- setup: checks first (no weight loads before them), then models, data, optimizer, resume --
 
@@ -331,9 +335,19 @@ class AdaptRun:
             self.progress.set_postfix(self.postfix, refresh=False)
             if self.state.step % recipe.eval_every == 0 or self.state.step == self.total_steps:
                 self.evaluate()
-            if self.state.step % recipe.checkpoint_every == 0 and self.state.step < self.total_steps:
+            saved = self.state.step % recipe.checkpoint_every == 0 and self.state.step < self.total_steps
+            if saved:
                 self.save_checkpoint()
+            if self.state.step < self.total_steps and (received := self.stop_signals.agreed(accelerator)):
+                self.stop(received, saved)
         self.progress.close()
+
+    def stop(self, received: int, saved: bool) -> None:
+        """End the run after this step on a stop signal, with a checkpoint of it (adapt/preemption.py)."""
+        checkpoint = self.checkpoint_dir / f"step-{self.state.step:06d}"
+        if not saved:
+            self.save_checkpoint()
+        raise Preempted(received, self.state.step, checkpoint, self.accelerator)
 
     def evaluate(self) -> float | None:
         """The held-out loss (adapt/step.py), logged and printed."""
@@ -437,4 +451,4 @@ class AdaptRun:
         self.accelerator.end_training()
 
 
-__all__ = ["LAYER_SEARCH_FILE", "AdaptRun", "TrainingDiverged", "prepare", "resume_point", "train"]
+__all__ = ["LAYER_SEARCH_FILE", "AdaptRun", "Preempted", "TrainingDiverged", "prepare", "resume_point", "train"]

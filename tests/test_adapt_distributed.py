@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -135,24 +136,69 @@ def wait_for_losses(process: subprocess.Popen, run_dir: Path, count: int, timeou
         time.sleep(0.05)
 
 
+def ranks(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The training processes `accelerate launch` started (torchrun's workers)."""
+    return [child for child in psutil.Process(launcher.pid).children() if "LOCAL_RANK" in child.environ()]
+
+
+def assert_preempted(output: str, run_dir: Path, recipe: Path, signal_name: str) -> int:
+    """The run said where it stopped and how to resume, and left complete checkpoints only; returns the step."""
+    said = [line for line in output.splitlines() if "resume with:" in line]
+    assert len(said) == 1, output
+    step = len(losses(run_dir))
+    checkpoint = run_dir / "checkpoints" / f"step-{step:06d}"
+    assert said[0].startswith(f"ladder adapt: {signal_name}: stopped after step {step} with a checkpoint there, ")
+    assert said[0].split(", ")[-1].startswith(f"{checkpoint}; resume with: ladder adapt {recipe} resume=true")
+    assert (checkpoint / "trainer_state.json").is_file() and not (run_dir / "model").exists()
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")], "a temporary was left"
+    return step
+
+
 @two_processes
-def test_fsdp_launcher_killed_mid_run_resumes_exactly(tmp_path, tiny_checkpoint, corpus, fsdp_run):  # noqa: F811
+def test_fsdp_preempted_then_killed_resumes_exactly(tmp_path, tiny_checkpoint, corpus, fsdp_run):  # noqa: F811
     recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256, **{"batch.micro_batch": 2})
     run_dir = tmp_path / "run"
-    # Its own session, so the SIGKILL takes the launcher and both ranks at once, as a lost node would.
+    # SIGUSR1 (a scheduler's warning) reaches the ranks at once, as Slurm signals every task: each
+    # finishes the step in progress, all agree to stop after the same one, save it and exit 0.
     process = run_adapt([str(recipe)], launcher=fsdp_launcher(), start_new_session=True)
-    wait_for_losses(process, run_dir, 4)
+    wait_for_losses(process, run_dir, 2)
+    for rank in ranks(process):
+        rank.send_signal(signal.SIGUSR1)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    preempted_at = assert_preempted(output, run_dir, recipe, "SIGUSR1")
+    assert 2 <= preempted_at < STEPS
+
+    # The resumed run is killed (its own session, so the SIGKILL takes the launcher and both ranks at
+    # once, as a lost node would) after the next periodic checkpoint; the second resume finishes.
+    process = run_adapt([str(recipe), "resume=true"], launcher=fsdp_launcher(), start_new_session=True)
+    wait_for_losses(process, run_dir, max(preempted_at, 3) + 1)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert not (run_dir / "model").exists(), "the run finished before it could be killed"
-    assert (run_dir / "checkpoints" / "step-000003").is_dir()
 
     launch(recipe, fsdp_launcher(), "resume=true")
-    # The resumed run loads the sharded checkpoint (model, optimizer, scheduler, both ranks' RNG)
+    # Each resumed run loads the sharded checkpoint (model, optimizer, scheduler, both ranks' RNG)
     # and computes exactly what the uninterrupted run computed.
     assert losses(run_dir) == losses(fsdp_run)
     resumed, straight = weights(run_dir), weights(fsdp_run)
     assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[name], straight[name]) for name in straight)
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, tiny_checkpoint, corpus, one_process_run):  # noqa: F811
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256)
+    run_dir = tmp_path / "run"
+    process = run_adapt([str(recipe)])
+    wait_for_losses(process, run_dir, 4)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output
+    assert 4 <= assert_preempted(output, run_dir, recipe, "SIGTERM") < STEPS
+
+    assert ladder_main(["adapt", str(recipe), "resume=true"]) == 0
+    assert losses(run_dir) == losses(one_process_run)
+    resumed, straight = weights(run_dir), weights(one_process_run)
     assert all(torch.equal(resumed[name], straight[name]) for name in straight)
 
 
