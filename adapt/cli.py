@@ -72,14 +72,15 @@ def prepare_data(recipe: Recipe) -> int:
 
 
 def train(recipe: Recipe, recipe_file: str, overrides: list[str]) -> int:
-    """Run the recipe; a diverged run is one line on stderr and status 1; a run stopped by SIGTERM or
+    """Run the recipe; a diverged run, or one whose processes lost touch, is one line on stderr and
+    status 1; a run stopped by SIGTERM or
     SIGUSR1 (a scheduler's preemption) says how to resume and ends with status 0."""
-    from .train import Preempted, TrainingDiverged
+    from .train import Preempted, ProcessesLost, TrainingDiverged
     from .train import train as run_recipe
 
     try:
         run_recipe(recipe)
-    except TrainingDiverged as error:
+    except (TrainingDiverged, ProcessesLost) as error:
         print(f"ladder adapt: {error}", file=sys.stderr)
         return 1
     except Preempted as stop:

@@ -3,9 +3,11 @@ its experiment trackers."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -33,9 +35,9 @@ def make_accelerator(recipe: Recipe, run_dir: Path) -> Accelerator:
         if name not in {str(t) for t in get_available_trackers()}:
             raise UsageError(f"logging.log_with: {name} needs its package (pip install {name.replace('_', '-')})")
     warn_single_cpu_launch()
-    # The main process may tokenize for a long while (when --prepare-data was not run first)
-    # while the others wait at a barrier.
-    process_group = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=6))
+    # The processes start with the long setup timeout: the main process may tokenize, search layers
+    # or load for a long while as the others wait at a barrier. Training shortens it (`set_timeout`).
+    process_group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=recipe.timeout.setup))
     # With no GPU, processes started by `accelerate launch --multi_gpu` (or an FSDP config) train on CPU over gloo.
     cpu = not torch.accelerator.is_available()
     fsdp = parse_flag_from_env("ACCELERATE_USE_FSDP")
@@ -82,6 +84,29 @@ def fsdp_precision(model: torch.nn.Module) -> str:
         f"parameters in {str(params).removeprefix('torch.')}, gradients reduced in {str(reduce).removeprefix('torch.')}"
         for params, reduce in sorted(policies, key=str)
     )
+
+
+def set_timeout(seconds: float) -> None:
+    """Every process group's timeout for the collectives that follow (none without several processes).
+    torch sets it per group (`_set_pg_timeout`, as torchtitan does after its first step): FSDP's
+    device mesh may add groups beside the default one."""
+    if not torch.distributed.is_initialized():
+        return
+    from torch.distributed import distributed_c10d
+
+    for group in list(distributed_c10d._world.pg_map):
+        distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+@contextlib.contextmanager
+def long_waits(recipe: Recipe) -> Iterator[None]:
+    """The setup timeout while the processes may wait long on each other (a checkpoint or the final
+    model written), then the collective timeout again."""
+    set_timeout(recipe.timeout.setup)
+    try:
+        yield
+    finally:
+        set_timeout(recipe.timeout.collective)
 
 
 def start_trackers(accelerator: Accelerator, recipe: Recipe, run_dir: Path, resumed_at: int) -> None:
@@ -142,7 +167,9 @@ __all__ = [
     "enable_fsdp_on_cpu",
     "fsdp_plugin",
     "fsdp_precision",
+    "long_waits",
     "make_accelerator",
+    "set_timeout",
     "start_trackers",
     "warn_single_cpu_launch",
 ]

@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -46,7 +48,7 @@ from .card import TrainingFacts, model_card
 from .checkpoint import METRICS_FILE, RECIPE_FILE, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import BlockOrder, Splits, prepare_data
 from .distill import Distiller
-from .launch import fsdp_precision, make_accelerator, start_trackers
+from .launch import fsdp_precision, long_waits, make_accelerator, set_timeout, start_trackers
 from .memory import allocate_optimizer_state, keep_fewer_activations
 from .models import configure_student, load_student, load_teacher, prepare_teacher
 from .optimizer import build_optimizer
@@ -60,6 +62,11 @@ LAYER_SEARCH_FILE = "layer_search.json"  # what `model.ladder_layers: auto:N` me
 
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm stopped being finite; the message names the step and what was kept."""
+
+
+class ProcessesLost(RuntimeError):
+    """A collective failed: another process hung past `timeout.collective`, or died; the message names
+    the step and what was kept."""
 
 
 def prepare(recipe: Recipe) -> Splits:
@@ -81,6 +88,15 @@ def train(recipe: Recipe) -> Path:
             return run.save_final()
         finally:
             run.cleanup()
+
+
+def raised_by_a_collective(error: BaseException) -> bool:
+    """Whether `error` comes out of torch.distributed (gloo raises a plain RuntimeError on a timeout
+    or a lost peer, NCCL a DistBackendError)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, torch.distributed.DistError) or (
+        bool(frames) and f"torch{os.sep}distributed{os.sep}" in frames[-1].filename
+    )
 
 
 class AdaptRun:
@@ -291,9 +307,25 @@ class AdaptRun:
             dynamic_ncols=True,
             disable=not (self.main and recipe.logging.progress),
         )
+        try:
+            self.train_steps()
+        except RuntimeError as error:
+            if not raised_by_a_collective(error):
+                raise
+            kept = latest_checkpoint(self.checkpoint_dir)
+            raise ProcessesLost(
+                f"process {accelerator.process_index}: step {self.state.step + 1}: the processes lost touch "
+                f"(timeout.collective={recipe.timeout.collective:g}s): {first_line(error)}; "
+                + (f"the last checkpoint is kept: {kept}" if kept else "no checkpoint had been written")
+            ) from None
+        self.progress.close()
+
+    def train_steps(self) -> None:
+        recipe, accelerator = self.recipe, self.accelerator
         if self.state.step == 0:
             self.evaluate()
         self.model.train()
+        first = self.state.step
         while self.state.step < self.total_steps:
             started = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
@@ -317,6 +349,8 @@ class AdaptRun:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.state.step += 1
+            if self.state.step == first + 1:  # the first step may compile: the long timeout until it ends
+                set_timeout(recipe.timeout.collective)
             self.state.tokens_seen += self.tokens_per_step
             self.state.data_position += self.order.per_step
             seconds = time.perf_counter() - started
@@ -340,7 +374,6 @@ class AdaptRun:
                 self.save_checkpoint()
             if self.state.step < self.total_steps and (received := self.stop_signals.agreed(accelerator)):
                 self.stop(received, saved)
-        self.progress.close()
 
     def stop(self, received: int, saved: bool) -> None:
         """End the run after this step on a stop signal, with a checkpoint of it (adapt/preemption.py)."""
@@ -384,7 +417,8 @@ class AdaptRun:
     def save_checkpoint(self) -> None:
         """An atomic `checkpoints/step-NNNNNN`; older ones beyond `keep_checkpoints` are removed."""
         final = self.checkpoint_dir / f"step-{self.state.step:06d}"
-        save_checkpoint(self.accelerator, final, self.state, self.recipe, self.recipe.keep_checkpoints)
+        with long_waits(self.recipe):  # the main process may write for long while the others wait
+            save_checkpoint(self.accelerator, final, self.state, self.recipe, self.recipe.keep_checkpoints)
         if self.main and "tensorboard" in self.recipe.logging.log_with:
             # Events up to the checkpoint reach the disk now: a resumed run purges only what comes after it.
             self.accelerator.get_tracker("tensorboard", unwrap=True).flush()
@@ -409,6 +443,7 @@ class AdaptRun:
         tokenizer and recipe. The weights go through a fresh model built on the meta device, so the
         same code serves one process, DDP and FSDP (whose `get_state_dict` gathers the shards)."""
         accelerator = self.accelerator
+        set_timeout(self.recipe.timeout.setup)  # the others wait while the main process writes
         if self.recipe.trainable.mode == "lora":
             trained = accelerator.unwrap_model(self.model).merge_and_unload()
             state_dict = trained.state_dict()
@@ -451,4 +486,13 @@ class AdaptRun:
         self.accelerator.end_training()
 
 
-__all__ = ["LAYER_SEARCH_FILE", "AdaptRun", "Preempted", "TrainingDiverged", "prepare", "resume_point", "train"]
+__all__ = [
+    "LAYER_SEARCH_FILE",
+    "AdaptRun",
+    "Preempted",
+    "ProcessesLost",
+    "TrainingDiverged",
+    "prepare",
+    "resume_point",
+    "train",
+]

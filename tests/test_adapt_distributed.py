@@ -1,6 +1,7 @@
 """adapt/ beyond one plain process: FSDP2 on 2 CPU processes over gloo (the path the 8-GPU recipes
-take), gradient accumulation (with DDP's no_sync), SIGKILLs of the launcher and of a checkpoint
-save, and the refusal to reuse a run made under another recipe.
+take; gradients reduced in fp32), gradient accumulation (with DDP's no_sync), preemption signals,
+SIGKILLs of the launcher and of a checkpoint save, a stalled rank (the two timeouts), and the
+refusal to reuse a run made under another recipe.
 
 Each multi-process run is a real `accelerate launch` of `ladder adapt` on the tiny checkpoint.
 """
@@ -184,6 +185,60 @@ def test_fsdp_preempted_then_killed_resumes_exactly(tmp_path, tiny_checkpoint, c
     resumed, straight = weights(run_dir), weights(fsdp_run)
     assert resumed.keys() == straight.keys()
     assert all(torch.equal(resumed[name], straight[name]) for name in straight)
+
+
+def started_ranks(launcher: subprocess.Popen, count: int = 2) -> list[psutil.Process]:
+    """The launcher's ranks by rank, once all have started."""
+    deadline = time.monotonic() + 60
+    while len(found := ranks(launcher)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(found) == count, "the ranks did not start"
+    return sorted(found, key=lambda rank: int(rank.environ()["RANK"]))
+
+
+def wait_until_waiting(process: psutil.Process, timeout: float = 120) -> None:
+    """Until `process` uses no CPU for a second: it waits (here: for a stopped peer)."""
+    deadline, used = time.monotonic() + timeout, -1.0
+    while time.monotonic() < deadline:
+        now = sum(process.cpu_times()[:2])
+        if now == used:
+            return
+        used = now
+        time.sleep(1)
+
+
+@two_processes
+def test_a_stalled_rank_ends_the_run_fast_naming_the_step(tmp_path, tiny_checkpoint, corpus):  # noqa: F811
+    collective = 3  # seconds (timeout.collective; 900 by default)
+    overrides = {"batch.micro_batch": 2, "timeout.collective": collective, "precision": "bf16"}
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256, **overrides)
+    run_dir = tmp_path / "run"
+    process = run_adapt([str(recipe)], launcher=fsdp_launcher(), start_new_session=True)
+    main, other = started_ranks(process)
+    # The main process stalls while the run starts, for longer than timeout.collective: the other
+    # waits for it under the long timeout.setup, and the run goes on once it continues.
+    main.suspend()
+    wait_until_waiting(other)
+    time.sleep(2 * collective)
+    main.resume()
+    wait_for_losses(process, run_dir, 2)
+    # Training: a process that stops answering ends the run within timeout.collective.
+    other.suspend()
+    stalled = time.monotonic()
+    main.wait(timeout=120)
+    waited = time.monotonic() - stalled
+    other.resume()  # so that torchrun's SIGTERM reaches it (a stopped process would wait for SIGKILL)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0 and not (run_dir / "model").exists()
+    said = [line for line in output.splitlines() if line.startswith("ladder adapt: process 0:")]
+    step = len(losses(run_dir)) + 1
+    assert len(said) == 1 and said[0].startswith(
+        f"ladder adapt: process 0: step {step}: the processes lost touch (timeout.collective={collective}s): "
+    ), output
+    assert said[0].endswith(f"the last checkpoint is kept: {run_dir / 'checkpoints' / 'step-000003'}") == (step > 3)
+    assert collective <= waited < collective + 20
+    # bf16 under FSDP2: parameters gathered in bf16, gradients still reduced in fp32.
+    assert "FSDP2: parameters in bfloat16, gradients reduced in float32" in output.splitlines()
 
 
 def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, tiny_checkpoint, corpus, one_process_run):  # noqa: F811
