@@ -28,12 +28,14 @@ METRICS_FILE = "metrics.jsonl"  # in the run folder: one JSON line per step and 
 class TrainState:
     """What a checkpoint holds beside accelerate's state. Rules on resume: `step` continues as is;
     `data_position` must equal step * blocks_per_step (the batch shape cannot change mid-run);
-    `processes` must equal the new run's (RNG states are saved per process)."""
+    `processes` must equal the new run's (RNG states are saved per process); `data_files` must hold
+    the same contents (`check_same_data`)."""
 
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0  # step * tokens per step, all processes together
     data_position: int = 0  # blocks consumed from the shuffled stream (see BlockOrder)
     processes: int = 1
+    data_files: dict[str, str] = dataclasses.field(default_factory=dict)  # path -> SHA-256 of each local data file
 
 
 def checkpoints(directory: Path) -> list[Path]:
@@ -95,6 +97,27 @@ def check_same_recipe(path: Path, recipe: Recipe) -> None:
         )
 
 
+def check_same_data(path: Path, data_files: dict[str, str]) -> None:
+    """Refuse to continue from the checkpoint at `path` when a local data file's contents differ from
+    those it was trained on (the same recipe may name a file that has since changed)."""
+    recorded = json.loads((path / STATE_FILE).read_text()).get("data_files")
+    if not recorded:  # written before checkpoints recorded the data
+        return
+    for name in sorted(set(recorded) | set(data_files)):
+        if recorded.get(name) == data_files.get(name):
+            continue
+        if name not in data_files:
+            change = "no longer exists"
+        elif name not in recorded:
+            change = "is new"
+        else:
+            change = f"changed (SHA-256 {recorded[name][:12]}... then, {data_files[name][:12]}... now)"
+        raise UsageError(
+            f"resume: the data differ from those {path} was trained on: {name} {change}; "
+            "resume with the same data, or start a new output_dir"
+        )
+
+
 def load_checkpoint(accelerator: Accelerator, path: Path, recipe: Recipe, blocks_per_step: int) -> TrainState:
     """Restore accelerate's state from `path` after checking it was written by the same recipe and
     the same number of processes; returns its `TrainState`."""
@@ -115,6 +138,7 @@ __all__ = [
     "RECIPE_FILE",
     "STATE_FILE",
     "TrainState",
+    "check_same_data",
     "check_same_recipe",
     "checkpoints",
     "differing_keys",

@@ -45,7 +45,15 @@ from ladder.layers import (
 )
 
 from .card import TrainingFacts, model_card
-from .checkpoint import METRICS_FILE, RECIPE_FILE, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    METRICS_FILE,
+    RECIPE_FILE,
+    TrainState,
+    check_same_data,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .data import BlockOrder, Splits, prepare_data
 from .distill import Distiller
 from .launch import fsdp_precision, long_waits, make_accelerator, set_timeout, start_trackers
@@ -125,7 +133,9 @@ class AdaptRun:
             self.accelerator.print(f"{self.final_dir} is already complete: nothing to resume")
             return self.final_dir
         set_seed(self.recipe.seed)
-        check_data_files(self.recipe)
+        self.data_files = check_data_files(self.recipe)
+        if resume_from is not None:
+            check_same_data(resume_from, self.data_files)
         student = self.setup_student()
         self.setup_data()  # before the rewiring: `auto:N` calibrates on training blocks
         teacher = load_teacher(self.recipe, self.sources.teacher, student)
@@ -272,7 +282,9 @@ class AdaptRun:
         """Continue from a checkpoint, or start the run folder with an empty metrics log."""
         if resume_from is not None:
             self.load_checkpoint(resume_from)
+            self.state.data_files = self.data_files  # (empty in checkpoints written before they recorded it)
         else:
+            self.state.data_files = self.data_files
             allocate_optimizer_state(self.optimizer.optimizer)  # a resumed run loads its own instead
             if self.main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)

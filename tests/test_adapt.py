@@ -616,6 +616,31 @@ def test_resume_refuses_a_changed_recipe(tmp_path, tiny_checkpoint, corpus, caps
     assert "the recipe differs" in error and "at optimizer.lr;" in error
 
 
+def test_resume_refuses_changed_data_at_the_same_path(tmp_path, tiny_checkpoint, corpus, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for book in (corpus / "train").iterdir():
+        (data / book.name).write_bytes(book.read_bytes())
+    recipe = write_recipe(
+        tmp_path, tiny_checkpoint, corpus, budget=2 * 256, checkpoint_every=1, **{"data.train": [str(data)]}
+    )
+    train(load_recipe(recipe))
+    (tmp_path / "run" / "model").rename(tmp_path / "done")  # as if killed after the checkpoint at step 1
+    changed = data / "book1.txt"
+    changed.write_text(prose(7, 40))  # the same recipe, the same path, other text
+    kept = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p != changed}
+    capsys.readouterr()
+    assert ladder_main(["adapt", str(recipe), "resume=true"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000001"
+    assert len(lines) == 1 and lines[0].startswith(
+        f"ladder adapt: error: resume: the data differ from those {checkpoint} was trained on: {changed} changed "
+    ), lines  # one line, before any weight loads (no loading bar)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p != changed} == kept
+    changed.write_bytes((corpus / "train" / "book1.txt").read_bytes())  # put back: the run continues
+    assert ladder_main(["adapt", str(recipe), "resume=true"]) == 0
+
+
 @pytest.mark.parametrize(
     "overrides, message, before_loading",
     [
