@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from ladder.errors import UsageError
-from ladder.io.files import atomic_directory
+from ladder.io.files import atomic_directory, write_failure
 
 from .recipe import RESUME_FREE_KEYS, Recipe, dump_recipe, recipe_from_dict
 
@@ -67,13 +67,25 @@ def differing_keys(saved: dict, current: dict, prefix: str = "") -> list[str]:
 def save_checkpoint(accelerator: Accelerator, final: Path, state: TrainState, recipe: Recipe, keep: int) -> None:
     """Write `final` atomically from every process; then keep only the newest `keep` checkpoints."""
     main = accelerator.is_main_process
+    kept = latest_checkpoint(final.parent)
     with contextlib.ExitStack() as stack:
         temporary = stack.enter_context(atomic_directory(final, force=True)) if main else None
         temporary = broadcast_object_list([str(temporary)])[0]
-        accelerator.save_state(temporary)
-        if main:
-            Path(temporary, STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=1))
-            Path(temporary, RECIPE_FILE).write_text(dump_recipe(recipe))
+        try:
+            accelerator.save_state(temporary)
+            if main:
+                Path(temporary, STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=1))
+                Path(temporary, RECIPE_FILE).write_text(dump_recipe(recipe))
+        except Exception as error:  # the temporary is removed on the way out; `kept` stays as it was
+            if (failure := write_failure(error, final.parent)) is None:
+                raise
+            previous = json.loads((kept / STATE_FILE).read_text())["step"] if kept else None
+            raise UsageError(
+                f"{failure} while writing the checkpoint at step {state.step} ({final}); "
+                + (f"the checkpoint at step {previous} is kept: " if kept else "no checkpoint was written before: ")
+                + ("free some space and " if failure.startswith("no space") else "")
+                + ("resume with resume=true" if kept else "start again")
+            ) from None
         accelerator.wait_for_everyone()
     accelerator.wait_for_everyone()
     if main:

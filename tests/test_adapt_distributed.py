@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_adapt import corpus, losses, metrics, run_adapt, write_recipe  # noqa: F401 (corpus: a fixture)
+from test_convert import _mount_namespace_prefix
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ladder.adapt.data import prepare_data
@@ -328,6 +329,46 @@ def test_a_kill_while_a_checkpoint_is_written_keeps_the_previous_one(
     resumed, straight = weights(tmp_path / "run"), weights(one_process_run)
     assert all(torch.equal(resumed[name], straight[name]) for name in straight)
     assert not [p for p in checkpoints.iterdir() if p.name.startswith(".")], "the half-written save was cleared"
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_one(
+    tmp_path,
+    tiny_checkpoint,
+    corpus,  # noqa: F811
+    one_process_run,
+):
+    # A real ENOSPC: the run folder is on a 110 MB tmpfs, where the checkpoint at step 3 (77 MB:
+    # weights and AdamW's two moments in fp32) fits and the one at step 6 does not.
+    prefix = _mount_namespace_prefix()
+    disk, copied = tmp_path / "disk", tmp_path / "copied"
+    disk.mkdir()
+    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256, output_dir=str(disk / "run"))
+    script = (
+        f"mount -t tmpfs -o size=110m tmpfs {disk} && {sys.executable} -m ladder.cli adapt {recipe}; "
+        f"echo exit=$?; cp -a {disk / 'run'} {copied}"
+    )
+    result = subprocess.run([*prefix, "sh", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip().splitlines()[-1] == "exit=2", result.stdout + result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error == (
+        f"ladder adapt: error: no space left on the device while writing the checkpoint at step 6 "
+        f"({disk / 'run' / 'checkpoints' / 'step-000006'}); the checkpoint at step 3 is kept: "
+        "free some space and resume with resume=true"
+    ), result.stderr
+    assert "Traceback" not in result.stderr
+    # The previous checkpoint is whole (the uninterrupted run's, tensor for tensor) and nothing else is left.
+    assert [p.name for p in (copied / "checkpoints").iterdir()] == ["step-000003"]
+    kept, straight = copied / "checkpoints" / "step-000003", one_process_run / "checkpoints" / "step-000003"
+    for name in ("model.safetensors",):
+        ours, theirs = load_file(kept / name), load_file(straight / name)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    ours, theirs = (torch.load(d / "optimizer.bin", weights_only=True) for d in (kept, straight))
+    assert all(
+        torch.equal(ours["state"][i][k], theirs["state"][i][k])
+        for i in theirs["state"]
+        for k in ("exp_avg", "exp_avg_sq")
+    )
+    assert {p.name for p in kept.iterdir()} == {p.name for p in straight.iterdir()}
 
 
 # --- no silent reuse --------------------------------------------------------------------------------

@@ -99,6 +99,22 @@ def atomic_directory(final: str | Path, force: bool = False) -> Iterator[Path]:
         raise
 
 
+def write_failure(error: BaseException, directory: str | Path) -> str | None:
+    """What went wrong, in words, when `error` (raised while writing into `directory`) is the file
+    system's doing; None when it is not. Libraries lose the errno on the way: safetensors raises its
+    own error, torch.save an "unexpected pos" enforce failure, so a full disk is also recognised by
+    the space left (under 1 MiB for an ordinary user) once the write has failed."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return "no space left on the device"
+    with contextlib.suppress(OSError):
+        stats = os.statvfs(directory)
+        if stats.f_bavail * stats.f_frsize < 1 << 20:
+            return "no space left on the device"
+    if isinstance(error, OSError):
+        return os.strerror(error.errno) if error.errno else str(error)
+    return None
+
+
 def atomic_write(path: str | Path, data: bytes | str) -> None:
     """Write a whole file under a temporary name, flush it to disk, then rename it into place."""
     path = Path(path)
