@@ -5,7 +5,9 @@
                `hidden`, rewiring (in memory when model.path is an original), trainable parameters,
                AdamW with warmup + decay, resume state, trackers
     train()    per step: micro-batches (forward, loss, backward; adapt/step.py), clip, NaN check,
-               optimizer step, metrics line; evaluation and atomic checkpoints on their schedules
+               optimizer step, metrics line; evaluation and atomic checkpoints on their schedules;
+               SIGTERM or SIGUSR1 ends it after the step with a checkpoint (adapt/preemption.py);
+               collectives wait `timeout.collective` from the second step (`timeout.setup` before)
     cleanup()  save the final model (LoRA merged) with its card (adapt/card.py), close the log
 
 The same code runs on one CPU process, on DDP and on FSDP: `accelerate launch` decides.
