@@ -30,8 +30,10 @@ class TrainingStep:
 
     def gradients(self, step: int) -> tuple[float, float]:
         """Forward and backward over this process's micro-batches of `step`; the loss averaged over
-        all processes."""
+        all processes. The next-token loss is the mean over every labelled position of the step,
+        whichever micro-batch and process holds it (`token_shares`)."""
         accelerator, grad_accum = self.accelerator, self.recipe.batch.grad_accum
+        shares = self.token_shares(step)
         totals = torch.zeros(2, device=accelerator.device)
         for micro_step in range(grad_accum):
             rows = self.order.indices(step, micro_step, accelerator.process_index)
@@ -39,11 +41,37 @@ class TrainingStep:
             # FSDP must reduce-scatter every micro-step: unsharded gradients would not fit.
             skip_sync = micro_step < grad_accum - 1 and not self.fsdp
             with accelerator.no_sync(self.model) if skip_sync else contextlib.nullcontext():
-                loss, lm_loss = self.forward_loss(input_ids, labels, position_ids)
+                share = float(shares[micro_step, accelerator.process_index])
+                loss, lm_loss = self.forward_loss(input_ids, labels, position_ids, share)
                 accelerator.backward(loss / grad_accum)
             totals += torch.stack([loss.detach(), lm_loss.detach()]) / grad_accum
         totals = accelerator.reduce(totals, reduction="mean")
         return float(totals[0]), float(totals[1])
+
+    def token_shares(self, step: int) -> np.ndarray:
+        """Per (micro-step, process) of `step`: its labelled positions over the mean per micro-batch.
+        Gradients are averaged over micro-batches and processes, so a micro-batch's mean next-token
+        loss weighted so is the mean over all the step's labelled positions, as one large batch would
+        give, however unevenly masking (chat turns, document starts) spreads them."""
+        order = self.order
+        counts = np.array(
+            [
+                [
+                    np.count_nonzero(self.label_mask(self.data.train[order.indices(step, a, p)])[:, 1:])
+                    for p in range(order.processes)
+                ]
+                for a in range(order.grad_accum)
+            ]
+        )
+        return counts * counts.size / max(int(counts.sum()), 1)
+
+    def label_mask(self, blocks: Blocks) -> np.ndarray:
+        """1 where a token is a target: its prediction from the token before is trained on. With
+        `data.isolate_documents`, a document's first token is not predicted from the one before."""
+        targets = np.array(blocks.targets, dtype=np.int64)
+        if self.recipe.data.isolate_documents:
+            targets[np.asarray(blocks.starts, dtype=bool)] = 0
+        return targets
 
     def batch(self, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(input ids, labels, position ids) of some blocks, on the device. Labels are -100 before tokens
@@ -51,17 +79,14 @@ class TrainingStep:
         (which makes transformers' mask block-diagonal) and no label crosses into the next document."""
         device = self.accelerator.device
         input_ids = torch.from_numpy(blocks.ids.astype(np.int64)).to(device)
-        targets = np.array(blocks.targets, dtype=np.int64)
+        targets = torch.from_numpy(self.label_mask(blocks)).to(device)
         position_ids = None
         if self.recipe.data.isolate_documents:
-            targets[np.asarray(blocks.starts, dtype=bool)] = (
-                0  # a document's first token is not predicted from the one before
-            )
             position_ids = torch.from_numpy(document_positions(blocks.starts)).to(device)
-        return input_ids, next_token_labels(input_ids, torch.from_numpy(targets).to(device)), position_ids
+        return input_ids, next_token_labels(input_ids, targets), position_ids
 
     def forward_loss(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None, share: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to train on, next-token loss): `lm`, `kd` (T^2-scaled KL to the teacher's distribution at
         every position), their mix, or `hidden` (the residual streams after the ladder layers matched
@@ -71,6 +96,11 @@ class TrainingStep:
         can start from the student's streams (adapt/distill.py)."""
         spec = self.recipe.objective
         kd_weight = {"lm": 0.0, "hidden": 0.0, "kd": 1.0}.get(spec.name, spec.kd_weight)
+        # The next-token term weighted by `share` (its positions against an even micro-batch's,
+        # `token_shares`): the head computes (1 - k') lm + k' kd, which times `scale` is
+        # (1 - kd_weight) share lm + kd_weight kd. (The head's gradients follow its first output only.)
+        scale = (1 - kd_weight) * share + kd_weight
+        head_kd_weight = kd_weight / scale if scale else kd_weight
         taught = []  # the teacher's output, from inside the student's forward
         with self.accelerator.autocast():
 
@@ -91,7 +121,7 @@ class TrainingStep:
                     labels,
                     teacher_hidden,
                     teacher_weight,
-                    kd_weight=kd_weight,
+                    kd_weight=head_kd_weight,
                     temperature=spec.temperature,
                 )
 
@@ -101,6 +131,7 @@ class TrainingStep:
             ):
                 self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         loss, next_token = results[0]
+        loss, next_token = loss * scale, next_token * share
         if spec.name == "hidden" or spec.hidden_weight > 0:
             matched = hidden_loss([captured.streams[i] for i in self.ladder_layers], taught[0].streams)
             loss = matched if spec.name == "hidden" else loss + spec.hidden_weight * matched

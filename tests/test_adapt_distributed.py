@@ -8,6 +8,7 @@ Each multi-process run is a real `accelerate launch` of `ladder adapt` on the ti
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_adapt import corpus, losses, metrics, run_adapt, write_recipe  # noqa: F401 (corpus: a fixture)
+from test_adapt import corpus, losses, metrics, prose, run_adapt, write_recipe  # noqa: F401 (corpus: a fixture)
 from test_convert import _mount_namespace_prefix
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -262,22 +263,33 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, tiny_chec
 
 
 @two_processes
-def test_gradient_accumulation_makes_the_update_of_one_large_batch(tmp_path, tiny_checkpoint, corpus):  # noqa: F811
+def test_gradient_accumulation_makes_the_update_of_one_large_batch(tmp_path, tiny_checkpoint):
     # micro_batch 4 x grad_accum 1 against 2 x 2 in one process and 1 x 2 on two DDP processes,
     # whose first micro-step runs under no_sync: the same blocks per step, so the same loss and
-    # gradient norm (a missing 1/grad_accum doubles the norm; a skipped sync changes it).
-    budget = 3 * 256
-    large = write_recipe(tmp_path / "large", tiny_checkpoint, corpus, budget=budget)
-    accumulated = write_recipe(
-        tmp_path / "accumulated",
-        tiny_checkpoint,
-        corpus,
-        budget=budget,
-        **{"batch.micro_batch": 2, "batch.grad_accum": 2},
-    )
-    shared = write_recipe(
-        tmp_path / "shared", tiny_checkpoint, corpus, budget=budget, **{"batch.micro_batch": 1, "batch.grad_accum": 2}
-    )
+    # gradient norm (a missing 1/grad_accum doubles the norm; a skipped sync changes it). The data
+    # are chats trained on the assistant turns, with isolated documents: the blocks hold unevenly
+    # many labelled positions, and the loss is their mean over the whole step (a mean of each
+    # micro-batch's mean would differ), over micro-batches and processes alike. The objective mixes
+    # in distillation, whose term covers every position: only the next-token term is reweighted.
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": prose(i, 1)},
+                {"role": "assistant", "content": prose(i + 50, i % 3 + 1)},
+            ]
+        }
+        for i in range(40)
+    ]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    chats = {"data.train": [str(tmp_path / "chat.jsonl")], "data.eval": [], "data.heldout_fraction": 0.1}
+    chats |= {"data.isolate_documents": True, "data.cache_dir": str(tmp_path / "cache"), "objective.name": "mix"}
+
+    def recipe(name: str, **batch) -> Path:
+        return write_recipe(tmp_path / name, tiny_checkpoint, tmp_path, budget=3 * 256, **chats, **batch)
+
+    large = recipe("large")
+    accumulated = recipe("accumulated", **{"batch.micro_batch": 2, "batch.grad_accum": 2})
+    shared = recipe("shared", **{"batch.micro_batch": 1, "batch.grad_accum": 2})
     train(load_recipe(large))
     train(load_recipe(accumulated))
     launch(shared, multi_process_launcher(2))
@@ -287,8 +299,9 @@ def test_gradient_accumulation_makes_the_update_of_one_large_batch(tmp_path, tin
     # (The two-process weights are not compared element-wise: AdamW's first steps move a weight
     # whose gradient is near zero by about lr either way, so rounding-level gradient differences
     # can show there; the loss and gradient-norm curves above are the sensitive check.)
+    # One process: equal to well under one step's lr (3e-3); measured 2.5e-5 at most (2 of 6.4M weights).
     final, expected = weights(tmp_path / "accumulated" / "run"), weights(tmp_path / "large" / "run")
-    assert all(torch.allclose(final[name], expected[name], rtol=0, atol=1e-5) for name in expected)
+    assert all(torch.allclose(final[name], expected[name], rtol=0, atol=1e-4) for name in expected)
 
 
 # --- a kill while a checkpoint is written -----------------------------------------------------------
