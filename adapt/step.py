@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,14 @@ from .recipe import Recipe
 
 
 @dataclass
+class StepResult:
+    loss: float  # the training loss, all processes
+    lm_loss: float  # the next-token loss, all processes
+    labelled: int  # positions whose next token is trained on, all processes
+    data_seconds: float  # this process's time getting its blocks onto the device
+
+
+@dataclass
 class TrainingStep:
     accelerator: Accelerator
     model: torch.nn.Module  # as `accelerator.prepare` returned it
@@ -28,16 +37,21 @@ class TrainingStep:
     ladder_layers: list[int]
     fsdp: bool
 
-    def gradients(self, step: int) -> tuple[float, float]:
+    def gradients(self, step: int) -> StepResult:
         """Forward and backward over this process's micro-batches of `step`; the loss averaged over
         all processes. The next-token loss is the mean over every labelled position of the step,
-        whichever micro-batch and process holds it (`token_shares`)."""
+        whichever micro-batch and process holds it (`labelled_positions`)."""
         accelerator, grad_accum = self.accelerator, self.recipe.batch.grad_accum
-        shares = self.token_shares(step)
+        started = time.perf_counter()
+        counts = self.labelled_positions(step)
+        shares = counts * counts.size / max(int(counts.sum()), 1)
+        data_seconds = time.perf_counter() - started
         totals = torch.zeros(2, device=accelerator.device)
         for micro_step in range(grad_accum):
+            started = time.perf_counter()
             rows = self.order.indices(step, micro_step, accelerator.process_index)
             input_ids, labels, position_ids = self.batch(self.data.train[rows])
+            data_seconds += time.perf_counter() - started
             # FSDP must reduce-scatter every micro-step: unsharded gradients would not fit.
             skip_sync = micro_step < grad_accum - 1 and not self.fsdp
             with accelerator.no_sync(self.model) if skip_sync else contextlib.nullcontext():
@@ -46,13 +60,14 @@ class TrainingStep:
                 accelerator.backward(loss / grad_accum)
             totals += torch.stack([loss.detach(), lm_loss.detach()]) / grad_accum
         totals = accelerator.reduce(totals, reduction="mean")
-        return float(totals[0]), float(totals[1])
+        return StepResult(float(totals[0]), float(totals[1]), int(counts.sum()), data_seconds)
 
-    def token_shares(self, step: int) -> np.ndarray:
-        """Per (micro-step, process) of `step`: its labelled positions over the mean per micro-batch.
-        Gradients are averaged over micro-batches and processes, so a micro-batch's mean next-token
-        loss weighted so is the mean over all the step's labelled positions, as one large batch would
-        give, however unevenly masking (chat turns, document starts) spreads them."""
+    def labelled_positions(self, step: int) -> np.ndarray:
+        """Per (micro-step, process) of `step`: its labelled positions. A micro-batch's next-token
+        loss is weighted by its share of them (its count over the mean count): gradients are averaged
+        over micro-batches and processes, so the loss is the mean over all the step's labelled
+        positions, as one large batch would give, however unevenly masking (chat turns, document
+        starts) spreads them."""
         order = self.order
         counts = np.array(
             [
@@ -63,7 +78,7 @@ class TrainingStep:
                 for a in range(order.grad_accum)
             ]
         )
-        return counts * counts.size / max(int(counts.sum()), 1)
+        return counts
 
     def label_mask(self, blocks: Blocks) -> np.ndarray:
         """1 where a token is a target: its prediction from the token before is trained on. With
@@ -97,7 +112,7 @@ class TrainingStep:
         spec = self.recipe.objective
         kd_weight = {"lm": 0.0, "hidden": 0.0, "kd": 1.0}.get(spec.name, spec.kd_weight)
         # The next-token term weighted by `share` (its positions against an even micro-batch's,
-        # `token_shares`): the head computes (1 - k') lm + k' kd, which times `scale` is
+        # `labelled_positions`): the head computes (1 - k') lm + k' kd, which times `scale` is
         # (1 - kd_weight) share lm + kd_weight kd. (The head's gradients follow its first output only.)
         scale = (1 - kd_weight) * share + kd_weight
         head_kd_weight = kd_weight / scale if scale else kd_weight
@@ -162,4 +177,4 @@ class TrainingStep:
         return float(totals[0] / totals[1])
 
 
-__all__ = ["TrainingStep"]
+__all__ = ["StepResult", "TrainingStep"]

@@ -23,12 +23,14 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import shutil
 import time
 import traceback
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
@@ -65,7 +67,7 @@ from .optimizer import build_optimizer
 from .preemption import Preempted, StopSignals
 from .preflight import check_data_files, check_model, resume_point, source_path, step_budget
 from .recipe import Recipe, dump_recipe
-from .step import TrainingStep
+from .step import StepResult, TrainingStep
 
 LAYER_SEARCH_FILE = "layer_search.json"  # what `model.ladder_layers: auto:N` measured and chose
 
@@ -107,6 +109,23 @@ def raised_by_a_collective(error: BaseException) -> bool:
     return isinstance(error, torch.distributed.DistError) or (
         bool(frames) and f"torch{os.sep}distributed{os.sep}" in frames[-1].filename
     )
+
+
+def step_metrics(result: StepResult, seconds: float, tokens: int, accelerator: Accelerator) -> dict[str, float]:
+    """What a step's log line adds: tokens/s per device (all, and those trained on), the peak
+    memory (the device's allocator, or the process's RSS on CPU) and the share of the step this
+    process spent getting its data."""
+    devices = accelerator.num_processes
+    if accelerator.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(accelerator.device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return {
+        "tokens_per_s_per_device": tokens / seconds / devices,
+        "labelled_tokens_per_s_per_device": result.labelled / seconds / devices,
+        "peak_memory_bytes": peak,
+        "data_wait_share": result.data_seconds / seconds,
+    }
 
 
 class AdaptRun:
@@ -343,7 +362,8 @@ class AdaptRun:
         while self.state.step < self.total_steps:
             started = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
-            loss, lm_loss = self.training_step.gradients(self.state.step)
+            result = self.training_step.gradients(self.state.step)
+            loss, lm_loss = result.loss, result.lm_loss
             grad_norm = accelerator.clip_grad_norm_(
                 self.model.parameters(), recipe.grad_clip if recipe.grad_clip > 0 else float("inf")
             )
@@ -376,6 +396,7 @@ class AdaptRun:
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "tokens_per_s": self.tokens_per_step / seconds,
+                **step_metrics(result, seconds, self.tokens_per_step, accelerator),
             }
             self.log(record)
             self.progress.update(self.tokens_per_step)

@@ -380,6 +380,10 @@ def test_training_lowers_the_loss_and_writes_a_normal_checkpoint(tmp_path, tiny_
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert [r["tokens"] for r in steps] == [256 * s for s in range(1, 9)]
     assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in steps)
+    for r in steps:  # one process: per device is all; every block's last position predicts nothing
+        assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"])
+        assert r["labelled_tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] * 63 / 64)
+        assert 200 * 2**20 < r["peak_memory_bytes"] < 8 * 2**30 and 0 < r["data_wait_share"] < 0.5
     assert steps[0]["lr"] == pytest.approx(1.5e-3) and steps[1]["lr"] == pytest.approx(3e-3)  # warmup
     assert steps[-1]["lr"] < steps[2]["lr"]  # then decay
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
