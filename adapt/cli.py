@@ -73,8 +73,8 @@ def prepare_data(recipe: Recipe) -> int:
 
 def train(recipe: Recipe, recipe_file: str, overrides: list[str]) -> int:
     """Run the recipe; a diverged run, or one whose processes lost touch, is one line on stderr and
-    status 1; a run stopped by SIGTERM or
-    SIGUSR1 (a scheduler's preemption) says how to resume and ends with status 0."""
+    status 1; a run stopped by SIGTERM or SIGUSR1 (a scheduler's preemption) says how to resume
+    and ends with status 0."""
     from .train import Preempted, ProcessesLost, TrainingDiverged
     from .train import train as run_recipe
 
