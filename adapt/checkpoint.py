@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from ladder.errors import UsageError
-from ladder.io.files import atomic_directory
+from ladder.io.files import atomic_directory, write_failure
 
 from .recipe import RESUME_FREE_KEYS, Recipe, dump_recipe, recipe_from_dict
 
@@ -28,12 +28,14 @@ METRICS_FILE = "metrics.jsonl"  # in the run folder: one JSON line per step and 
 class TrainState:
     """What a checkpoint holds beside accelerate's state. Rules on resume: `step` continues as is;
     `data_position` must equal step * blocks_per_step (the batch shape cannot change mid-run);
-    `processes` must equal the new run's (RNG states are saved per process)."""
+    `processes` must equal the new run's (RNG states are saved per process); `data_files` must hold
+    the same contents (`check_same_data`)."""
 
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0  # step * tokens per step, all processes together
     data_position: int = 0  # blocks consumed from the shuffled stream (see BlockOrder)
     processes: int = 1
+    data_files: dict[str, str] = dataclasses.field(default_factory=dict)  # path -> SHA-256 of each local data file
 
 
 def checkpoints(directory: Path) -> list[Path]:
@@ -65,13 +67,25 @@ def differing_keys(saved: dict, current: dict, prefix: str = "") -> list[str]:
 def save_checkpoint(accelerator: Accelerator, final: Path, state: TrainState, recipe: Recipe, keep: int) -> None:
     """Write `final` atomically from every process; then keep only the newest `keep` checkpoints."""
     main = accelerator.is_main_process
+    kept = latest_checkpoint(final.parent)
     with contextlib.ExitStack() as stack:
         temporary = stack.enter_context(atomic_directory(final, force=True)) if main else None
         temporary = broadcast_object_list([str(temporary)])[0]
-        accelerator.save_state(temporary)
-        if main:
-            Path(temporary, STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=1))
-            Path(temporary, RECIPE_FILE).write_text(dump_recipe(recipe))
+        try:
+            accelerator.save_state(temporary)
+            if main:
+                Path(temporary, STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=1))
+                Path(temporary, RECIPE_FILE).write_text(dump_recipe(recipe))
+        except Exception as error:  # the temporary is removed on the way out; `kept` stays as it was
+            if (failure := write_failure(error, final.parent)) is None:
+                raise
+            previous = json.loads((kept / STATE_FILE).read_text())["step"] if kept else None
+            raise UsageError(
+                f"{failure} while writing the checkpoint at step {state.step} ({final}); "
+                + (f"the checkpoint at step {previous} is kept: " if kept else "no checkpoint was written before: ")
+                + ("free some space and " if failure.startswith("no space") else "")
+                + ("resume with resume=true" if kept else "start again")
+            ) from None
         accelerator.wait_for_everyone()
     accelerator.wait_for_everyone()
     if main:
@@ -95,6 +109,27 @@ def check_same_recipe(path: Path, recipe: Recipe) -> None:
         )
 
 
+def check_same_data(path: Path, data_files: dict[str, str]) -> None:
+    """Refuse to continue from the checkpoint at `path` when a local data file's contents differ from
+    those it was trained on (the same recipe may name a file that has since changed)."""
+    recorded = json.loads((path / STATE_FILE).read_text()).get("data_files")
+    if not recorded:  # written before checkpoints recorded the data
+        return
+    for name in sorted(set(recorded) | set(data_files)):
+        if recorded.get(name) == data_files.get(name):
+            continue
+        if name not in data_files:
+            change = "no longer exists"
+        elif name not in recorded:
+            change = "is new"
+        else:
+            change = f"changed (SHA-256 {recorded[name][:12]}... then, {data_files[name][:12]}... now)"
+        raise UsageError(
+            f"resume: the data differ from those {path} was trained on: {name} {change}; "
+            "resume with the same data, or start a new output_dir"
+        )
+
+
 def load_checkpoint(accelerator: Accelerator, path: Path, recipe: Recipe, blocks_per_step: int) -> TrainState:
     """Restore accelerate's state from `path` after checking it was written by the same recipe and
     the same number of processes; returns its `TrainState`."""
@@ -115,6 +150,7 @@ __all__ = [
     "RECIPE_FILE",
     "STATE_FILE",
     "TrainState",
+    "check_same_data",
     "check_same_recipe",
     "checkpoints",
     "differing_keys",

@@ -8,6 +8,7 @@ Several processes (DDP or FSDP, on GPUs or on CPU over gloo):
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from ladder.errors import ArgumentParser, UsageError, run_command
@@ -53,7 +54,7 @@ def main(argv: list[str]) -> int:
         return 0
     if args.prepare_data:
         return prepare_data(recipe)
-    return train(recipe)
+    return train(recipe, args.recipe, args.overrides)
 
 
 def prepare_data(recipe: Recipe) -> int:
@@ -70,16 +71,29 @@ def prepare_data(recipe: Recipe) -> int:
     return 0
 
 
-def train(recipe: Recipe) -> int:
-    """Run the recipe; a diverged run is one line on stderr and status 1."""
-    from .train import TrainingDiverged
+def train(recipe: Recipe, recipe_file: str, overrides: list[str]) -> int:
+    """Run the recipe; a diverged run, or one whose processes lost touch, is one line on stderr and
+    status 1; a run stopped by SIGTERM or SIGUSR1 (a scheduler's preemption) says how to resume
+    and ends with status 0."""
+    from .train import Preempted, ProcessesLost, TrainingDiverged
     from .train import train as run_recipe
 
     try:
         run_recipe(recipe)
-    except TrainingDiverged as error:
+    except (TrainingDiverged, ProcessesLost) as error:
         print(f"ladder adapt: {error}", file=sys.stderr)
         return 1
+    except Preempted as stop:
+        if stop.main_process:
+            again = [
+                "ladder",
+                "adapt",
+                recipe_file,
+                *(o for o in overrides if not o.startswith("resume=")),
+                "resume=true",
+            ]
+            launcher = " (under the same `accelerate launch`)" if stop.processes > 1 else ""
+            print(f"ladder adapt: {stop}; resume with: {shlex.join(again)}{launcher}")
     return 0
 
 

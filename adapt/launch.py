@@ -3,15 +3,22 @@ its experiment trackers."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.tracking import get_available_trackers
-from accelerate.utils import DistributedType, InitProcessGroupKwargs, parse_flag_from_env
+from accelerate.utils import (
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
+    parse_flag_from_env,
+)
 
 from ladder.errors import UsageError
 from ladder.io.files import atomic_write
@@ -28,21 +35,78 @@ def make_accelerator(recipe: Recipe, run_dir: Path) -> Accelerator:
         if name not in {str(t) for t in get_available_trackers()}:
             raise UsageError(f"logging.log_with: {name} needs its package (pip install {name.replace('_', '-')})")
     warn_single_cpu_launch()
-    # The main process may tokenize for a long while (when --prepare-data was not run first)
-    # while the others wait at a barrier.
-    process_group = InitProcessGroupKwargs(timeout=datetime.timedelta(hours=6))
+    # The processes start with the long setup timeout: the main process may tokenize, search layers
+    # or load for a long while as the others wait at a barrier. Training shortens it (`set_timeout`).
+    process_group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=recipe.timeout.setup))
     # With no GPU, processes started by `accelerate launch --multi_gpu` (or an FSDP config) train on CPU over gloo.
     cpu = not torch.accelerator.is_available()
-    if cpu and parse_flag_from_env("ACCELERATE_USE_FSDP"):
+    fsdp = parse_flag_from_env("ACCELERATE_USE_FSDP")
+    if cpu and fsdp:
         enable_fsdp_on_cpu(process_group)
     return Accelerator(
         cpu=cpu,
         mixed_precision="bf16" if recipe.precision == "bf16" else "no",
+        fsdp_plugin=fsdp_plugin(recipe) if fsdp else None,
         step_scheduler_with_optimizer=False,
         log_with=list(recipe.logging.log_with) or None,
         project_dir=str(run_dir),
         kwargs_handlers=[process_group],
     )
+
+
+def fsdp_plugin(recipe: Recipe) -> FullyShardedDataParallelPlugin:
+    """The FSDP settings `accelerate launch` passed (its config file), with the mixed-precision policy
+    set here: parameters gathered in the recipe's precision, gradients reduce-scattered in fp32.
+    (accelerate's own policy for `mixed_precision: bf16` reduces in bf16, which rounds every
+    gradient summed over the ranks to 8 bits of mantissa; fp32 reductions, as torchtitan does, cost
+    twice the reduce-scatter bytes, a small share of a step.)"""
+    plugin = FullyShardedDataParallelPlugin()  # the rest from the FSDP_* variables the launcher set
+    compute = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
+    policy = {"param_dtype": compute, "reduce_dtype": torch.float32}
+    if plugin.fsdp_version == 1:
+        policy["buffer_dtype"] = compute
+    plugin.mixed_precision_policy = policy
+    plugin.set_mixed_precision(policy)  # accelerate turns the dict into FSDP's policy object
+    return plugin
+
+
+def fsdp_precision(model: torch.nn.Module) -> str:
+    """The mixed-precision policy every FSDP2 unit of a prepared model holds, read back from the
+    units themselves, in words (e.g. "parameters in bfloat16, gradients reduced in float32")."""
+    from torch.distributed.fsdp import FSDPModule
+
+    policies = {
+        (unit._get_fsdp_state()._mp_policy.param_dtype, unit._get_fsdp_state()._mp_policy.reduce_dtype)
+        for unit in model.modules()
+        if isinstance(unit, FSDPModule)
+    }
+    return "; ".join(
+        f"parameters in {str(params).removeprefix('torch.')}, gradients reduced in {str(reduce).removeprefix('torch.')}"
+        for params, reduce in sorted(policies, key=str)
+    )
+
+
+def set_timeout(seconds: float) -> None:
+    """Every process group's timeout for the collectives that follow (none without several processes).
+    torch sets it per group (`_set_pg_timeout`, as torchtitan does after its first step): FSDP's
+    device mesh may add groups beside the default one."""
+    if not torch.distributed.is_initialized():
+        return
+    from torch.distributed import distributed_c10d
+
+    for group in list(distributed_c10d._world.pg_map):
+        distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+@contextlib.contextmanager
+def long_waits(recipe: Recipe) -> Iterator[None]:
+    """The setup timeout while the processes may wait long on each other (a checkpoint or the final
+    model written), then the collective timeout again."""
+    set_timeout(recipe.timeout.setup)
+    try:
+        yield
+    finally:
+        set_timeout(recipe.timeout.collective)
 
 
 def start_trackers(accelerator: Accelerator, recipe: Recipe, run_dir: Path, resumed_at: int) -> None:
@@ -98,4 +162,14 @@ def warn_single_cpu_launch() -> None:
         )
 
 
-__all__ = ["WANDB_ID_FILE", "enable_fsdp_on_cpu", "make_accelerator", "start_trackers", "warn_single_cpu_launch"]
+__all__ = [
+    "WANDB_ID_FILE",
+    "enable_fsdp_on_cpu",
+    "fsdp_plugin",
+    "fsdp_precision",
+    "long_waits",
+    "make_accelerator",
+    "set_timeout",
+    "start_trackers",
+    "warn_single_cpu_launch",
+]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ladder.errors import UsageError
+from ladder.io.files import sha256_file
 from ladder.io.loading import check_llama_checkpoint, read_config_dict, resolve_model_path
 from ladder.layers import LADDER_MODEL_TYPE, parse_layer_choice
 
@@ -85,11 +86,15 @@ def resume_point(recipe: Recipe) -> Path | None:
     return found
 
 
-def check_data_files(recipe: Recipe) -> None:
-    """Every local data source matches files (Hub sources are checked when they stream)."""
-    for i, source in enumerate(recipe.data.train + recipe.data.eval):
-        if not source.path.startswith("hf:"):
-            local_files(source, f"data source {i} ({source.path})")
+def check_data_files(recipe: Recipe) -> dict[str, str]:
+    """Every local data source matches files (Hub sources are checked when they stream); returns the
+    SHA-256 of each file, which a checkpoint records so that a resumed run trains on the same data."""
+    return {
+        str(path): sha256_file(path)
+        for i, source in enumerate(recipe.data.train + recipe.data.eval)
+        if not source.path.startswith("hf:")
+        for path in local_files(source, f"data source {i} ({source.path})")
+    }
 
 
 __all__ = [

@@ -164,6 +164,18 @@ class LoggingSpec:
 
 
 @dataclass
+class TimeoutSpec:
+    # Seconds a collective (all-reduce, reduce-scatter, barrier) waits for the other processes once
+    # training runs: a hung or lost process ends the run this soon, naming the step, instead of
+    # idling the others. From the second step on (the first may compile).
+    collective: float = 900
+    # Seconds the processes may wait for one another while the run starts (weights loading, the
+    # data cache, `auto:N`'s layer search on the main process) and while a checkpoint or the final
+    # model is written.
+    setup: float = 6 * 3600
+
+
+@dataclass
 class Recipe:
     name: str = "adapt"
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -186,6 +198,7 @@ class Recipe:
     logging: LoggingSpec = field(default_factory=LoggingSpec)
     # Continue from the newest checkpoint in output_dir (fresh start when there is none).
     resume: bool = False
+    timeout: TimeoutSpec = field(default_factory=TimeoutSpec)
 
     def run_dir(self) -> Path:
         return Path(self.output_dir) if self.output_dir else Path("runs/adapt") / self.name
@@ -195,7 +208,7 @@ class Recipe:
 
 
 # Keys that may differ between a run and its resumption without changing what is computed.
-RESUME_FREE_KEYS = {"resume", "logging"}
+RESUME_FREE_KEYS = {"resume", "logging", "timeout"}
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Recipe:
@@ -382,6 +395,8 @@ def validate(recipe: Recipe) -> None:
         (recipe.checkpoint_every >= 1, "checkpoint_every", "must be at least 1"),
         (recipe.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1"),
         (recipe.eval_every >= 1, "eval_every", "must be at least 1"),
+        (recipe.timeout.collective > 0, "timeout.collective", "must be a positive number of seconds"),
+        (recipe.timeout.setup > 0, "timeout.setup", "must be a positive number of seconds"),
         (recipe.trainable.lora.r >= 1, "trainable.lora.r", "must be at least 1"),
         (bool(recipe.trainable.lora.target_modules), "trainable.lora.target_modules", "must name modules"),
         (bool(re.fullmatch(r"[\w.-]+", recipe.name)), "name", "may only hold letters, digits, '.', '_', '-'"),

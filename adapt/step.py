@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,14 @@ from .recipe import Recipe
 
 
 @dataclass
+class StepResult:
+    loss: float  # the training loss, all processes
+    lm_loss: float  # the next-token loss, all processes
+    labelled: int  # positions whose next token is trained on, all processes
+    data_seconds: float  # this process's time getting its blocks onto the device
+
+
+@dataclass
 class TrainingStep:
     accelerator: Accelerator
     model: torch.nn.Module  # as `accelerator.prepare` returned it
@@ -28,22 +37,56 @@ class TrainingStep:
     ladder_layers: list[int]
     fsdp: bool
 
-    def gradients(self, step: int) -> tuple[float, float]:
+    def gradients(self, step: int) -> StepResult:
         """Forward and backward over this process's micro-batches of `step`; the loss averaged over
-        all processes."""
+        all processes. The next-token loss is the mean over every labelled position of the step,
+        whichever micro-batch and process holds it (`labelled_positions`)."""
         accelerator, grad_accum = self.accelerator, self.recipe.batch.grad_accum
+        started = time.perf_counter()
+        counts = self.labelled_positions(step)
+        shares = counts * counts.size / max(int(counts.sum()), 1)
+        data_seconds = time.perf_counter() - started
         totals = torch.zeros(2, device=accelerator.device)
         for micro_step in range(grad_accum):
+            started = time.perf_counter()
             rows = self.order.indices(step, micro_step, accelerator.process_index)
             input_ids, labels, position_ids = self.batch(self.data.train[rows])
+            data_seconds += time.perf_counter() - started
             # FSDP must reduce-scatter every micro-step: unsharded gradients would not fit.
             skip_sync = micro_step < grad_accum - 1 and not self.fsdp
             with accelerator.no_sync(self.model) if skip_sync else contextlib.nullcontext():
-                loss, lm_loss = self.forward_loss(input_ids, labels, position_ids)
+                share = float(shares[micro_step, accelerator.process_index])
+                loss, lm_loss = self.forward_loss(input_ids, labels, position_ids, share)
                 accelerator.backward(loss / grad_accum)
             totals += torch.stack([loss.detach(), lm_loss.detach()]) / grad_accum
         totals = accelerator.reduce(totals, reduction="mean")
-        return float(totals[0]), float(totals[1])
+        return StepResult(float(totals[0]), float(totals[1]), int(counts.sum()), data_seconds)
+
+    def labelled_positions(self, step: int) -> np.ndarray:
+        """Per (micro-step, process) of `step`: its labelled positions. A micro-batch's next-token
+        loss is weighted by its share of them (its count over the mean count): gradients are averaged
+        over micro-batches and processes, so the loss is the mean over all the step's labelled
+        positions, as one large batch would give, however unevenly masking (chat turns, document
+        starts) spreads them."""
+        order = self.order
+        counts = np.array(
+            [
+                [
+                    np.count_nonzero(self.label_mask(self.data.train[order.indices(step, a, p)])[:, 1:])
+                    for p in range(order.processes)
+                ]
+                for a in range(order.grad_accum)
+            ]
+        )
+        return counts
+
+    def label_mask(self, blocks: Blocks) -> np.ndarray:
+        """1 where a token is a target: its prediction from the token before is trained on. With
+        `data.isolate_documents`, a document's first token is not predicted from the one before."""
+        targets = np.array(blocks.targets, dtype=np.int64)
+        if self.recipe.data.isolate_documents:
+            targets[np.asarray(blocks.starts, dtype=bool)] = 0
+        return targets
 
     def batch(self, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(input ids, labels, position ids) of some blocks, on the device. Labels are -100 before tokens
@@ -51,17 +94,14 @@ class TrainingStep:
         (which makes transformers' mask block-diagonal) and no label crosses into the next document."""
         device = self.accelerator.device
         input_ids = torch.from_numpy(blocks.ids.astype(np.int64)).to(device)
-        targets = np.array(blocks.targets, dtype=np.int64)
+        targets = torch.from_numpy(self.label_mask(blocks)).to(device)
         position_ids = None
         if self.recipe.data.isolate_documents:
-            targets[np.asarray(blocks.starts, dtype=bool)] = (
-                0  # a document's first token is not predicted from the one before
-            )
             position_ids = torch.from_numpy(document_positions(blocks.starts)).to(device)
-        return input_ids, next_token_labels(input_ids, torch.from_numpy(targets).to(device)), position_ids
+        return input_ids, next_token_labels(input_ids, targets), position_ids
 
     def forward_loss(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None, share: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to train on, next-token loss): `lm`, `kd` (T^2-scaled KL to the teacher's distribution at
         every position), their mix, or `hidden` (the residual streams after the ladder layers matched
@@ -71,6 +111,11 @@ class TrainingStep:
         can start from the student's streams (adapt/distill.py)."""
         spec = self.recipe.objective
         kd_weight = {"lm": 0.0, "hidden": 0.0, "kd": 1.0}.get(spec.name, spec.kd_weight)
+        # The next-token term weighted by `share` (its positions against an even micro-batch's,
+        # `labelled_positions`): the head computes (1 - k') lm + k' kd, which times `scale` is
+        # (1 - kd_weight) share lm + kd_weight kd. (The head's gradients follow its first output only.)
+        scale = (1 - kd_weight) * share + kd_weight
+        head_kd_weight = kd_weight / scale if scale else kd_weight
         taught = []  # the teacher's output, from inside the student's forward
         with self.accelerator.autocast():
 
@@ -91,7 +136,7 @@ class TrainingStep:
                     labels,
                     teacher_hidden,
                     teacher_weight,
-                    kd_weight=kd_weight,
+                    kd_weight=head_kd_weight,
                     temperature=spec.temperature,
                 )
 
@@ -101,6 +146,7 @@ class TrainingStep:
             ):
                 self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         loss, next_token = results[0]
+        loss, next_token = loss * scale, next_token * share
         if spec.name == "hidden" or spec.hidden_weight > 0:
             matched = hidden_loss([captured.streams[i] for i in self.ladder_layers], taught[0].streams)
             loss = matched if spec.name == "hidden" else loss + spec.hidden_weight * matched
@@ -131,4 +177,4 @@ class TrainingStep:
         return float(totals[0] / totals[1])
 
 
-__all__ = ["TrainingStep"]
+__all__ = ["StepResult", "TrainingStep"]

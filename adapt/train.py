@@ -5,7 +5,9 @@
                `hidden`, rewiring (in memory when model.path is an original), trainable parameters,
                AdamW with warmup + decay, resume state, trackers
     train()    per step: micro-batches (forward, loss, backward; adapt/step.py), clip, NaN check,
-               optimizer step, metrics line; evaluation and atomic checkpoints on their schedules
+               optimizer step, metrics line; evaluation and atomic checkpoints on their schedules;
+               SIGTERM or SIGUSR1 ends it after the step with a checkpoint (adapt/preemption.py);
+               collectives wait `timeout.collective` from the second step (`timeout.setup` before)
     cleanup()  save the final model (LoRA merged) with its card (adapt/card.py), close the log
 
 The same code runs on one CPU process, on DDP and on FSDP: `accelerate launch` decides.
@@ -20,11 +22,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import resource
 import shutil
 import time
+import traceback
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
@@ -43,10 +49,18 @@ from ladder.layers import (
 )
 
 from .card import TrainingFacts, model_card
-from .checkpoint import METRICS_FILE, RECIPE_FILE, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    METRICS_FILE,
+    RECIPE_FILE,
+    TrainState,
+    check_same_data,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .data import BlockOrder, Splits, data_prepared, prepare_data
 from .distill import Distiller
-from .launch import make_accelerator, start_trackers
+from .launch import fsdp_precision, long_waits, make_accelerator, set_timeout, start_trackers
 from .memory import allocate_optimizer_state, keep_fewer_activations
 from .models import (
     configure_student,
@@ -58,15 +72,21 @@ from .models import (
     weights_from_main,
 )
 from .optimizer import build_optimizer
+from .preemption import Preempted, StopSignals
 from .preflight import check_data_files, check_model, resume_point, source_path, step_budget
 from .recipe import Recipe, dump_recipe
-from .step import TrainingStep
+from .step import StepResult, TrainingStep
 
 LAYER_SEARCH_FILE = "layer_search.json"  # what `model.ladder_layers: auto:N` measured and chose
 
 
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm stopped being finite; the message names the step and what was kept."""
+
+
+class ProcessesLost(RuntimeError):
+    """A collective failed: another process hung past `timeout.collective`, or died; the message names
+    the step and what was kept."""
 
 
 def prepare(recipe: Recipe) -> Splits:
@@ -76,16 +96,44 @@ def prepare(recipe: Recipe) -> Splits:
 
 
 def train(recipe: Recipe) -> Path:
-    """Run a recipe to the end (or continue it, with `resume`); returns the final model directory."""
+    """Run a recipe to the end (or continue it, with `resume`); returns the final model directory.
+    SIGTERM or SIGUSR1 ends it after the step in progress with a checkpoint: `Preempted`."""
     run = AdaptRun(recipe)
-    finished = run.setup()
-    if finished is not None:
-        return finished
-    try:
-        run.train()
-        return run.save_final()
-    finally:
-        run.cleanup()
+    with run.stop_signals:
+        finished = run.setup()
+        if finished is not None:
+            return finished
+        try:
+            run.train()
+            return run.save_final()
+        finally:
+            run.cleanup()
+
+
+def raised_by_a_collective(error: BaseException) -> bool:
+    """Whether `error` comes out of torch.distributed (gloo raises a plain RuntimeError on a timeout
+    or a lost peer, NCCL a DistBackendError)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, torch.distributed.DistError) or (
+        bool(frames) and f"torch{os.sep}distributed{os.sep}" in frames[-1].filename
+    )
+
+
+def step_metrics(result: StepResult, seconds: float, tokens: int, accelerator: Accelerator) -> dict[str, float]:
+    """What a step's log line adds: tokens/s per device (all, and those trained on), the peak
+    memory (the device's allocator, or the process's RSS on CPU) and the share of the step this
+    process spent getting its data."""
+    devices = accelerator.num_processes
+    if accelerator.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(accelerator.device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return {
+        "tokens_per_s_per_device": tokens / seconds / devices,
+        "labelled_tokens_per_s_per_device": result.labelled / seconds / devices,
+        "peak_memory_bytes": peak,
+        "data_wait_share": result.data_seconds / seconds,
+    }
 
 
 class AdaptRun:
@@ -99,6 +147,7 @@ class AdaptRun:
         self.postfix: dict[str, str] = {}
         self.teacher = None
         self.distiller: Distiller | None = None
+        self.stop_signals = StopSignals()
 
     # --- setup: checks first (no weight loads before them), then models, data, optimizer, resume --
 
@@ -113,7 +162,9 @@ class AdaptRun:
             self.accelerator.print(f"{self.final_dir} is already complete: nothing to resume")
             return self.final_dir
         set_seed(self.recipe.seed)
-        check_data_files(self.recipe)
+        self.data_files = check_data_files(self.recipe)
+        if resume_from is not None:
+            check_same_data(resume_from, self.data_files)
         self.check_data_prepared()
         student = self.setup_student()
         self.setup_data()  # before the rewiring: `auto:N` calibrates on training blocks
@@ -280,7 +331,9 @@ class AdaptRun:
         self.output_lock = lock_output(self.run_dir, "adapt") if self.main else None
         if resume_from is not None:
             self.load_checkpoint(resume_from)
+            self.state.data_files = self.data_files  # (empty in checkpoints written before they recorded it)
         else:
+            self.state.data_files = self.data_files
             allocate_optimizer_state(self.optimizer.optimizer)  # a resumed run loads its own instead
             if self.main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -301,6 +354,7 @@ class AdaptRun:
             + (f" (the run repeats the data {repeats:.1f} times)" if repeats > 1 else "")
             + (f"; resuming at step {self.state.step}" if resumed else "")
             + f"\n{peak_host_memory(self.accelerator)}"
+            + (f"\nFSDP2: {fsdp_precision(self.model)}" if self.fsdp else "")
         )
 
     # --- the loop ---------------------------------------------------------------------------------
@@ -315,13 +369,30 @@ class AdaptRun:
             dynamic_ncols=True,
             disable=not (self.main and recipe.logging.progress),
         )
+        try:
+            self.train_steps()
+        except RuntimeError as error:
+            if not raised_by_a_collective(error):
+                raise
+            kept = latest_checkpoint(self.checkpoint_dir)
+            raise ProcessesLost(
+                f"process {accelerator.process_index}: step {self.state.step + 1}: the processes lost touch "
+                f"(timeout.collective={recipe.timeout.collective:g}s): {first_line(error)}; "
+                + (f"the last checkpoint is kept: {kept}" if kept else "no checkpoint had been written")
+            ) from None
+        self.progress.close()
+
+    def train_steps(self) -> None:
+        recipe, accelerator = self.recipe, self.accelerator
         if self.state.step == 0:
             self.evaluate()
         self.model.train()
+        first = self.state.step
         while self.state.step < self.total_steps:
             started = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
-            loss, lm_loss = self.training_step.gradients(self.state.step)
+            result = self.training_step.gradients(self.state.step)
+            loss, lm_loss = result.loss, result.lm_loss
             grad_norm = accelerator.clip_grad_norm_(
                 self.model.parameters(), recipe.grad_clip if recipe.grad_clip > 0 else float("inf")
             )
@@ -341,6 +412,8 @@ class AdaptRun:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.state.step += 1
+            if self.state.step == first + 1:  # the first step may compile: the long timeout until it ends
+                set_timeout(recipe.timeout.collective)
             self.state.tokens_seen += self.tokens_per_step
             self.state.data_position += self.order.per_step
             seconds = time.perf_counter() - started
@@ -352,6 +425,7 @@ class AdaptRun:
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "tokens_per_s": self.tokens_per_step / seconds,
+                **step_metrics(result, seconds, self.tokens_per_step, accelerator),
             }
             self.log(record)
             self.progress.update(self.tokens_per_step)
@@ -359,9 +433,18 @@ class AdaptRun:
             self.progress.set_postfix(self.postfix, refresh=False)
             if self.state.step % recipe.eval_every == 0 or self.state.step == self.total_steps:
                 self.evaluate()
-            if self.state.step % recipe.checkpoint_every == 0 and self.state.step < self.total_steps:
+            saved = self.state.step % recipe.checkpoint_every == 0 and self.state.step < self.total_steps
+            if saved:
                 self.save_checkpoint()
-        self.progress.close()
+            if self.state.step < self.total_steps and (received := self.stop_signals.agreed(accelerator)):
+                self.stop(received, saved)
+
+    def stop(self, received: int, saved: bool) -> None:
+        """End the run after this step on a stop signal, with a checkpoint of it (adapt/preemption.py)."""
+        checkpoint = self.checkpoint_dir / f"step-{self.state.step:06d}"
+        if not saved:
+            self.save_checkpoint()
+        raise Preempted(received, self.state.step, checkpoint, self.accelerator)
 
     def evaluate(self) -> float | None:
         """The held-out loss (adapt/step.py), logged and printed."""
@@ -398,7 +481,8 @@ class AdaptRun:
     def save_checkpoint(self) -> None:
         """An atomic `checkpoints/step-NNNNNN`; older ones beyond `keep_checkpoints` are removed."""
         final = self.checkpoint_dir / f"step-{self.state.step:06d}"
-        save_checkpoint(self.accelerator, final, self.state, self.recipe, self.recipe.keep_checkpoints)
+        with long_waits(self.recipe):  # the main process may write for long while the others wait
+            save_checkpoint(self.accelerator, final, self.state, self.recipe, self.recipe.keep_checkpoints)
         if self.main and "tensorboard" in self.recipe.logging.log_with:
             # Events up to the checkpoint reach the disk now: a resumed run purges only what comes after it.
             self.accelerator.get_tracker("tensorboard", unwrap=True).flush()
@@ -423,6 +507,7 @@ class AdaptRun:
         tokenizer and recipe. The weights go through a fresh model built on the meta device, so the
         same code serves one process, DDP and FSDP (whose `get_state_dict` gathers the shards)."""
         accelerator = self.accelerator
+        set_timeout(self.recipe.timeout.setup)  # the others wait while the main process writes
         if self.recipe.trainable.mode == "lora":
             trained = accelerator.unwrap_model(self.model).merge_and_unload()
             state_dict = trained.state_dict()
@@ -465,4 +550,13 @@ class AdaptRun:
         self.accelerator.end_training()
 
 
-__all__ = ["LAYER_SEARCH_FILE", "AdaptRun", "TrainingDiverged", "prepare", "resume_point", "train"]
+__all__ = [
+    "LAYER_SEARCH_FILE",
+    "AdaptRun",
+    "Preempted",
+    "ProcessesLost",
+    "TrainingDiverged",
+    "prepare",
+    "resume_point",
+    "train",
+]

@@ -380,6 +380,10 @@ def test_training_lowers_the_loss_and_writes_a_normal_checkpoint(tmp_path, tiny_
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert [r["tokens"] for r in steps] == [256 * s for s in range(1, 9)]
     assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in steps)
+    for r in steps:  # one process: per device is all; every block's last position predicts nothing
+        assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"])
+        assert r["labelled_tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] * 63 / 64)
+        assert 200 * 2**20 < r["peak_memory_bytes"] < 8 * 2**30 and 0 < r["data_wait_share"] < 0.5
     assert steps[0]["lr"] == pytest.approx(1.5e-3) and steps[1]["lr"] == pytest.approx(3e-3)  # warmup
     assert steps[-1]["lr"] < steps[2]["lr"]  # then decay
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
@@ -619,6 +623,31 @@ def test_resume_refuses_a_changed_recipe(tmp_path, tiny_checkpoint, corpus, caps
     assert ladder_main(["adapt", str(recipe), "resume=true", "optimizer.lr=0.1"]) == 2
     error = capsys.readouterr().err
     assert "the recipe differs" in error and "at optimizer.lr;" in error
+
+
+def test_resume_refuses_changed_data_at_the_same_path(tmp_path, tiny_checkpoint, corpus, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    for book in (corpus / "train").iterdir():
+        (data / book.name).write_bytes(book.read_bytes())
+    recipe = write_recipe(
+        tmp_path, tiny_checkpoint, corpus, budget=2 * 256, checkpoint_every=1, **{"data.train": [str(data)]}
+    )
+    train(load_recipe(recipe))
+    (tmp_path / "run" / "model").rename(tmp_path / "done")  # as if killed after the checkpoint at step 1
+    changed = data / "book1.txt"
+    changed.write_text(prose(7, 40))  # the same recipe, the same path, other text
+    kept = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p != changed}
+    capsys.readouterr()
+    assert ladder_main(["adapt", str(recipe), "resume=true"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000001"
+    assert len(lines) == 1 and lines[0].startswith(
+        f"ladder adapt: error: resume: the data differ from those {checkpoint} was trained on: {changed} changed "
+    ), lines  # one line, before any weight loads (no loading bar)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p != changed} == kept
+    changed.write_bytes((corpus / "train" / "book1.txt").read_bytes())  # put back: the run continues
+    assert ladder_main(["adapt", str(recipe), "resume=true"]) == 0
 
 
 @pytest.mark.parametrize(

@@ -290,6 +290,22 @@ def atomic_directory(final: str | Path, force: bool = False, command: str | None
         os.close(lock)
 
 
+def write_failure(error: BaseException, directory: str | Path) -> str | None:
+    """What went wrong, in words, when `error` (raised while writing into `directory`) is the file
+    system's doing; None when it is not. Libraries lose the errno on the way: safetensors raises its
+    own error, torch.save an "unexpected pos" enforce failure, so a full disk is also recognised by
+    the space left (under 1 MiB for an ordinary user) once the write has failed."""
+    if _disk_full(error):
+        return "no space left on the device"
+    with contextlib.suppress(OSError):
+        stats = os.statvfs(directory)
+        if stats.f_bavail * stats.f_frsize < 1 << 20:
+            return "no space left on the device"
+    if isinstance(error, OSError):
+        return os.strerror(error.errno) if error.errno else str(error)
+    return None
+
+
 def atomic_write(path: str | Path, data: bytes | str, replace: bool = True) -> None:
     """Write a whole file under a temporary name (locked while it is written), flush it to disk,
     then rename it into place. `replace` False: a file at `path`, also one that appeared while
