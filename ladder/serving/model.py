@@ -37,13 +37,50 @@ Imported only inside the serving environment (vLLM installed); `ladder.serving.p
 from itertools import islice
 
 import torch
+from torch.library import Library
 from vllm.config import VllmConfig
-from vllm.distributed import get_pp_group, tensor_model_parallel_all_reduce
+from vllm.distributed import get_pp_group, get_tp_group
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.sequence import IntermediateTensors
+from vllm.utils.torch_utils import direct_register_custom_op
 
 from ladder.model.configuration_ladder_llama import resolve_ladder_layers
+
+# The ladder layers' all-reduce is an opaque custom op, registered as vLLM registers its own (fake
+# implementation for tracing). Besides reducing it is a fence for torch.compile: torch 2.13's
+# inductor schedules a pointwise read of a buffer that a mutating custom op fills (vLLM's CPU
+# linears write through `_C.onednn_mm(out, ...)` into an empty buffer) into an earlier fused kernel,
+# before the write. vLLM's Llama reads each output at once and never meets it; the ladder reads an
+# output one module later, after independent work that inductor fuses with the read, and so
+# served garbage: run-dependent tokens at TP=1, where vLLM's all-reduce is a Python no-op and no
+# opaque op stood between the linear and the late read. An extern op is not fused or moved
+# across, and its output is a buffer of its own, so every reader follows the write.
+_LIBRARY = Library("ladder", "FRAGMENT")
+
+
+def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    group = get_tp_group()
+    # A custom op's output may not alias its input: at TP=1 the fence costs one copy of the output.
+    return tensor.clone() if group.world_size == 1 else group._all_reduce_out_place(tensor)
+
+
+def _fence(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone()
+
+
+def _like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(tensor)
+
+
+direct_register_custom_op("all_reduce", _all_reduce, fake_impl=_like, target_lib=_LIBRARY)
+# For a standard layer's MLP output that the next (ladder) layer reads after its attention.
+direct_register_custom_op("fence", _fence, fake_impl=_like, target_lib=_LIBRARY)
+
+
+def ladder_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of a ladder module's row-parallel output over the tensor-parallel group."""
+    return torch.ops.ladder.all_reduce(tensor)
 
 
 class LadderLlamaDecoderLayer(LlamaDecoderLayer):
@@ -82,15 +119,13 @@ class LadderLlamaDecoderLayer(LlamaDecoderLayer):
             attention_input = self.input_layernorm(residual)
         else:
             attention_input, residual = self.input_layernorm(pending_attention, residual)
-        attention_output = tensor_model_parallel_all_reduce(
-            self.self_attn(positions=positions, hidden_states=attention_input)
-        )
+        attention_output = ladder_all_reduce(self.self_attn(positions=positions, hidden_states=attention_input))
         # The MLP reads mlp_stream = attn_stream + previous MLP output (this attention output is not in it).
         if hidden_states is None:
             mlp_input = self.post_attention_layernorm(residual)
         else:
             mlp_input, residual = self.post_attention_layernorm(hidden_states, residual)
-        mlp_output = tensor_model_parallel_all_reduce(self.mlp(mlp_input))
+        mlp_output = ladder_all_reduce(self.mlp(mlp_input))
         return mlp_output, residual, attention_output
 
 
@@ -112,8 +147,11 @@ class LadderLlamaModel(LlamaModel):
     ) -> torch.Tensor:
         hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         residual = pending_attention = None
+        fenced = True  # hidden_states came through a ladder op, or from no linear (the embeddings)
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             if layer.is_ladder:
+                if not fenced:  # a standard layer's MLP output, read after this layer's attention
+                    hidden_states = torch.ops.ladder.fence(hidden_states)
                 hidden_states, residual, pending_attention = layer.ladder_forward(
                     positions, hidden_states, residual, pending_attention
                 )
@@ -121,6 +159,7 @@ class LadderLlamaModel(LlamaModel):
                 if pending_attention is not None:  # a standard layer reads the whole stream
                     residual, pending_attention = residual + pending_attention, None
                 hidden_states, residual = layer(positions, hidden_states, residual)
+            fenced = layer.is_ladder
         if pending_attention is not None:
             residual = residual + pending_attention
         hidden_states, _ = self.norm(hidden_states, residual)
