@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -184,6 +185,9 @@ def vllm_greedy(checkpoints, prompt_ids, tmp_path_factory) -> dict:
         run.update(model=str(run["model"]), prompts=prompt_ids, max_tokens=NEW_TOKENS)
     work = tmp_path_factory.mktemp("vllm-greedy")
     (work / "job.json").write_text(json.dumps({"runs": runs}))
+    # vLLM's compile cache of this session only: every engine compiles, and the code inductor
+    # wrote can be read back (test_compiled_ladder_overlap_order).
+    env = dict(serve_env_vars(), VLLM_CACHE_ROOT=str(work / "vllm-cache"))
     completed = subprocess.run(
         [
             str(serve_python()),
@@ -191,13 +195,13 @@ def vllm_greedy(checkpoints, prompt_ids, tmp_path_factory) -> dict:
             str(work / "job.json"),
             str(work / "result.json"),
         ],
-        env=serve_env_vars(),
+        env=env,
         capture_output=True,
         text=True,
         timeout=1200,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
-    return json.loads((work / "result.json").read_text())
+    return dict(json.loads((work / "result.json").read_text()), compile_cache=str(work / "vllm-cache"))
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +227,33 @@ def test_tensor_parallel_ladder_matches(vllm_greedy, references):
     assert vllm_greedy["tiny-ladder-tp2"]["compilation_mode"] != "NONE"
     assert vllm_greedy["tiny-ladder-tp2"]["tokens"] == vllm_greedy["tiny-ladder-tp1"]["tokens"]
     assert vllm_greedy["tiny-ladder-tp2"]["model_classes"] == ["ladder.serving.model.LadderLlamaForCausalLM"] * 2
+
+
+MATMUL_OUT = re.compile(r"onednn_mm\.default\((buf\d+)|extern_kernels\.a?d?d?mm\(.*out=(buf\d+)")
+
+
+def test_compiled_ladder_overlap_order(vllm_greedy):
+    """The code inductor built for the tiny ladder model at TP=2 (read back from vLLM's compile
+    cache): each ladder attention output's all-reduce starts, the MLP's two projections follow, and
+    the wait takes the down projection's output, so it cannot run before the MLP it overlaps; every
+    ladder all-reduce is still its own op (no compile pass merged or dropped one)."""
+    codes = [path.read_text() for path in Path(vllm_greedy["compile_cache"]).rglob("*.py")]
+    codes = [code for code in codes if "ladder.all_reduce_start" in code]
+    assert codes, "no compiled code with the ladder's all-reduce start/wait"
+    for code in codes:
+        lines = [line.strip() for line in code[code.index("def call(") :].splitlines()]
+        ops = [line for line in lines if "torch.ops.ladder." in line]
+        assert sum("ladder.all_reduce_start." in op for op in ops) == len(TINY_LADDER_LAYERS)
+        assert sum("ladder.all_reduce_wait." in op for op in ops) == len(TINY_LADDER_LAYERS)
+        assert sum("ladder.all_reduce.default" in op for op in ops) == len(TINY_LADDER_LAYERS)  # the MLPs'
+        starts = [i for i, line in enumerate(lines) if "ladder.all_reduce_start." in line]
+        waits = [i for i, line in enumerate(lines) if "ladder.all_reduce_wait." in line]
+        for start, wait in zip(starts, waits):
+            between = [MATMUL_OUT.search(line) for line in lines[start:wait]]
+            outputs = [match.group(1) or match.group(2) for match in between if match]
+            assert len(outputs) >= 2, f"the wait at line {wait} follows {len(outputs)} matmuls, not the MLP's two"
+            buffers = re.findall(r"buf\d+", lines[wait].split("all_reduce_wait.default(", 1)[1])
+            assert buffers[-1] == outputs[-1], f"the wait at line {wait} does not take the down projection's output"
 
 
 def test_plain_llama_uses_vllms_own_model(vllm_greedy, references):
