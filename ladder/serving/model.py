@@ -63,9 +63,13 @@ _EVENTS: list = []  # [input ready, reduction done], CUDA events made on first u
 
 
 def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    # A custom op may neither change an input it does not declare nor return it (inductor reuses
+    # the input's buffer once the op has read it): at TP=1 the fence costs one copy of the output,
+    # and vLLM's CPU communicator, which reduces in place and returns its input, gets a copy.
     group = get_tp_group()
-    # A custom op's output may not alias its input: at TP=1 the fence costs one copy of the output.
-    return tensor.clone() if group.world_size == 1 else group._all_reduce_out_place(tensor)
+    if group.world_size == 1:
+        return tensor.clone()
+    return group._all_reduce_out_place(tensor.clone() if tensor.is_cpu else tensor)
 
 
 def _all_reduce_start(tensor: torch.Tensor) -> torch.Tensor:
@@ -203,7 +207,8 @@ class LadderLlamaModel(LlamaModel):
 
 
 class LadderLlamaForCausalLM(LlamaForCausalLM):
-    """Differs from vLLM's `LlamaForCausalLM` only in its backbone, a `LadderLlamaModel`."""
+    """Differs from vLLM's `LlamaForCausalLM` in its backbone, a `LadderLlamaModel`, and in two
+    compile settings."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", layer_type=LadderLlamaDecoderLayer):
         # vLLM's all-reduce + RMSNorm fusion (GPU) matches Llama's pattern, vLLM's all_reduce
@@ -213,6 +218,11 @@ class LadderLlamaForCausalLM(LlamaForCausalLM):
         # is rewired by a pass the tests cannot run (no GPU here). Set before the backbone is built:
         # vLLM configures its passes from this config when it compiles the model.
         vllm_config.compilation_config.pass_config.fuse_allreduce_rms = False
+        if get_tp_group().world_size > 1:
+            # Inductor's locality reordering sinks a node towards its first consumer: it moved each
+            # o_proj and its all_reduce_start after the MLP, next to the wait, and nothing could
+            # overlap (seen in the code it built; test_compiled_ladder_overlap_order).
+            vllm_config.compilation_config.inductor_compile_config["reorder_for_locality"] = False
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
 
     def _init_model(self, vllm_config: VllmConfig, prefix: str = "", layer_type=LadderLlamaDecoderLayer):
