@@ -59,8 +59,11 @@ def serve_python() -> Path:
 
 
 def serve_env_vars() -> dict[str, str]:
-    """The test session's environment (offline, private HF cache) for a subprocess in .venv-serve."""
+    """The test session's environment (offline, private HF cache) for a subprocess in .venv-serve,
+    with vLLM's compile cache in the session's private cache too: every engine compiles, and the
+    code inductor wrote can be read back (test_compiled_ladder_overlap_order)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+    env["VLLM_CACHE_ROOT"] = str(Path(os.environ["HF_HOME"]) / "vllm")
     env.pop("VIRTUAL_ENV", None)
     return env
 
@@ -185,9 +188,6 @@ def vllm_greedy(checkpoints, prompt_ids, tmp_path_factory) -> dict:
         run.update(model=str(run["model"]), prompts=prompt_ids, max_tokens=NEW_TOKENS)
     work = tmp_path_factory.mktemp("vllm-greedy")
     (work / "job.json").write_text(json.dumps({"runs": runs}))
-    # vLLM's compile cache of this session only: every engine compiles, and the code inductor
-    # wrote can be read back (test_compiled_ladder_overlap_order).
-    env = dict(serve_env_vars(), VLLM_CACHE_ROOT=str(work / "vllm-cache"))
     completed = subprocess.run(
         [
             str(serve_python()),
@@ -195,13 +195,13 @@ def vllm_greedy(checkpoints, prompt_ids, tmp_path_factory) -> dict:
             str(work / "job.json"),
             str(work / "result.json"),
         ],
-        env=env,
+        env=serve_env_vars(),
         capture_output=True,
         text=True,
         timeout=1200,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
-    return dict(json.loads((work / "result.json").read_text()), compile_cache=str(work / "vllm-cache"))
+    return json.loads((work / "result.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +229,7 @@ def test_tensor_parallel_ladder_matches(vllm_greedy, references):
     assert vllm_greedy["tiny-ladder-tp2"]["model_classes"] == ["ladder.serving.model.LadderLlamaForCausalLM"] * 2
 
 
+LADDER_CALL = re.compile(r"= torch\.ops\.ladder\.(\w+)\.default\(")
 MATMUL_OUT = re.compile(r"onednn_mm\.default\((buf\d+)|extern_kernels\.a?d?d?mm\(.*out=(buf\d+)")
 
 
@@ -237,17 +238,17 @@ def test_compiled_ladder_overlap_order(vllm_greedy):
     cache): each ladder attention output's all-reduce starts, the MLP's two projections follow, and
     the wait takes the down projection's output, so it cannot run before the MLP it overlaps; every
     ladder all-reduce is still its own op (no compile pass merged or dropped one)."""
-    codes = [path.read_text() for path in Path(vllm_greedy["compile_cache"]).rglob("*.py")]
+    codes = [path.read_text() for path in Path(serve_env_vars()["VLLM_CACHE_ROOT"]).rglob("*.py")]
     codes = [code for code in codes if "ladder.all_reduce_start" in code]
     assert codes, "no compiled code with the ladder's all-reduce start/wait"
     for code in codes:
         lines = [line.strip() for line in code[code.index("def call(") :].splitlines()]
-        ops = [line for line in lines if "torch.ops.ladder." in line]
-        assert sum("ladder.all_reduce_start." in op for op in ops) == len(TINY_LADDER_LAYERS)
-        assert sum("ladder.all_reduce_wait." in op for op in ops) == len(TINY_LADDER_LAYERS)
-        assert sum("ladder.all_reduce.default" in op for op in ops) == len(TINY_LADDER_LAYERS)  # the MLPs'
-        starts = [i for i, line in enumerate(lines) if "ladder.all_reduce_start." in line]
-        waits = [i for i, line in enumerate(lines) if "ladder.all_reduce_wait." in line]
+        calls = [LADDER_CALL.search(line) for line in lines]
+        ops = [call.group(1) if call else None for call in calls]
+        for op in ("all_reduce_start", "all_reduce_wait", "all_reduce"):  # all_reduce: the MLPs'
+            assert ops.count(op) == len(TINY_LADDER_LAYERS), f"{ops.count(op)} ladder.{op} calls"
+        starts = [i for i, op in enumerate(ops) if op == "all_reduce_start"]
+        waits = [i for i, op in enumerate(ops) if op == "all_reduce_wait"]
         for start, wait in zip(starts, waits):
             between = [MATMUL_OUT.search(line) for line in lines[start:wait]]
             outputs = [match.group(1) or match.group(2) for match in between if match]
