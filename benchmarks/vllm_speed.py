@@ -8,7 +8,11 @@ tensor-parallel runtime:
 It prints per-token decode latency, tokens/s, the speed-up over standard, and the communication
 share of each variant's decode time: the time the ranks spend inside vLLM's all-reduce (waiting
 for the other rank included), timed in every worker by wrapping vLLM's
-`GroupCoordinator._all_reduce_out_place`. Weights are vLLM's dummy weights (`load_format=dummy`,
+`GroupCoordinator._all_reduce_out_place`: with `perf_counter` on the CPU, where the call returns
+when the reduction is done, and with CUDA events on a GPU, where it returns at the kernel launch.
+Under CUDA graphs (GPU with --compiled) a replay runs no Python, so the reductions inside the
+graphs are not timed: the share is then a lower bound; run without --compiled for it. The decode
+latency is timed on the host around whole generate calls, which wait for the GPU, either way. Weights are vLLM's dummy weights (`load_format=dummy`,
 the same for every variant), so no checkpoint is written; the models differ only in config.json.
 
     make bench-vllm                                          # CPU, TP=2, one core per rank
@@ -85,7 +89,21 @@ def all_reduce_timer():
         group.ladder_untimed_all_reduce = group._all_reduce_out_place
         group.ladder_all_reduce_seconds = 0.0
 
+        group.ladder_all_reduce_events = []
+
         def timed(self, input_):
+            import torch
+
+            if input_.is_cuda:  # the host returns at launch: time the kernels with CUDA events
+                if torch.cuda.is_current_stream_capturing():  # replays run no Python: not timed
+                    return group.ladder_untimed_all_reduce(self, input_)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()  # on the current stream, the ladder's side stream included
+                try:
+                    return group.ladder_untimed_all_reduce(self, input_)
+                finally:
+                    end.record()
+                    group.ladder_all_reduce_events.append((start, end))
             started = time.perf_counter()
             try:
                 return group.ladder_untimed_all_reduce(self, input_)
@@ -95,9 +113,15 @@ def all_reduce_timer():
         group._all_reduce_out_place = timed
 
     def total(worker) -> float:
+        import torch
         from vllm.distributed import parallel_state
 
-        return parallel_state.GroupCoordinator.ladder_all_reduce_seconds
+        group = parallel_state.GroupCoordinator
+        if group.ladder_all_reduce_events:
+            torch.cuda.synchronize()
+            group.ladder_all_reduce_seconds += sum(s.elapsed_time(e) for s, e in group.ladder_all_reduce_events) / 1000
+            group.ladder_all_reduce_events.clear()
+        return group.ladder_all_reduce_seconds
 
     return install, total
 

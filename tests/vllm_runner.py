@@ -5,7 +5,8 @@ tests/test_vllm.py, which lives in the main environment (another transformers ve
 
 JOB.json: {"runs": [{"name", "model", "tp", "eager", "prompts": [[token ids], ...], "max_tokens"}]}.
 RESULT.json: per run name, the generated token ids and their log-probabilities per prompt, the
-model class each worker built, and the engine's start-up time. Runs go one after another in this
+log-probability of each prompt token after the first, the model class each worker built, and the
+engine's start-up time. "eager": false is vLLM's default mode (torch.compile). Runs go one after another in this
 process, each with its own engine (vLLM serves one model per engine).
 """
 
@@ -36,18 +37,30 @@ def run(spec: dict) -> dict:
         seed=0,
     )
     startup = time.monotonic() - started
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=0, ignore_eos=True)
+    compilation_mode = llm.llm_engine.vllm_config.compilation_config.mode.name  # NONE when eager
+    params = SamplingParams(
+        temperature=0.0, max_tokens=spec["max_tokens"], logprobs=0, prompt_logprobs=0, ignore_eos=True
+    )
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]], params, use_tqdm=False)
-    tokens, logprobs = [], []
+    tokens, logprobs, prompt_logprobs = [], [], []
     for output in outputs:
         completion = output.outputs[0]
         tokens.append(list(completion.token_ids))
         logprobs.append([step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)])
+        prompt = output.prompt_token_ids
+        prompt_logprobs.append([step[token].logprob for token, step in zip(prompt[1:], output.prompt_logprobs[1:])])
     # `type` itself: apply_model's argument is pickled by reference, and the class comes back the same way.
     classes = [f"{cls.__module__}.{cls.__qualname__}" for cls in llm.apply_model(type)]
     del llm
     gc.collect()
-    return {"tokens": tokens, "logprobs": logprobs, "model_classes": classes, "startup_seconds": startup}
+    return {
+        "tokens": tokens,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "model_classes": classes,
+        "startup_seconds": startup,
+        "compilation_mode": compilation_mode,
+    }
 
 
 def main(job_path: str, result_path: str) -> None:

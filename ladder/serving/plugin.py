@@ -5,12 +5,34 @@ vLLM calls `register()` in every process it starts (the API server, the engine c
 tensor-parallel worker), so registration must be cheap and repeatable: the model class is
 registered by its "module:Class" name and imported only where a model is built. Under `ladder serve`
 it also applies the server's shutdown fix (ladder/serving/server.py: `quiet_engine_shutdown`).
+
+The model subclasses vLLM's Llama internals (layer, model and loader signatures, its custom-op
+registration), which change between minor versions: the plugin registers it only with the versions
+it was tested with (SUPPORTED_VLLM), and logs one line instead under any other.
 """
 
+import logging
 import os
 
 ARCHITECTURE = "LadderLlamaForCausalLM"
 MODEL_CLASS = "ladder.serving.model:LadderLlamaForCausalLM"
+SUPPORTED_VLLM = ("0.32",)  # minor versions; `make serve-env` installs 0.32.0 (CPU or CUDA build)
+
+
+def vllm_version_problem(version: str | None = None) -> str | None:
+    """One line saying why the installed vLLM (or `version`) cannot run the ladder model, or None."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    release = version.split("+")[0]  # "0.32.0+cpu" is 0.32.0
+    if any(release == minor or release.startswith(minor + ".") for minor in SUPPORTED_VLLM):
+        return None
+    supported = ", ".join(f"{minor}.x" for minor in SUPPORTED_VLLM)
+    return (
+        f"the ladder plugin supports vLLM {supported}, not {version}: "
+        f"pip install 'vllm=={SUPPORTED_VLLM[-1]}.0' (or `make serve-env`)"
+    )
 
 
 def register() -> None:
@@ -22,6 +44,10 @@ def register() -> None:
     from ladder.model.configuration_ladder_llama import LadderLlamaConfig
 
     AutoConfig.register(LadderLlamaConfig.model_type, LadderLlamaConfig, exist_ok=True)
+    if problem := vllm_version_problem():
+        # vLLM calls plugins unguarded: an exception here would be a traceback in every process.
+        logging.getLogger(__name__).error(problem)
+        return
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
     from ladder.serving.server import SERVE_ENV_FLAG, quiet_engine_shutdown

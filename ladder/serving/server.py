@@ -163,6 +163,10 @@ def main(argv: list[str]) -> int:
             "vLLM is not installed in this environment: run `make serve MODEL=...`, which builds and uses .venv-serve"
         ) from None
 
+    from ladder.serving.plugin import vllm_version_problem
+
+    if problem := vllm_version_problem():
+        raise UsageError(problem)
     if current_platform.is_cpu() and args.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(args.tp, sorted(os.sched_getaffinity(0)))
     check_servable(model, args.tp)
