@@ -31,6 +31,17 @@ def build_parser() -> ArgumentParser:
         action="store_true",
         help="tokenize and cache the data only (every core, no weights; a killed prepare continues), then exit",
     )
+    plan = parser.add_argument_group("plan (adapt/plan.py): memory, recompute, FLOPs and cost, reading no weights")
+    plan.add_argument("--plan", action="store_true", help="print the plan of the recipe's training and exit")
+    plan.add_argument("--gpus", type=int, default=None, help="devices (FSDP over them when more than one)")
+    plan.add_argument("--gpu-memory", type=float, default=None, help="bytes per device (default: this machine's RAM)")
+    plan.add_argument(
+        "--gpu-flops", type=float, default=None, help="peak FLOP/s per device (default: this CPU's measured peak)"
+    )
+    plan.add_argument(
+        "--utilisation", type=float, default=None, help="share of the peak reached (default 0.35, compiled 0.40)"
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     return parser
 
 
@@ -54,7 +65,27 @@ def main(argv: list[str]) -> int:
         return 0
     if args.prepare_data:
         return prepare_data(recipe)
+    if args.plan:
+        return print_plan(recipe, args)
+    if any(value is not None for value in (args.gpus, args.gpu_memory, args.gpu_flops, args.utilisation)) or args.json:
+        raise UsageError("--gpus, --gpu-memory, --gpu-flops, --utilisation and --json go with --plan")
     return train(recipe, args.recipe, args.overrides)
+
+
+def print_plan(recipe: Recipe, args: argparse.Namespace) -> int:
+    """The plan of the recipe's training (adapt/plan.py), as text or one JSON object."""
+    from .plan import format_plan, plan_json, recipe_plan
+
+    if args.gpus is not None and args.gpus < 1:
+        raise UsageError("--gpus must be at least 1")
+    for name in ("gpu_memory", "gpu_flops"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    if args.utilisation is not None and not 0 < args.utilisation <= 1:
+        raise UsageError("--utilisation must be in (0, 1]")
+    plan = recipe_plan(recipe, args.gpus or 1, args.gpu_memory, args.gpu_flops, args.utilisation)
+    print(plan_json(plan) if args.json else format_plan(plan, recipe))
+    return 0
 
 
 def prepare_data(recipe: Recipe) -> int:

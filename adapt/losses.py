@@ -8,11 +8,11 @@ is trained (the last position, and before tokens that are not targets, such as a
 
 Full logits are tokens x vocabulary in float32: for Llama-3.1's 128k vocabulary about 4 GB per
 8k-token micro-batch, and as much again for their gradient. `head_losses` instead computes the
-logits of a chunk of positions at a time (16 MiB of float32 logits on the CPU, 64 MiB on
-accelerators), takes the loss and its gradient with respect to those logits at once (the softmax is
-needed for both, and overwrites the logits in place), turns it into the gradients of the hidden
-states and of the head's weight, and drops the chunk: the same FLOPs as the plain computation, the
-memory of one chunk. `lm_loss` and
+logits of a chunk of positions at a time (16 MiB of float32 logits on the CPU, 512 MiB on
+accelerators; under autocast bf16 operands with float32 accumulation), takes the loss and its
+gradient with respect to those logits at once (the softmax is needed for both, and overwrites the
+logits in place), turns it into the gradients of the hidden states and of the head's weight, and
+drops the chunk: the same FLOPs as the plain computation, the memory of one chunk. `lm_loss` and
 `kd_loss` are its two terms; `losses_in_lm_head` runs it inside a model's own forward (where FSDP
 has the head's weight gathered). Held-out evaluation (`block_loss_sums`) goes the same way.
 """
@@ -29,10 +29,13 @@ from accelerate.utils import extract_model_from_parallel
 # Float32 logits per chunk, computed, turned into their gradient in place, and dropped. On the CPU
 # 16 MiB (85 positions of SmolLM2's 49k vocabulary): larger chunks are mapped and faulted in afresh
 # each time (glibc maps blocks over 32 MiB) and raised the CPU recipe's peak RSS by 140 MiB, at no
-# measurable gain in speed. On accelerators 64 MiB (130 positions of Llama-3's 128k): each chunk
-# reads the whole head weight, so fewer, larger chunks keep the matmuls from waiting on memory.
+# measurable gain in speed. On accelerators 512 MiB (1,046 positions of Llama-3's 128k vocabulary):
+# each chunk reads the whole head weight (1 GB in bf16) three times (logits, the hidden states'
+# gradient, the weight's), so chunks must be long enough for those matmuls to be bound by compute
+# (a few hundred positions per weight read on an H100) and few: 8 per 8k-token micro-batch instead
+# of 63. adapt/plan.py counts the chunk in the peak.
 CPU_CHUNK_BYTES = 16 * 2**20
-ACCELERATOR_CHUNK_BYTES = 64 * 2**20
+ACCELERATOR_CHUNK_BYTES = 512 * 2**20
 IGNORE_INDEX = -100
 
 
@@ -40,6 +43,22 @@ def chunk_positions(vocab_size: int, device: torch.device | str = "cpu") -> int:
     """Positions per chunk of float32 logits on this device."""
     budget = CPU_CHUNK_BYTES if torch.device(device).type == "cpu" else ACCELERATOR_CHUNK_BYTES
     return max(1, budget // (4 * vocab_size))
+
+
+def float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b from low-precision operands, accumulated in float32 and returned in float32: on CUDA in
+    one kernel that writes float32 (`out_dtype`), elsewhere rounded to the operands' dtype first."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def low_precision(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in here, or None outside autocast (float32 throughout)."""
+    if torch.is_autocast_enabled(device.type):
+        dtype = torch.get_autocast_dtype(device.type)
+        return None if dtype == torch.float32 else dtype
+    return None
 
 
 def next_token_labels(input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,46 +99,61 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         kd_sum = flat.new_zeros((), dtype=dtype)
         grad_hidden = torch.empty_like(flat) if needs_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=dtype) if needs_grad[1] else None
-        for start in range(0, rows, chunk_tokens):
-            chunk = flat[start : start + chunk_tokens]
-            target = targets[start : start + chunk_tokens]
-            logits = (chunk @ weight.T).to(dtype)
-            log_probs = logits.sub_(logits.logsumexp(-1, keepdim=True))  # log-softmax in place
-            valid = target != IGNORE_INDEX
-            safe_target = target.clamp(min=0)
-            ce_sum -= (log_probs.gather(1, safe_target[:, None])[:, 0] * valid).sum()
-            if kd_weight:  # before the gradient below overwrites log_probs
-                teacher_log_probs = (
-                    teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[start : start + chunk_tokens]
-                    @ teacher_weight.T
-                ).to(dtype)
-                if temperature != 1:
-                    teacher_log_probs.div_(temperature)
-                    # that of logits / T (log-softmax is shift-invariant); at T = 1 it is log_probs itself
-                    student_log_probs = (log_probs / temperature).log_softmax(-1)
-                else:
-                    student_log_probs = log_probs
-                teacher_log_probs.sub_(teacher_log_probs.logsumexp(-1, keepdim=True))
-                teacher_probs = teacher_log_probs.exp()
-                # KL(teacher || student) = sum p_t (log p_t - log p_s), summed over the chunk without a temporary.
-                kd_sum += torch.dot(teacher_probs.flatten(), teacher_log_probs.sub_(student_log_probs).flatten())
-            if needs_grad[0] or needs_grad[1]:
-                # d(mean CE)/d logits = (softmax - one_hot) / counted, on the counted rows only;
-                # d(T² KL / rows)/d logits = T (softmax(z / T) - teacher) / rows.
-                ce_scale = valid.to(dtype) * (lm_weight / counted)
-                kd_scale = kd_weight * temperature / rows
-                grad = log_probs.exp_()
-                if kd_weight and temperature == 1:  # softmax(z / T) is the softmax just computed
-                    grad.mul_((ce_scale + kd_scale)[:, None]).sub_(teacher_probs.mul_(kd_scale))
-                else:
-                    grad.mul_(ce_scale[:, None])
-                    if kd_weight:
-                        grad.add_(student_log_probs.exp_().sub_(teacher_probs).mul_(kd_scale))
-                grad.scatter_add_(1, safe_target[:, None], -ce_scale[:, None])
-            if needs_grad[0]:
-                grad_hidden[start : start + chunk_tokens] = (grad.to(weight.dtype) @ weight).to(flat.dtype)
-            if needs_grad[1]:
-                grad_weight.addmm_(grad.T, chunk.to(dtype))
+        # Under autocast (bf16 recipes) each matmul takes bf16 operands (the weights cast once, not per
+        # chunk) and accumulates in float32 (`float32_product`): no float32 GEMM; outside it, as given.
+        low = low_precision(flat.device)
+        lhs, rhs = (flat, weight) if low is None else (flat.to(low), weight.to(low))
+        if kd_weight:
+            teacher_lhs = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+            teacher_rhs = teacher_weight
+            if low is not None:
+                teacher_lhs, teacher_rhs = teacher_lhs.to(low), teacher_rhs.to(low)
+
+        def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return (a @ b).to(dtype) if low is None else float32_product(a, b)
+
+        # the dtypes above are the ones used
+        with torch.autocast(flat.device.type, enabled=False):
+            for start in range(0, rows, chunk_tokens):
+                chunk = lhs[start : start + chunk_tokens]
+                target = targets[start : start + chunk_tokens]
+                logits = product(chunk, rhs.T)
+                log_probs = logits.sub_(logits.logsumexp(-1, keepdim=True))  # log-softmax in place
+                valid = target != IGNORE_INDEX
+                safe_target = target.clamp(min=0)
+                ce_sum -= (log_probs.gather(1, safe_target[:, None])[:, 0] * valid).sum()
+                if kd_weight:  # before the gradient below overwrites log_probs
+                    teacher_log_probs = product(teacher_lhs[start : start + chunk_tokens], teacher_rhs.T)
+                    if temperature != 1:
+                        teacher_log_probs.div_(temperature)
+                        # that of logits / T (log-softmax is shift-invariant); at T = 1 it is log_probs itself
+                        student_log_probs = (log_probs / temperature).log_softmax(-1)
+                    else:
+                        student_log_probs = log_probs
+                    teacher_log_probs.sub_(teacher_log_probs.logsumexp(-1, keepdim=True))
+                    teacher_probs = teacher_log_probs.exp()
+                    # KL(teacher || student) = sum p_t (log p_t - log p_s), summed over the chunk without a temporary.
+                    kd_sum += torch.dot(teacher_probs.flatten(), teacher_log_probs.sub_(student_log_probs).flatten())
+                if needs_grad[0] or needs_grad[1]:
+                    # d(mean CE)/d logits = (softmax - one_hot) / counted, on the counted rows only;
+                    # d(T² KL / rows)/d logits = T (softmax(z / T) - teacher) / rows.
+                    ce_scale = valid.to(dtype) * (lm_weight / counted)
+                    kd_scale = kd_weight * temperature / rows
+                    grad = log_probs.exp_()
+                    if kd_weight and temperature == 1:  # softmax(z / T) is the softmax just computed
+                        grad.mul_((ce_scale + kd_scale)[:, None]).sub_(teacher_probs.mul_(kd_scale))
+                    else:
+                        grad.mul_(ce_scale[:, None])
+                        if kd_weight:
+                            grad.add_(student_log_probs.exp_().sub_(teacher_probs).mul_(kd_scale))
+                    grad.scatter_add_(1, safe_target[:, None], -ce_scale[:, None])
+                if needs_grad[0]:
+                    grad_hidden[start : start + chunk_tokens] = (grad.to(rhs.dtype) @ rhs).to(flat.dtype)
+                if needs_grad[1]:
+                    if low is None:
+                        grad_weight.addmm_(grad.T, chunk.to(dtype))
+                    else:
+                        grad_weight.add_(float32_product(grad.to(low).T, chunk))
         ce = ce_sum / counted
         loss = lm_weight * ce + kd_weight * temperature**2 * kd_sum / rows
         ctx.shapes = hidden.shape

@@ -80,12 +80,16 @@ def load_teacher(
     return copy.deepcopy(student)  # the student, once rewired, shares the original's tensors
 
 
-def configure_student(model: torch.nn.Module, spec: ModelSpec) -> None:
-    """Attention implementation, activation checkpointing and compilation, as model.* asks."""
+def configure_student(model: torch.nn.Module, spec: ModelSpec, checkpointing: str = "none") -> None:
+    """Attention implementation, activation checkpointing (`checkpointing`: model.activation_checkpointing
+    resolved, adapt/plan.py) and compilation, as model.* asks."""
     model.set_attn_implementation(spec.attn_implementation)
-    if spec.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if spec.compile:
+    if checkpointing != "none":
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False},
+            every_n_layers=2 if checkpointing == "selective" else 1,
+        )
+    if spec.compiles(accelerator=torch.accelerator.is_available()):
         for layer in model.model.layers:
             layer.compile()  # in place: parameter names and checkpoints stay as they are
 

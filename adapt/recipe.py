@@ -38,11 +38,23 @@ class ModelSpec:
     # Teacher for `kd`: null = model.path when that is an original (non-ladder) model.
     teacher: str | None = None
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    # Recompute activations in backward: less memory, about 30% more compute. The 8B recipes leave it
-    # off because FSDP checkpoints activations itself (fsdp_activation_checkpointing in their config).
+    # Recompute in backward: none; selective (every other decoder layer); full (every layer: least
+    # memory, about a third more compute); auto = the least recompute whose peak memory fits the device
+    # with a margin (adapt/plan.py, `ladder adapt RECIPE --plan` prints it).
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = "none"
+    # The earlier spelling of activation_checkpointing=full (true); kept working.
     gradient_checkpointing: bool = False
-    # torch.compile each decoder layer (opt-in: the first steps pay the compilation; see docs/benchmarks.md).
-    compile: bool = False
+    # torch.compile each decoder layer; auto = on where an accelerator is present, off on the CPU (there
+    # 1.07x the tokens/s, docs/benchmarks.md, for about 20 s of compilation: a loss on a few-minute run).
+    compile: bool | Literal["auto"] = False
+
+    def checkpointing(self) -> str:
+        """activation_checkpointing, with the earlier gradient_checkpointing=true read as full."""
+        return "full" if self.gradient_checkpointing else self.activation_checkpointing
+
+    def compiles(self, accelerator: bool) -> bool:
+        """Whether decoder layers are compiled on a machine with (or without) an accelerator."""
+        return accelerator if self.compile == "auto" else bool(self.compile)
 
 
 @dataclass
@@ -404,6 +416,11 @@ def validate(recipe: Recipe) -> None:
     for ok, key, message in checks:
         if not ok:
             raise UsageError(f"{key} {message}")
+    if recipe.model.gradient_checkpointing and recipe.model.activation_checkpointing not in ("none", "full"):
+        raise UsageError(
+            "model.gradient_checkpointing=true is activation_checkpointing=full; "
+            f"it contradicts model.activation_checkpointing={recipe.model.activation_checkpointing}"
+        )
     if (recipe.trainable.mode == "layers") != (recipe.trainable.layers is not None):
         raise UsageError("trainable.layers goes with trainable.mode=layers, and that mode needs it")
     if not recipe.data.train:

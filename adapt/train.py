@@ -72,6 +72,7 @@ from .models import (
     weights_from_main,
 )
 from .optimizer import build_optimizer
+from .plan import checkpointing_policy
 from .preemption import Preempted, StopSignals
 from .preflight import check_data_files, check_model, resume_point, source_path, step_budget
 from .recipe import Recipe, dump_recipe
@@ -205,7 +206,8 @@ class AdaptRun:
         """The student rewired in memory when model.path is an original Llama, set up for training."""
         if self.recipe.model.ladder_layers is not None:
             model = ladder.to_ladder(model, self.resolve_ladder_layers(model))
-        configure_student(model, self.recipe.model)
+        policy = checkpointing_policy(self.recipe, model.config, self.accelerator.num_processes, self.fsdp)
+        configure_student(model, self.recipe.model, policy)
         self.ladder_layers = list(model.config.ladder_layers)
         self.num_hidden_layers = model.config.num_hidden_layers
         return model

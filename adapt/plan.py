@@ -1,0 +1,431 @@
+"""`ladder adapt RECIPE --plan`: what a recipe's training costs before it runs, from the model's
+config alone (the model built on the meta device: no weight is read).
+
+Memory per device, by part: the parameters (fp32 master weights), the trained parameters' gradients
+and AdamW's two moments (all three sharded over the devices under FSDP), the activations each
+decoder layer saves for its backward pass at the recipe's micro-batch and seq_len under each
+recompute policy, the head's logits chunks and gradients, and buffers (FSDP's gathered bf16 units,
+one layer's backward). FLOPs per token: the model FLOPs (forward, backward; MFU counts these) and
+the hardware FLOPs (plus recompute; time is spent on these), with causal attention, and the backward
+only where gradients flow (below the lowest trained layer nothing flows). Tokens/s at a stated
+utilisation of the device's peak, device-hours for the budget.
+
+Saved activations per trained layer and token, as autograd keeps them with adapt/memory.py's lean
+MLP and norms and sdpa (tests/test_plan.py counts them with saved-tensor hooks): the layer's two
+stream inputs (kept for the recomputed norms), the normed inputs of the attention and of the MLP
+(q/k/v and gate/up read them), q, k, v, the attention output (o_proj reads it), the attention's
+log-sum-exp (fp32, one per head), gate and up (SwiGLUDown). Under `full` recompute a layer keeps its
+two input streams; `selective` recomputes every other layer (transformers' every_n_layers=2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ladder.errors import UsageError
+from ladder.layers import parse_ladder_layers
+
+from .recipe import Recipe
+
+POLICIES = ("none", "selective", "full")
+# Share of a device's memory a plan may fill: the allocator's fragmentation, NCCL's buffers and the
+# CUDA context take the rest (torchtitan's 8B runs peak at about 85-90% of 80 GB).
+MEMORY_MARGIN = 0.85
+# Share of the device's peak FLOP/s spent on the plan's hardware FLOPs, assumed on accelerators.
+# torchtitan publishes 5,762 tokens/s per H100 for Llama-3.1-8B (8 GPUs, FSDP2, seq_len 8192) in eager
+# mode and 6,667 compiled: by this module's count 0.30 and 0.35 MFU, and 0.35-0.39 and 0.40-0.46 of
+# the 989 TFLOP/s peak once its recompute (selective to full) is counted. The lower ends:
+UTILISATION = {"eager": 0.35, "compiled": 0.40}
+UTILISATION_SOURCE = "assumed: the low end of torchtitan's published Llama-3.1-8B FSDP2 throughput, {mode}"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the memory and FLOPs depend on, read from a model config."""
+
+    hidden: int
+    kv: int  # key/value width: kv heads x head dim
+    heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    vocab: int
+    tied: bool
+    layer_params: int
+    embed_params: int
+    head_params: int  # 0 when tied
+    other_params: int  # final norm
+
+
+def model_shape(config) -> Shape:
+    """Parameter counts from the model built on the meta device, widths from the config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    embed = model.get_input_embeddings().weight.numel()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    head = 0 if tied else model.get_output_embeddings().weight.numel()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return Shape(
+        hidden=config.hidden_size,
+        kv=config.num_key_value_heads * head_dim,
+        heads=config.num_attention_heads,
+        head_dim=head_dim,
+        intermediate=config.intermediate_size,
+        layers=config.num_hidden_layers,
+        vocab=config.vocab_size,
+        tied=tied,
+        layer_params=layer,
+        embed_params=embed,
+        head_params=head,
+        other_params=total - layer * config.num_hidden_layers - embed - head,
+    )
+
+
+def read_model_config(path: Path):
+    """The config of a checkpoint directory or of the Llama inside a GGUF file; no weight is read."""
+    from transformers import AutoConfig
+
+    import ladder.model.auto  # noqa: F401  (the ladder model type)
+    from ladder.io.loading import from_pretrained_arguments
+
+    location, extra = from_pretrained_arguments(path)
+    try:
+        return AutoConfig.from_pretrained(location, **extra)
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"cannot read the config of {path}: {error}") from None
+
+
+def saved_bytes_per_token(shape: Shape, compute_bytes: int, stream_bytes: int) -> int:
+    """Bytes one trained decoder layer keeps for backward per token, with no recompute (see above)."""
+    computed = 4 * shape.hidden + 2 * shape.kv + 2 * shape.intermediate  # normed x2, q, out, k, v, gate, up
+    return 2 * shape.hidden * stream_bytes + computed * compute_bytes + 4 * shape.heads
+
+
+def layer_saved_bytes(shape: Shape, tokens: int, policy: str, compute_bytes: int, stream_bytes: int) -> float:
+    """Average bytes one layer keeps for backward at `tokens` per micro-batch under `policy`."""
+    kept = saved_bytes_per_token(shape, compute_bytes, stream_bytes) * tokens
+    inputs = 2 * shape.hidden * stream_bytes * tokens  # a recomputed layer keeps its two streams
+    return {"none": kept, "full": inputs, "selective": (kept + inputs) / 2}[policy]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A recipe's training as the plan reads it."""
+
+    micro_batch: int
+    seq_len: int
+    devices: int
+    fsdp: bool
+    bf16: bool
+    trained: list[int]  # the decoder layers whose weights train
+    grads_from: int  # the lowest layer gradients flow through (layers when none)
+    head_trained: bool
+    accelerator: bool
+    tokens: float  # the budget
+
+
+def setting_of(recipe: Recipe, shape: Shape, devices: int, accelerator: bool, fsdp: bool | None = None) -> Setting:
+    """The recipe's training on `devices` devices (FSDP over them by default when more than one)."""
+    mode = recipe.trainable.mode
+    if mode == "all":
+        trained, head = list(range(shape.layers)), True
+    elif mode == "ladder":
+        trained, head = (
+            parse_ladder_layers(recipe.model.ladder_layers or [], shape.layers, "model.ladder_layers"),
+            False,
+        )
+    elif mode == "layers":
+        trained, head = parse_ladder_layers(recipe.trainable.layers, shape.layers, "trainable.layers"), False
+    else:  # lora: adapters on every layer, base weights frozen
+        trained, head = [], False
+    return Setting(
+        micro_batch=recipe.batch.micro_batch,
+        seq_len=recipe.data.seq_len,
+        devices=devices,
+        fsdp=devices > 1 if fsdp is None else fsdp,
+        bf16=recipe.precision == "bf16",
+        trained=sorted(trained),
+        grads_from=0 if mode == "lora" else min(trained, default=shape.layers),
+        head_trained=head,
+        accelerator=accelerator,
+        tokens=recipe.budget,
+    )
+
+
+def memory_parts(shape: Shape, setting: Setting, policy: str, chunk_positions: int) -> dict[str, float]:
+    """Bytes per device by part, at the peak (the last layer's backward of a micro-batch)."""
+    n = setting.devices
+    tokens = setting.micro_batch * setting.seq_len
+    total = shape.layer_params * shape.layers + shape.embed_params + shape.head_params + shape.other_params
+    trained = (
+        shape.layer_params * len(setting.trained) + (shape.embed_params + shape.head_params) * setting.head_trained
+    )
+    compute_bytes = 2 if setting.bf16 else 4
+    # Under FSDP's bf16 policy the residual streams are bf16 too; under autocast alone they stay fp32.
+    stream_bytes = 2 if setting.bf16 and setting.fsdp else 4
+    # Autograd keeps activations for every layer from the lowest trained one up.
+    saving = shape.layers - setting.grads_from
+    per_layer = layer_saved_bytes(shape, tokens, policy, compute_bytes, stream_bytes)
+    # One layer's backward: its recomputed activations (when recomputed) and the gradients flowing through it.
+    backward = (
+        layer_saved_bytes(shape, tokens, "none", compute_bytes, stream_bytes) * (policy != "none")
+        + tokens * (2 * shape.hidden + 2 * shape.intermediate) * 4
+    )
+    head_weight = shape.head_params or shape.embed_params
+    head = chunk_positions * shape.vocab * 4 * 2 + tokens * shape.hidden * 4 * 2  # chunk logits; hidden + its grad
+    if setting.head_trained:
+        # The head's gradient, built in the forward: a float32 sum; in bf16 also each chunk's float32
+        # product and the sum's cast to the weight's dtype (adapt/losses.py).
+        head += head_weight * (4 + 4 + compute_bytes if setting.bf16 else 4)
+    unit = max(shape.layer_params, head_weight)
+    buffers = 2 * unit * compute_bytes if setting.fsdp else 0  # the gathered unit and the prefetched one
+    return {
+        "parameters": total * 4 / n,
+        "gradients": trained * 4 / n,
+        "optimizer_state": trained * 8 / n,
+        "activations": per_layer * saving,
+        "backward_transient": backward if saving else 0,
+        "head_loss": head,
+        "buffers": buffers,
+    }
+
+
+def flops_per_token(shape: Shape, setting: Setting, policy: str) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) per trained token: forward everywhere, backward where gradients
+    flow (weights' gradients only for trained layers), plus the recomputed forwards."""
+    matmul = 2 * (shape.layer_params - 2 * shape.hidden)  # a layer's matmuls (its norms are not)
+    attention = 2 * setting.seq_len * shape.heads * shape.head_dim  # causal: QK and AV over s/2 keys each
+    layer_forward = matmul + attention
+    head_forward = 2 * shape.hidden * shape.vocab
+    flowing = shape.layers - setting.grads_from
+    trained = len(setting.trained)
+    backward = flowing * (matmul + 2 * attention) + trained * matmul  # input grads, weight grads
+    backward += head_forward * ((flowing > 0) + setting.head_trained)
+    model = shape.layers * layer_forward + head_forward + backward
+    recomputed = {"none": 0, "selective": math.ceil(flowing / 2), "full": flowing}[policy]
+    return model, model + recomputed * layer_forward
+
+
+@dataclass
+class Plan:
+    devices: int
+    device_memory: float
+    device_flops: float
+    utilisation: float
+    utilisation_source: str
+    activation_checkpointing: str
+    peak_bytes_per_device: float
+    memory: dict[str, float]
+    peak_by_policy: dict[str, float]
+    saved_activation_bytes_per_layer: float
+    model_flops_per_token: float
+    flops_per_token: float  # hardware FLOPs, with recompute
+    tokens_per_second: float  # all devices
+    tokens_per_second_per_device: float
+    mfu: float
+    device_hours: float
+
+
+def choose_policy(peaks: dict[str, float], device_memory: float) -> str:
+    """The least recompute whose peak fits `device_memory` with the margin (full when none fits)."""
+    for policy in POLICIES:
+        if peaks[policy] <= MEMORY_MARGIN * device_memory:
+            return policy
+    return "full"
+
+
+def make_plan(
+    shape: Shape,
+    setting: Setting,
+    device_memory: float,
+    device_flops: float,
+    utilisation: float = UTILISATION["eager"],
+    utilisation_source: str = UTILISATION_SOURCE.format(mode="eager"),
+    policy: str = "auto",
+    chunk_positions: int | None = None,
+) -> Plan:
+    from .losses import chunk_positions as positions_for
+
+    chunk = chunk_positions or positions_for(shape.vocab, "cuda" if setting.accelerator else "cpu")
+    parts = {p: memory_parts(shape, setting, p, chunk) for p in POLICIES}
+    peaks = {p: sum(parts[p].values()) for p in POLICIES}
+    chosen = choose_policy(peaks, device_memory) if policy == "auto" else policy
+    model, hardware = flops_per_token(shape, setting, chosen)
+    per_device = utilisation * device_flops / hardware
+    tokens_per_second = per_device * setting.devices
+    return Plan(
+        devices=setting.devices,
+        device_memory=device_memory,
+        device_flops=device_flops,
+        utilisation=utilisation,
+        utilisation_source=utilisation_source,
+        activation_checkpointing=chosen,
+        peak_bytes_per_device=peaks[chosen],
+        memory=parts[chosen],
+        peak_by_policy=peaks,
+        saved_activation_bytes_per_layer=layer_saved_bytes(
+            shape,
+            setting.micro_batch * setting.seq_len,
+            chosen,
+            2 if setting.bf16 else 4,
+            2 if setting.bf16 and setting.fsdp else 4,
+        ),
+        model_flops_per_token=model,
+        flops_per_token=hardware,
+        tokens_per_second=tokens_per_second,
+        tokens_per_second_per_device=per_device,
+        mfu=model * per_device / device_flops,
+        device_hours=setting.tokens / tokens_per_second / 3600 * setting.devices,
+    )
+
+
+def recipe_plan(
+    recipe: Recipe,
+    devices: int = 1,
+    device_memory: float | None = None,
+    device_flops: float | None = None,
+    utilisation: float | None = None,
+    accelerator: bool | None = None,
+) -> Plan:
+    """The plan of `recipe` on `devices` devices of `device_memory` bytes and `device_flops` peak
+    FLOP/s each (accelerators, unless `accelerator` says otherwise); without them, this machine (its
+    RAM; its measured fp32 matmul peak)."""
+    import torch
+
+    from .preflight import source_path
+
+    shape = model_shape(read_model_config(source_path(recipe.model.path)))
+    if accelerator is None:  # planning for GPUs (their flops given), or for this machine
+        accelerator = device_flops is not None or torch.accelerator.is_available()
+    mode = "compiled" if recipe.model.compiles(accelerator) else "eager"
+    source = UTILISATION_SOURCE.format(mode=mode)
+    if device_flops is None:
+        device_flops = measured_matmul_peak()
+        source = f"of this machine's measured fp32 matmul peak; {source}"
+    if utilisation is not None:
+        source = "given"
+    if device_memory is None:
+        device_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return make_plan(
+        shape,
+        setting_of(recipe, shape, devices, accelerator),
+        device_memory,
+        device_flops,
+        UTILISATION[mode] if utilisation is None else utilisation,
+        source,
+        policy=recipe.model.checkpointing(),
+    )
+
+
+def checkpointing_policy(recipe: Recipe, config, processes: int, fsdp: bool) -> str:
+    """The recompute policy a run uses: the recipe's, or for `auto` the plan's choice for this
+    machine's device (its memory; the RAM on a CPU) and this many processes."""
+    import torch
+
+    policy = recipe.model.checkpointing()
+    if policy != "auto":
+        return policy
+    accelerator = torch.accelerator.is_available()
+    if accelerator:
+        memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    shape = model_shape(config)
+    return make_plan(
+        shape, setting_of(recipe, shape, processes, accelerator, fsdp), memory, 1.0
+    ).activation_checkpointing
+
+
+def measured_matmul_peak(size: int = 1024, seconds: float = 1.0) -> float:
+    """FLOP/s of fp32 1024 x 1024 matmuls on this machine's CPU, best of repeated runs."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # the first call starts the thread pool
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        started = time.perf_counter()
+        a @ b
+        best = max(best, 2 * size**3 / (time.perf_counter() - started))
+    return best
+
+
+def measured_saved_bytes(model, input_ids, layer_index: int) -> int:
+    """Bytes autograd keeps for backward inside decoder layer `layer_index` in a forward of `model`
+    on `input_ids`, counted with saved-tensor hooks (each storage once, parameters not counted)."""
+    import torch
+
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside, kept = [False], {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if inside[0] and storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    layer = model.model.layers[layer_index]
+    handles = [
+        layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
+        layer.register_forward_hook(lambda *_: inside.__setitem__(0, False)),
+    ]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sum(kept.values())
+
+
+def format_plan(plan: Plan, recipe: Recipe) -> str:
+    gib = 2**30
+    lines = [
+        f"plan for {recipe.name}: {plan.devices} device(s) of {plan.device_memory / 1e9:.1f} GB and "
+        f"{plan.device_flops / 1e12:.3g} TFLOP/s; micro-batch {recipe.batch.micro_batch} x {recipe.data.seq_len} "
+        f"tokens, trainable {recipe.trainable.mode}, precision {recipe.precision}",
+        f"activation checkpointing: {plan.activation_checkpointing} (peak per device: "
+        + ", ".join(f"{p} {plan.peak_by_policy[p] / gib:.1f} GiB" for p in POLICIES)
+        + f"; fits when at most {MEMORY_MARGIN:.0%} of the device)",
+        "memory per device: "
+        + ", ".join(f"{name.replace('_', ' ')} {value / gib:.2f} GiB" for name, value in plan.memory.items())
+        + f"; peak {plan.peak_bytes_per_device / gib:.2f} GiB",
+        f"saved activations per trained layer: {plan.saved_activation_bytes_per_layer / 2**20:.1f} MiB",
+        f"FLOPs per token: {plan.model_flops_per_token / 1e9:.1f} G (model), {plan.flops_per_token / 1e9:.1f} G "
+        "with recompute",
+        f"tokens/s: {plan.tokens_per_second:,.0f} ({plan.tokens_per_second_per_device:,.0f} per device) at "
+        f"{plan.utilisation:.0%} utilisation ({plan.utilisation_source}); MFU {plan.mfu:.1%}",
+        f"device-hours for {recipe.budget:.3g} tokens: {plan.device_hours:,.1f} "
+        f"({plan.device_hours / plan.devices:,.1f} h on {plan.devices})",
+    ]
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> str:
+    return json.dumps(dataclasses.asdict(plan), indent=1)
+
+
+__all__ = [
+    "POLICIES",
+    "Plan",
+    "checkpointing_policy",
+    "format_plan",
+    "layer_saved_bytes",
+    "make_plan",
+    "measured_saved_bytes",
+    "model_shape",
+    "plan_json",
+    "recipe_plan",
+]

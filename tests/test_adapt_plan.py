@@ -1,0 +1,143 @@
+"""The training plan (adapt/plan.py): saved activations per layer as autograd keeps them, the recompute
+policy `auto` chooses, `ladder adapt --plan`, and `model.compile: auto`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ladder
+from ladder.adapt.memory import keep_fewer_activations
+from ladder.adapt.plan import (
+    layer_saved_bytes,
+    make_plan,
+    measured_saved_bytes,
+    model_shape,
+    setting_of,
+)
+from ladder.adapt.recipe import ModelSpec, load_recipe
+from ladder.errors import UsageError
+from tiny import random_ids, tiny_llama
+
+CPU_RECIPE = "recipes/smollm2-135m-ladder-cpu.yaml"
+
+
+def test_saved_activations_per_layer_are_what_autograd_keeps():
+    model = ladder.to_ladder(tiny_llama(), [4, 5]).train()
+    model.set_attn_implementation("sdpa")
+    keep_fewer_activations(model)
+    model.requires_grad_(False)
+    model.model.layers[4].requires_grad_(True)
+    ids = random_ids(batch=2, length=40)
+    counted = measured_saved_bytes(model, ids, 4)
+    planned = layer_saved_bytes(model_shape(model.config), ids.numel(), "none", 4, 4)
+    assert counted > 0
+    assert abs(planned / counted - 1) < 0.10, (planned, counted)
+
+
+def test_auto_recomputes_the_least_that_fits_the_device():
+    recipe = load_recipe(CPU_RECIPE, ["trainable.mode=all", "model.activation_checkpointing=auto"])
+    shape = model_shape(tiny_llama().config)
+    setting = setting_of(recipe, shape, devices=1, accelerator=False)
+    roomy = make_plan(shape, setting, device_memory=1e12, device_flops=1e12)
+    peaks = roomy.peak_by_policy
+    assert peaks["none"] > peaks["selective"] > peaks["full"]
+    assert roomy.activation_checkpointing == "none"
+    between = make_plan(
+        shape, setting, device_memory=(peaks["selective"] + peaks["none"]) / 2 / 0.85, device_flops=1e12
+    )
+    assert between.activation_checkpointing == "selective"
+    # Recompute costs FLOPs: the same device, forced to recompute everything, is slower.
+    full = make_plan(shape, setting, device_memory=1e12, device_flops=1e12, policy="full")
+    assert full.flops_per_token > roomy.flops_per_token == roomy.model_flops_per_token
+    assert full.tokens_per_second < roomy.tokens_per_second
+
+
+def test_training_only_upper_layers_plans_fewer_flops_and_bytes():
+    shape = model_shape(tiny_llama().config)
+    plans = {
+        mode: make_plan(
+            shape,
+            setting_of(load_recipe(CPU_RECIPE, [f"trainable.mode={mode}", "model.ladder_layers=2"]), shape, 4, True),
+            device_memory=1e12,
+            device_flops=1e12,
+        )
+        for mode in ("all", "ladder")
+    }
+    assert plans["ladder"].model_flops_per_token < plans["all"].model_flops_per_token
+    assert plans["ladder"].peak_bytes_per_device < plans["all"].peak_bytes_per_device
+
+
+def test_plan_command_prints_one_json_object(capsys):
+    from ladder.adapt.cli import main
+
+    assert main([CPU_RECIPE, "--plan", "--json", "--gpus", "2", "--gpu-memory", "8e9", "--gpu-flops", "1e14"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for key in ("peak_bytes_per_device", "activation_checkpointing", "flops_per_token", "tokens_per_second"):
+        assert plan[key]
+    assert plan["device_hours"] > 0 and plan["devices"] == 2
+    with pytest.raises(UsageError, match="go with --plan"):
+        main([CPU_RECIPE, "--gpus", "2"])
+
+
+def test_checkpointing_and_compile_keys():
+    assert ModelSpec(compile="auto").compiles(accelerator=True)
+    assert not ModelSpec(compile="auto").compiles(accelerator=False)
+    assert ModelSpec(gradient_checkpointing=True).checkpointing() == "full"  # the earlier key still works
+    with pytest.raises(UsageError, match="contradicts"):
+        load_recipe(CPU_RECIPE, ["model.gradient_checkpointing=true", "model.activation_checkpointing=selective"])
+
+
+def test_selective_recompute_checkpoints_every_other_layer():
+    from ladder.adapt.models import configure_student
+
+    model = ladder.to_ladder(tiny_llama(), [4, 5]).train()
+    configure_student(model, ModelSpec(), "selective")
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False] * 3
+
+
+@pytest.mark.parametrize("kd_weight", [0.0, 0.5])
+def test_head_loss_in_bf16_runs_no_float32_gemm_and_matches_full_logits(kd_weight):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ladder.adapt.losses import chunk_positions, head_losses, next_token_labels
+
+    assert chunk_positions(128256, "cuda") >= 1024  # few reads of the head's weight per micro-batch
+    generator = torch.Generator().manual_seed(0)
+    batch, seq, width, vocab = 2, 37, 32, 64
+    hidden = torch.randn(batch, seq, width, generator=generator, requires_grad=True)
+    weight = torch.randn(vocab, width, generator=generator, requires_grad=True)
+    teacher_hidden = torch.randn(batch, seq, width, generator=generator)
+    teacher_weight = torch.randn(vocab, width, generator=generator)
+    labels = next_token_labels(torch.randint(0, vocab, (batch, seq), generator=generator))
+
+    def full(h, w, th, tw):
+        logits = h.bfloat16().float() @ w.bfloat16().float().T
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        teacher = (th.bfloat16().float() @ tw.bfloat16().float().T).log_softmax(-1).flatten(0, 1)
+        kd = torch.nn.functional.kl_div(
+            logits.log_softmax(-1).flatten(0, 1), teacher, log_target=True, reduction="batchmean"
+        )
+        return (1 - kd_weight) * ce + kd_weight * kd
+
+    expected = full(hidden, weight, teacher_hidden, teacher_weight)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+
+    class MatmulDtypes(TorchDispatchMode):
+        seen: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.seen.add(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    with MatmulDtypes() as matmuls, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = head_losses(hidden, weight, labels, teacher_hidden, teacher_weight, kd_weight, chunk_tokens=10)
+        grads = torch.autograd.grad(loss, (hidden, weight))
+    assert matmuls.seen == {torch.bfloat16}
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=2e-2, atol=2e-2)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2 * want.abs().max().item())
