@@ -59,10 +59,11 @@ MODELING_FILES = ("configuration_ladder_llama.py", "modeling_ladder_llama.py", "
 
 
 def write_conversion(plan: Plan, force: bool, weights: str, progress: bool, started: float) -> ConversionSummary:
-    """Write everything `plan` says into `plan.out` (replacing it with `force`), completing and
-    returning its summary; `started` (a `time.perf_counter()`) times the whole conversion."""
+    """Write everything `plan` says into `plan.out`, completing and returning its summary; `started`
+    (a `time.perf_counter()`) times the whole conversion. `force` replaces only an earlier conversion;
+    of two runs into one folder, one is refused in one line, never silently replaced."""
     summary, source = plan.summary, plan.source
-    with atomic_directory(plan.out, force) as staging:
+    with atomic_directory(plan.out, force, command="convert") as staging:
         _write_weights(plan, staging, weights, progress)
         _write_config(staging, plan.config)
         kept_source_card = _copy_other_files(source, staging)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import psutil  # a dependency of accelerate
 
 from ladder.errors import UsageError, first_line
+from ladder.io.files import check_force_target, check_outside_inputs
 from ladder.io.loading import DTYPE_NAMES, load_model, model_name, read_config_dict
 from ladder.io.tensors import (
     INDEX_NAME,
@@ -142,14 +143,6 @@ def default_output_dir(source: Path, num_ladder_layers: int) -> Path:
     Hub snapshot's name is its repository's)."""
     name = GGUF_TYPE_SUFFIX.sub("", source.stem) if source.suffix == ".gguf" else model_name(source)
     return Path("runs") / "convert" / f"{name}-ladder{num_ladder_layers}"
-
-
-def _check_output_location(source: Path, out: Path) -> None:
-    source, out = source.resolve(), out.resolve()
-    if out == source or source in out.parents:
-        raise UsageError(f"output {out} is inside the source {source}; choose a directory outside it")
-    if out in source.parents:
-        raise UsageError(f"output {out} contains the source {source}; replacing it would delete the source")
 
 
 def load_pickle(path: Path) -> dict[str, torch.Tensor]:
@@ -316,13 +309,12 @@ def check_calibration(calibration: list[Path] | None, choice: LayerChoice) -> No
 
 
 def output_dir(source: Path, out: str | Path | None, choice: LayerChoice, force: bool) -> Path:
-    """`out`, or the default named after the source and the layer count; refused where it would
-    overwrite the source or an existing directory without `force`."""
+    """`out`, or the default named after the source and the layer count; refused where it is, is
+    inside or holds the source, or exists (with `force`: unless it is an earlier conversion)."""
     count = choice.count if isinstance(choice, AutoLayers) else len(choice)
     out = Path(out) if out is not None else default_output_dir(source, count)
-    _check_output_location(source, out)
-    if out.exists() and not force:
-        raise UsageError(f"output {out} already exists; pass --force to replace it")
+    check_outside_inputs(out, [source])
+    check_force_target(out, "convert", force)
     return out
 
 

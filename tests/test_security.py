@@ -263,6 +263,32 @@ def test_eval_out_may_not_be_a_model_it_scores(tmp_path, tiny_checkpoint, capsys
     assert {p.name: p.read_bytes() for p in model.iterdir()} == before
 
 
+def test_two_conversions_into_one_folder_never_both_succeed(tmp_path, tiny_checkpoint):
+    """Two `ladder convert` runs into one --out, started together, both exited 0 and the second
+    silently replaced the first. Verification (seconds) keeps both inside their staging at once."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "ladder.cli", "convert", str(tiny_checkpoint), "--out", str(out), "--layers"]
+    runs = {
+        layers: subprocess.Popen(
+            [*command, layers],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for layers in ("1", "2")
+    }
+    ended = {layers: (run.communicate(timeout=300)[1], run.returncode) for layers, run in runs.items()}
+    assert sorted(code for _, code in ended.values()) == [0, 2], ended
+    (winner,) = (layers for layers, (_, code) in ended.items() if code == 0)
+    (lines,) = (stderr.strip().splitlines() for stderr, code in ended.values() if code == 2)
+    progress = [line for line in lines if line.startswith("verifying")]  # refused after its verification
+    assert lines == [*progress, lines[-1]] and lines[-1].startswith("ladder convert: error: "), lines
+    manifest = json.loads((out / "conversion.json").read_text())
+    assert manifest["ladder_layers"] == list(range(4 - int(winner), 4))  # the survivor is one run's, whole
+    written = {p.name: p.read_bytes() for p in out.iterdir() if p.name in ("model.safetensors", "tokenizer.json")}
+    assert written == {name: (tiny_checkpoint / name).read_bytes() for name in written} and len(written) == 2
+
+
 def test_adapt_output_dir_is_locked_for_the_run_s_life(tmp_path, tiny_checkpoint, capsys):
     """Two `ladder adapt` runs into one output_dir both ran (metrics.jsonl held 99 records for 50 steps)."""
     from test_adapt import write_recipe
