@@ -289,15 +289,20 @@ def test_two_conversions_into_one_folder_never_both_succeed(tmp_path, tiny_check
     assert written == {name: (tiny_checkpoint / name).read_bytes() for name in written} and len(written) == 2
 
 
-def test_adapt_output_dir_is_locked_for_the_run_s_life(tmp_path, tiny_checkpoint, capsys):
-    """Two `ladder adapt` runs into one output_dir both ran (metrics.jsonl held 99 records for 50 steps)."""
+def small_recipe(tmp_path: Path, checkpoint: Path) -> Path:
+    """A recipe of a few steps on a small corpus, its output_dir tmp_path / "run"."""
     from test_adapt import write_recipe
 
     corpus = tmp_path / "corpus"
     (corpus / "train").mkdir(parents=True)
     (corpus / "train" / "book.txt").write_text("The sea was calm and the ship sailed on. " * 400)
     (corpus / "heldout.txt").write_text("The wind rose over the hills at dawn. " * 300)
-    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=256)
+    return write_recipe(tmp_path, checkpoint, corpus, budget=256)
+
+
+def test_adapt_output_dir_is_locked_for_the_run_s_life(tmp_path, tiny_checkpoint, capsys):
+    """Two `ladder adapt` runs into one output_dir both ran (metrics.jsonl held 99 records for 50 steps)."""
+    recipe = small_recipe(tmp_path, tiny_checkpoint)
     holder = start_holder(tmp_path / "run", mode="lock")  # a run of this recipe, alive
     try:
         assert ladder_main(["adapt", str(recipe)]) == 2
@@ -305,6 +310,27 @@ def test_adapt_output_dir_is_locked_for_the_run_s_life(tmp_path, tiny_checkpoint
         finish(holder)
     assert "another run is writing" in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_adapt_refuses_a_run_that_finished_while_it_loaded_its_model(tmp_path, tiny_checkpoint, capsys, monkeypatch):
+    """A second run that passed the "earlier run" check before the first wrote metrics.jsonl, and
+    took the lock after the first finished, emptied that run's metrics and trained over it."""
+    import ladder.adapt.train as adapt_train
+
+    recipe, theirs = small_recipe(tmp_path, tiny_checkpoint), '{"step": 1, "loss": 2.5}\n'
+    lock_output = adapt_train.lock_output
+
+    def another_run_finishes_first(directory: Path, command: str):
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "metrics.jsonl").write_text(theirs)
+        return lock_output(directory, command)
+
+    monkeypatch.setattr(adapt_train, "lock_output", another_run_finishes_first)
+    assert ladder_main(["adapt", str(recipe)]) == 2
+    error = capsys.readouterr().err  # after transformers' weight-loading bar
+    assert error.strip().splitlines()[-1].startswith("ladder adapt: error: ") and "holds an earlier run" in error
+    assert "Traceback" not in error
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == theirs
 
 
 def test_an_input_s_symlinks_are_not_followed_out_of_its_folder(tmp_path, capsys):
