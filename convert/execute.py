@@ -302,8 +302,13 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
 
     from .verify import measure_damage_layerwise, prompt_ids
 
-    config = AutoConfig.from_pretrained(converted)
-    source_config = source.model.config if source.model is not None else AutoConfig.from_pretrained(source.path)
+    # Never code the source ships (its model_type is checked; its tokenizer_config.json may name classes).
+    config = AutoConfig.from_pretrained(converted, trust_remote_code=False)
+    source_config = (
+        source.model.config
+        if source.model is not None
+        else AutoConfig.from_pretrained(source.path, trust_remote_code=False)
+    )
     with torch.device("meta"):
         ladder_model = AutoModelForCausalLM.from_config(config).eval()
         original = AutoModelForCausalLM.from_config(source_config).eval()
@@ -311,7 +316,7 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
     if "lm_head.weight" not in dtypes:  # tied, or dropped as tied
         dtypes["lm_head.weight"] = dtypes["model.embed_tokens.weight"]
     try:
-        tokenizer = AutoTokenizer.from_pretrained(converted)
+        tokenizer = AutoTokenizer.from_pretrained(converted, trust_remote_code=False)
     except (OSError, ValueError, TypeError):
         tokenizer = None
     prompts = prompt_ids(tokenizer, config.vocab_size)

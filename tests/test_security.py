@@ -63,19 +63,27 @@ def remote_code_checkpoint(folder: Path, marker: Path) -> Path:
     return folder
 
 
-def test_no_code_shipped_in_a_checkpoint_runs_even_when_the_user_says_yes(tmp_path):
-    """`ladder sample` used to load without trust_remote_code=False: transformers asked "run the
-    custom code? [y/N]", and the answer y ran it."""
+@pytest.mark.parametrize("command", ["sample", "eval", "convert", "serve"])
+def test_no_code_shipped_in_a_checkpoint_runs_even_when_the_user_says_yes(tmp_path, command):
+    """`ladder sample` and `ladder eval` used to load without trust_remote_code=False: transformers
+    asked "run the custom code? [y/N]", and the answer y ran it (eval: then a traceback)."""
     marker = tmp_path / "ran"
     model = remote_code_checkpoint(tmp_path / "model", marker)
-    command = [sys.executable, "-m", "ladder.cli", "sample", str(model), "--out", str(tmp_path / "s.jsonl")]
-    done = subprocess.run([*command, "--tokens", "8"], input="y\ny\ny\n", capture_output=True, text=True, timeout=120)
+    extra = {
+        "sample": ["--out", str(tmp_path / "s.jsonl"), "--tokens", "8"],
+        "eval": ["--out", str(tmp_path / "report"), "--limit", "2", "--device", "cpu"],
+        "convert": ["--out", str(tmp_path / "ladder")],
+        "serve": ["--check-only"],
+    }[command]
+    argv = [sys.executable, "-m", "ladder.cli", command, str(model), *extra]
+    done = subprocess.run(argv, input="y\ny\ny\n", capture_output=True, text=True, timeout=120)
     assert not marker.exists()
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        f"ladder sample: error: {model / 'config.json'} has model_type 'evil'; "
+        f"ladder {command}: error: {model / 'config.json'} has model_type 'evil'; "
         "supported: 'llama' or 'llamaLadder' (Llama-architecture checkpoints)"
     ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_every_reader_of_an_input_refuses_a_non_llama_model_type(tmp_path):
