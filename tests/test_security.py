@@ -364,6 +364,28 @@ def test_an_input_s_symlinks_are_not_followed_out_of_its_folder(tmp_path, capsys
     assert warning.startswith("warning: skipping") and str(secret) in warning
 
 
+def test_convert_copies_no_file_a_symlink_leads_out_of_the_source(tmp_path, tiny_checkpoint, capsys):
+    """`ladder convert` copied a source's LICENSE and README.md symlinked to a system file into the
+    output (README.md as README.source.md). Links inside the source still count."""
+    secret = tmp_path / "secret"
+    secret.write_text("a file the user never meant to publish")
+    source = tmp_path / "source"
+    shutil.copytree(tiny_checkpoint, source)
+    (source / "LICENSE").symlink_to(secret)
+    (source / "README.md").symlink_to(secret)
+    (source / "NOTICE.txt").write_text("notice")
+    (source / "USE_POLICY.md").symlink_to("NOTICE.txt")
+    out = tmp_path / "out"
+    assert ladder_main(["convert", str(source), "--out", str(out), "--layers", "2", "--no-verify"]) == 0
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(":")[0:2] for line in warnings] == [
+        ["warning", " skipping " + str(source / name)] for name in ("LICENSE", "README.md")
+    ]
+    assert all(str(secret) in line for line in warnings)
+    assert (out / "USE_POLICY.md").read_text() == "notice" and (out / "tokenizer.json").is_file()
+    assert not any("never meant" in p.read_text(errors="replace") for p in out.iterdir() if p.is_file())
+
+
 @pytest.mark.parametrize(
     "header, message",
     [
