@@ -331,6 +331,12 @@ class AdaptRun:
         """Continue from a checkpoint, or start the run folder with an empty metrics log; either way
         the run folder is locked for the run's life (a second run into it is refused)."""
         self.output_lock = lock_output(self.run_dir, "adapt") if self.main else None
+        # Checked again under the lock: a run that finished while this one loaded its model wrote here after
+        # `setup`'s check (a fresh run then sees an earlier run; a resumed one, a newer resume point).
+        if self.main and resume_point(self.recipe) != resume_from:
+            raise UsageError(
+                f"{self.run_dir} changed while this run loaded its model (another run wrote it): run again"
+            )
         if resume_from is not None:
             self.load_checkpoint(resume_from)
             self.state.data_files = self.data_files  # (empty in checkpoints written before they recorded it)

@@ -74,7 +74,7 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
         "output's files ARE the source's, so editing one in place edits the other; same filesystem "
         "only), auto (default: reflink where possible, else copy)",
     )
-    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--force", action="store_true", help="replace an earlier `ladder convert` output")
 
 
 def _add_check_arguments(parser: argparse.ArgumentParser) -> None:

@@ -59,18 +59,19 @@ MODELING_FILES = ("configuration_ladder_llama.py", "modeling_ladder_llama.py", "
 
 
 def write_conversion(plan: Plan, force: bool, weights: str, progress: bool, started: float) -> ConversionSummary:
-    """Write everything `plan` says into `plan.out` (replacing it with `force`), completing and
-    returning its summary; `started` (a `time.perf_counter()`) times the whole conversion."""
+    """Write everything `plan` says into `plan.out`, completing and returning its summary; `started`
+    (a `time.perf_counter()`) times the whole conversion. `force` replaces only an earlier conversion;
+    of two runs into one folder, one is refused in one line, never silently replaced."""
     summary, source = plan.summary, plan.source
-    with atomic_directory(plan.out, force) as staging:
+    with atomic_directory(plan.out, force, command="convert") as staging:
         _write_weights(plan, staging, weights, progress)
         _write_config(staging, plan.config)
-        kept_source_card = _copy_other_files(source, staging)
+        _copy_other_files(source, staging)
         if plan.verify_skipped is None:
             summary.damage = _checked_damage(source, staging, plan.kept, progress)
         summary.verify_skipped = plan.verify_skipped
         summary.seconds = round(time.perf_counter() - started, 2)
-        (staging / "README.md").write_text(_model_card(summary, source_facts(source.path), kept_source_card))
+        (staging / "README.md").write_text(_model_card(summary, source_facts(source.path), source.card is not None))
         _write_manifest(staging, summary)
         flush_to_disk(staging)
     return summary
@@ -94,18 +95,16 @@ def _write_weights(plan: Plan, staging: Path, weights: str, progress: bool) -> N
             summary.source_sha256 = _rewrite_weights(source, plan.layout, staging, bar)
 
 
-def _copy_other_files(source: Source, staging: Path) -> bool:
+def _copy_other_files(source: Source, staging: Path) -> None:
     """Tokenizer, generation config, licence (a GGUF file's tokenizer saved); the source's model card
-    as README.source.md. Returns whether there was one."""
+    as README.source.md (each checked to stay inside the source folder by `ladder.convert.plan`)."""
     for path in source.other_files:
         shutil.copyfile(path, staging / path.name)
-    kept_source_card = (source.path / "README.md").is_file()
-    if kept_source_card:
-        shutil.copyfile(source.path / "README.md", staging / "README.source.md")
+    if source.card is not None:
+        shutil.copyfile(source.card, staging / "README.source.md")
     if source.tokenizer is not None:
         source.tokenizer.save_pretrained(staging)
         source.model.generation_config.save_pretrained(staging)
-    return kept_source_card
 
 
 def _checked_damage(source: Source, staging: Path, kept: list[TensorSpec], progress: bool) -> Damage:
@@ -301,8 +300,13 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
 
     from .verify import measure_damage_layerwise, prompt_ids
 
-    config = AutoConfig.from_pretrained(converted)
-    source_config = source.model.config if source.model is not None else AutoConfig.from_pretrained(source.path)
+    # Never code the source ships (its model_type is checked; its tokenizer_config.json may name classes).
+    config = AutoConfig.from_pretrained(converted, trust_remote_code=False)
+    source_config = (
+        source.model.config
+        if source.model is not None
+        else AutoConfig.from_pretrained(source.path, trust_remote_code=False)
+    )
     with torch.device("meta"):
         ladder_model = AutoModelForCausalLM.from_config(config).eval()
         original = AutoModelForCausalLM.from_config(source_config).eval()
@@ -310,7 +314,7 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
     if "lm_head.weight" not in dtypes:  # tied, or dropped as tied
         dtypes["lm_head.weight"] = dtypes["model.embed_tokens.weight"]
     try:
-        tokenizer = AutoTokenizer.from_pretrained(converted)
+        tokenizer = AutoTokenizer.from_pretrained(converted, trust_remote_code=False)
     except (OSError, ValueError, TypeError):
         tokenizer = None
     prompts = prompt_ids(tokenizer, config.vocab_size)

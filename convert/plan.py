@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 import psutil  # a dependency of accelerate
 
 from ladder.errors import UsageError, first_line
-from ladder.io.loading import DTYPE_NAMES, load_model, model_name, read_config_dict
+from ladder.io.files import check_force_target, check_outside_inputs, resolves_inside
+from ladder.io.loading import DTYPE_NAMES, input_root, load_model, model_name, read_config_dict
 from ladder.io.tensors import (
     INDEX_NAME,
     OutputShard,
@@ -84,6 +85,7 @@ class Source:
     weight_files: list[Path]
     shards: list[Shard] = field(default_factory=list)  # safetensors: each file's header
     other_files: list[Path] = field(default_factory=list)  # tokenizer, generation config, licence: copied
+    card: Path | None = None  # its README.md, copied as README.source.md
     not_copied: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)  # tensor name -> why it is not kept
     model: PreTrainedModel | None = None  # gguf: the dequantized model, and its tokenizer
@@ -144,14 +146,6 @@ def default_output_dir(source: Path, num_ladder_layers: int) -> Path:
     return Path("runs") / "convert" / f"{name}-ladder{num_ladder_layers}"
 
 
-def _check_output_location(source: Path, out: Path) -> None:
-    source, out = source.resolve(), out.resolve()
-    if out == source or source in out.parents:
-        raise UsageError(f"output {out} is inside the source {source}; choose a directory outside it")
-    if out in source.parents:
-        raise UsageError(f"output {out} contains the source {source}; replacing it would delete the source")
-
-
 def load_pickle(path: Path) -> dict[str, torch.Tensor]:
     import torch
 
@@ -183,13 +177,20 @@ def _open_directory(directory: Path, config: dict, allow_pickle: bool) -> Source
         source = Source(directory, "pickle", config, tensors, files)
     else:
         raise UsageError(f"{directory} has no weights: expected model.safetensors, {INDEX_NAME} or pytorch_model.bin")
+    root = input_root(directory)
     for path in sorted(directory.iterdir()):
-        if path.name.startswith(".") or path in source.weight_files or path.name in WRITTEN_FILES:
+        if path.name.startswith(".") or path in source.weight_files:
             continue
         if path.is_dir():
             source.not_copied.append(path.name + "/")
         elif path.name.endswith(WEIGHT_SUFFIXES) or path.suffix == ".py":
             source.not_copied.append(path.name)
+        elif (path.name in WRITTEN_FILES and path.name != "README.md") or not path.is_file():
+            continue
+        elif not resolves_inside(path, root):  # a link to any file on the machine: skipped, one warning line
+            continue
+        elif path.name == "README.md":
+            source.card = path
         else:
             source.other_files.append(path)
     return source
@@ -316,13 +317,12 @@ def check_calibration(calibration: list[Path] | None, choice: LayerChoice) -> No
 
 
 def output_dir(source: Path, out: str | Path | None, choice: LayerChoice, force: bool) -> Path:
-    """`out`, or the default named after the source and the layer count; refused where it would
-    overwrite the source or an existing directory without `force`."""
+    """`out`, or the default named after the source and the layer count; refused where it is, is
+    inside or holds the source, or exists (with `force`: unless it is an earlier conversion)."""
     count = choice.count if isinstance(choice, AutoLayers) else len(choice)
     out = Path(out) if out is not None else default_output_dir(source, count)
-    _check_output_location(source, out)
-    if out.exists() and not force:
-        raise UsageError(f"output {out} already exists; pass --force to replace it")
+    check_outside_inputs(out, [source])
+    check_force_target(out, "convert", force)
     return out
 
 

@@ -61,7 +61,7 @@ def model_class(path: Path) -> type:
 
     location, extra = from_pretrained_arguments(path)
     try:
-        config = AutoConfig.from_pretrained(location, **extra)
+        config = AutoConfig.from_pretrained(location, trust_remote_code=False, **extra)
     except (OSError, ValueError, KeyError) as error:
         raise UsageError(f"cannot read the config of {path}: {first_line(error)}") from None
     return AutoModelForCausalLM._model_mapping[type(config)]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ladder.errors import UsageError
-from ladder.io.loading import load_tokenizer, model_name, resolve_model_path
+from ladder.io.loading import check_llama_checkpoint, load_tokenizer, model_name, resolve_model_path
 
 from .suite import Suite
 
@@ -38,8 +38,8 @@ def resolve_models(specs: list[str]) -> list[ModelRef]:
             label, model = "", spec
         elif not label:
             raise UsageError(f"model {spec!r}: the label before '=' is empty")
-        path = resolve_model_path(model)
-        path = path.resolve()
+        path = resolve_model_path(model).resolve()
+        check_llama_checkpoint(path)  # before anything reads it: another model_type may ship code
         refs.append(ModelRef(model, path, label or model_name(path)))
     labels = [ref.label for ref in refs]
     return [

@@ -231,14 +231,20 @@ def test_pickle_weights_need_allow_pickle(tiny_checkpoint, tmp_path, capsys):
     assert snapshot(source) == before
 
 
-def test_existing_output_needs_force(tiny_checkpoint, tmp_path, capsys):
+def test_existing_output_needs_force_and_force_replaces_only_a_conversion(tiny_checkpoint, tmp_path, capsys):
+    """--force deleted any folder, also one holding other models (issue 28, item 4)."""
+    models = tmp_path / "models"
+    (models / "llama").mkdir(parents=True)
+    (models / "llama" / "model.safetensors").write_text("mine")
+    code, _, stderr = run_convert(capsys, tiny_checkpoint, "--out", models, "--no-verify")
+    assert code == 2 and "--force" in stderr
+    code, _, stderr = run_convert(capsys, tiny_checkpoint, "--out", models, "--no-verify", "--force")
+    assert code == 2 and stderr.count("\n") == 1 and "replaces only an earlier output of `ladder convert`" in stderr
+    assert [str(p.relative_to(models)) for p in models.rglob("*")] == ["llama", "llama/model.safetensors"]
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep").write_text("mine")
-    code, _, stderr = run_convert(capsys, tiny_checkpoint, "--out", out, "--no-verify")
-    assert code == 2 and "--force" in stderr and (out / "keep").read_text() == "mine"
+    assert run_convert(capsys, tiny_checkpoint, "--out", out, "--no-verify", "--layers", "1")[0] == 0
     assert run_convert(capsys, tiny_checkpoint, "--out", out, "--no-verify", "--force")[0] == 0
-    assert not (out / "keep").exists() and (out / "model.safetensors").is_file()
+    assert json.loads((out / "conversion.json").read_text())["ladder_layers"] == [2, 3]
 
 
 # --- Bad input: one line, exit 2, nothing written, the source untouched ----------------------------
@@ -290,9 +296,9 @@ BAD_INPUTS = {
     "layer-index-out-of-range": (lambda src, work: src, ["--layers", "2-4"], "out of range"),
     "layers-duplicated": (lambda src, work: src, ["--layers", "1,1"], "duplicate"),
     "layers-not-a-number": (lambda src, work: src, ["--layers", "upper"], "is not a number"),
-    "out-inside-source": (lambda src, work: src, ["--out", "{src}/ladder"], "is inside the source"),
-    "out-is-source": (lambda src, work: src, ["--out", "{src}", "--force"], "is inside the source"),
-    "out-contains-source": (lambda src, work: src, ["--out", "{work}", "--force"], "contains the source"),
+    "out-inside-source": (lambda src, work: src, ["--out", "{src}/ladder"], "overlaps the input"),
+    "out-is-source": (lambda src, work: src, ["--out", "{src}", "--force"], "overlaps the input"),
+    "out-contains-source": (lambda src, work: src, ["--out", "{work}", "--force"], "overlaps the input"),
     "shard-missing": (
         lambda src, work: sorted((work / "sharded").glob("*.safetensors"))[1].unlink() or work / "sharded",
         [],

@@ -63,19 +63,27 @@ def remote_code_checkpoint(folder: Path, marker: Path) -> Path:
     return folder
 
 
-def test_no_code_shipped_in_a_checkpoint_runs_even_when_the_user_says_yes(tmp_path):
-    """`ladder sample` used to load without trust_remote_code=False: transformers asked "run the
-    custom code? [y/N]", and the answer y ran it."""
+@pytest.mark.parametrize("command", ["sample", "eval", "convert", "serve"])
+def test_no_code_shipped_in_a_checkpoint_runs_even_when_the_user_says_yes(tmp_path, command):
+    """`ladder sample` and `ladder eval` used to load without trust_remote_code=False: transformers
+    asked "run the custom code? [y/N]", and the answer y ran it (eval: then a traceback)."""
     marker = tmp_path / "ran"
     model = remote_code_checkpoint(tmp_path / "model", marker)
-    command = [sys.executable, "-m", "ladder.cli", "sample", str(model), "--out", str(tmp_path / "s.jsonl")]
-    done = subprocess.run([*command, "--tokens", "8"], input="y\ny\ny\n", capture_output=True, text=True, timeout=120)
+    extra = {
+        "sample": ["--out", str(tmp_path / "s.jsonl"), "--tokens", "8"],
+        "eval": ["--out", str(tmp_path / "report"), "--limit", "2", "--device", "cpu"],
+        "convert": ["--out", str(tmp_path / "ladder")],
+        "serve": ["--check-only"],
+    }[command]
+    argv = [sys.executable, "-m", "ladder.cli", command, str(model), *extra]
+    done = subprocess.run(argv, input="y\ny\ny\n", capture_output=True, text=True, timeout=120)
     assert not marker.exists()
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        f"ladder sample: error: {model / 'config.json'} has model_type 'evil'; "
+        f"ladder {command}: error: {model / 'config.json'} has model_type 'evil'; "
         "supported: 'llama' or 'llamaLadder' (Llama-architecture checkpoints)"
     ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_every_reader_of_an_input_refuses_a_non_llama_model_type(tmp_path):
@@ -263,15 +271,46 @@ def test_eval_out_may_not_be_a_model_it_scores(tmp_path, tiny_checkpoint, capsys
     assert {p.name: p.read_bytes() for p in model.iterdir()} == before
 
 
-def test_adapt_output_dir_is_locked_for_the_run_s_life(tmp_path, tiny_checkpoint, capsys):
-    """Two `ladder adapt` runs into one output_dir both ran (metrics.jsonl held 99 records for 50 steps)."""
+def test_two_conversions_into_one_folder_never_both_succeed(tmp_path, tiny_checkpoint):
+    """Two `ladder convert` runs into one --out, started together, both exited 0 and the second
+    silently replaced the first. Verification (seconds) keeps both inside their staging at once."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "ladder.cli", "convert", str(tiny_checkpoint), "--out", str(out), "--layers"]
+    runs = {
+        layers: subprocess.Popen(
+            [*command, layers],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for layers in ("1", "2")
+    }
+    ended = {layers: (run.communicate(timeout=300)[1], run.returncode) for layers, run in runs.items()}
+    assert sorted(code for _, code in ended.values()) == [0, 2], ended
+    (winner,) = (layers for layers, (_, code) in ended.items() if code == 0)
+    (lines,) = (stderr.strip().splitlines() for stderr, code in ended.values() if code == 2)
+    progress = [line for line in lines if line.startswith("verifying")]  # refused after its verification
+    assert lines == [*progress, lines[-1]] and lines[-1].startswith("ladder convert: error: "), lines
+    manifest = json.loads((out / "conversion.json").read_text())
+    assert manifest["ladder_layers"] == list(range(4 - int(winner), 4))  # the survivor is one run's, whole
+    written = {p.name: p.read_bytes() for p in out.iterdir() if p.name in ("model.safetensors", "tokenizer.json")}
+    assert written == {name: (tiny_checkpoint / name).read_bytes() for name in written} and len(written) == 2
+
+
+def small_recipe(tmp_path: Path, checkpoint: Path) -> Path:
+    """A recipe of a few steps on a small corpus, its output_dir tmp_path / "run"."""
     from test_adapt import write_recipe
 
     corpus = tmp_path / "corpus"
     (corpus / "train").mkdir(parents=True)
     (corpus / "train" / "book.txt").write_text("The sea was calm and the ship sailed on. " * 400)
     (corpus / "heldout.txt").write_text("The wind rose over the hills at dawn. " * 300)
-    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=256)
+    return write_recipe(tmp_path, checkpoint, corpus, budget=256)
+
+
+def test_adapt_output_dir_is_locked_for_the_run_s_life(tmp_path, tiny_checkpoint, capsys):
+    """Two `ladder adapt` runs into one output_dir both ran (metrics.jsonl held 99 records for 50 steps)."""
+    recipe = small_recipe(tmp_path, tiny_checkpoint)
     holder = start_holder(tmp_path / "run", mode="lock")  # a run of this recipe, alive
     try:
         assert ladder_main(["adapt", str(recipe)]) == 2
@@ -279,6 +318,27 @@ def test_adapt_output_dir_is_locked_for_the_run_s_life(tmp_path, tiny_checkpoint
         finish(holder)
     assert "another run is writing" in capsys.readouterr().err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_adapt_refuses_a_run_that_finished_while_it_loaded_its_model(tmp_path, tiny_checkpoint, capsys, monkeypatch):
+    """A second run that passed the "earlier run" check before the first wrote metrics.jsonl, and
+    took the lock after the first finished, emptied that run's metrics and trained over it."""
+    import ladder.adapt.train as adapt_train
+
+    recipe, theirs = small_recipe(tmp_path, tiny_checkpoint), '{"step": 1, "loss": 2.5}\n'
+    lock_output = adapt_train.lock_output
+
+    def another_run_finishes_first(directory: Path, command: str):
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "metrics.jsonl").write_text(theirs)
+        return lock_output(directory, command)
+
+    monkeypatch.setattr(adapt_train, "lock_output", another_run_finishes_first)
+    assert ladder_main(["adapt", str(recipe)]) == 2
+    error = capsys.readouterr().err  # after transformers' weight-loading bar
+    assert error.strip().splitlines()[-1].startswith("ladder adapt: error: ") and "holds an earlier run" in error
+    assert "Traceback" not in error
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == theirs
 
 
 def test_an_input_s_symlinks_are_not_followed_out_of_its_folder(tmp_path, capsys):
@@ -302,6 +362,28 @@ def test_an_input_s_symlinks_are_not_followed_out_of_its_folder(tmp_path, capsys
     assert not (destination / "LICENSE").exists() and (destination / "USE_POLICY.md").read_text() == "Llama licence"
     (warning,) = capsys.readouterr().err.strip().splitlines()
     assert warning.startswith("warning: skipping") and str(secret) in warning
+
+
+def test_convert_copies_no_file_a_symlink_leads_out_of_the_source(tmp_path, tiny_checkpoint, capsys):
+    """`ladder convert` copied a source's LICENSE and README.md symlinked to a system file into the
+    output (README.md as README.source.md). Links inside the source still count."""
+    secret = tmp_path / "secret"
+    secret.write_text("a file the user never meant to publish")
+    source = tmp_path / "source"
+    shutil.copytree(tiny_checkpoint, source)
+    (source / "LICENSE").symlink_to(secret)
+    (source / "README.md").symlink_to(secret)
+    (source / "NOTICE.txt").write_text("notice")
+    (source / "USE_POLICY.md").symlink_to("NOTICE.txt")
+    out = tmp_path / "out"
+    assert ladder_main(["convert", str(source), "--out", str(out), "--layers", "2", "--no-verify"]) == 0
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(":")[0:2] for line in warnings] == [
+        ["warning", " skipping " + str(source / name)] for name in ("LICENSE", "README.md")
+    ]
+    assert all(str(secret) in line for line in warnings)
+    assert (out / "USE_POLICY.md").read_text() == "notice" and (out / "tokenizer.json").is_file()
+    assert not any("never meant" in p.read_text(errors="replace") for p in out.iterdir() if p.is_file())
 
 
 @pytest.mark.parametrize(

@@ -115,6 +115,13 @@ def hub_model_id(path: Path) -> str | None:
     return None
 
 
+def input_root(directory: Path) -> Path:
+    """The folder an input checkpoint's files may lead into (symlinks followed): a Hub snapshot's
+    repository folder (its files are links into `blobs/`), else the checkpoint folder itself."""
+    directory = Path(directory)
+    return directory.parents[1] if hub_model_id(directory) else directory
+
+
 def model_name(path: Path) -> str:
     """A short name for a resolved model: a Hub snapshot's repository name (not its commit hash),
     a GGUF file's stem, or a folder's name."""

@@ -18,7 +18,7 @@ from huggingface_hub import ModelCard, ModelCardData
 import ladder
 from ladder.errors import UsageError
 from ladder.io.files import resolves_inside
-from ladder.io.loading import EMBEDDED_HUB_ID, embedded_model_path, hub_model_id, model_name
+from ladder.io.loading import EMBEDDED_HUB_ID, embedded_model_path, hub_model_id, input_root, model_name
 
 # Files a model's licence terms ask to be passed on with it (Llama: LICENSE and USE_POLICY.md).
 LICENCE_FILE_PATTERNS = ("LICENSE*", "LICENCE*", "USE_POLICY*", "NOTICE*")
@@ -40,8 +40,8 @@ class SourceFacts:
 def _card_metadata(path: Path) -> dict:
     """The YAML front matter of a checkpoint folder's README.md ({} when there is none or it does not parse)."""
     readme = path / "README.md"
-    if not readme.is_file():
-        return {}
+    if not readme.is_file() or not readme.resolve().is_relative_to(input_root(path).resolve()):
+        return {}  # a link out of the folder (convert's copy of the card warns about it)
     try:
         return ModelCard.load(readme, ignore_metadata_errors=True).data.to_dict()
     except (ValueError, OSError):
@@ -90,9 +90,8 @@ def licence_files(directory: Path) -> list[Path]:
     `blobs/` are followed (they are the files), a link to a system file is not."""
     if not directory.is_dir():
         return []
-    root = directory.parents[1] if hub_model_id(directory) else directory  # models--org--name/
     found = {p for pattern in LICENCE_FILE_PATTERNS for p in directory.glob(pattern) if p.is_file()}
-    return sorted(p for p in found if resolves_inside(p, root))
+    return sorted(p for p in found if resolves_inside(p, input_root(directory)))
 
 
 def copy_licence_files(source: Path, destination: Path) -> list[str]:

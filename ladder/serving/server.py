@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from ladder.errors import ArgumentParser, UsageError
-from ladder.io.loading import resolve_model_path
+from ladder.io.loading import check_llama_checkpoint, resolve_model_path
 from ladder.serving.engine import cpu_binding, vllm_error_message
 
 DEFAULT_HOST = "127.0.0.1"
@@ -150,6 +150,7 @@ def main(argv: list[str]) -> int:
     model = resolve_model_path(args.model)
     if not model.is_dir():
         raise UsageError(f"{model} is a GGUF file: vLLM serves checkpoint directories; `ladder convert` writes one")
+    check_llama_checkpoint(model)  # before vLLM reads it: another model_type may ship code
     # vLLM logs a few warnings when imported (Triton without a CPU backend, ...), some before its
     # logging is set up: keep them out of this check, so that a refusal is the one line. The
     # server gets the caller's setting back.
