@@ -19,6 +19,7 @@ resumed run computes exactly what an uninterrupted run computes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -36,7 +37,7 @@ from tqdm.auto import tqdm
 
 import ladder
 from ladder.errors import UsageError, first_line
-from ladder.io.files import atomic_directory, atomic_write, lock_output
+from ladder.io.files import OutputLock, atomic_directory, atomic_write, lock_output
 from ladder.io.loading import load_tokenizer
 from ladder.io.model_card import copy_licence_files
 from ladder.layer_search import calibration_from_blocks, choose_ladder_layers
@@ -100,7 +101,9 @@ def train(recipe: Recipe) -> Path:
     """Run a recipe to the end (or continue it, with `resume`); returns the final model directory.
     SIGTERM or SIGUSR1 ends it after the step in progress with a checkpoint: `Preempted`."""
     run = AdaptRun(recipe)
-    with run.stop_signals:
+    with run.stop_signals, contextlib.ExitStack() as releases:
+        # The output folder's lock goes with the run however it ends (a caller may run again in-process).
+        releases.callback(lambda: run.output_lock and run.output_lock.close())
         finished = run.setup()
         if finished is not None:
             return finished
@@ -149,6 +152,7 @@ class AdaptRun:
         self.teacher = None
         self.distiller: Distiller | None = None
         self.stop_signals = StopSignals()
+        self.output_lock: OutputLock | None = None  # held from restore_or_start to the run's end
 
     # --- setup: checks first (no weight loads before them), then models, data, optimizer, resume --
 
