@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ladder.errors import ArgumentParser, UsageError, run_command
+from ladder.errors import ArgumentParser, UsageError, first_line, run_command
 from ladder.io.files import ladder_data_dir
 from ladder.launch import multi_process_launcher
 
@@ -51,7 +51,13 @@ def _gen_kwargs(text: str) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise argparse.ArgumentTypeError(f"{text!r}: expected key=value[,key=value...]")
-        settings[key.strip()] = yaml.safe_load(value)
+        try:
+            settings[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or first_line(error)
+            raise argparse.ArgumentTypeError(f"{item!r} does not parse as YAML: {problem}") from None
+        if isinstance(settings[key.strip()], dict):
+            raise argparse.ArgumentTypeError(f"{item!r}: a value is a number, a string, true/false or a [list]")
     return settings
 
 

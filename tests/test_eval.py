@@ -693,6 +693,8 @@ def test_model_class_is_the_installed_one(tiny_checkpoint, ladder_checkpoints):
         (["--dtype", "int8"], "argument --dtype: invalid choice"),
         (["--batch-size", "big"], "not a positive integer"),
         (["--gen-kwargs", "max_gen_toks"], "expected key=value"),
+        (["--gen-kwargs", "until=["], r"'until=\[' does not parse as YAML"),
+        (["--gen-kwargs", "until=a: b"], "a value is a number, a string"),
         (["--fewshot-as-multiturn"], "fewshot_as_multiturn needs apply_chat_template"),
     ],
 )
@@ -725,6 +727,16 @@ def test_missing_data_file_is_one_line_on_the_command_line(tiny_checkpoint, tmp_
     error = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(error) == 1
     assert error[0].startswith("ladder eval: error: data file ") and "is missing" in error[0]
+
+
+def test_gen_kwargs_that_do_not_parse_are_one_line(capsys):
+    from ladder.cli import main as ladder_main
+
+    assert ladder_main(["eval", "embedded", "--gen-kwargs", "max_gen_toks=5,until=[", "--out", "unused"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "ladder eval: error: argument --gen-kwargs: 'until=[' does not parse as YAML: "
+        "expected the node content, but found '<stream end>'"
+    ]
 
 
 def test_hub_switches_are_restored(tmp_path):
