@@ -27,11 +27,14 @@ from ladder.eval import cli, report
 from ladder.eval.backends.hf import LoadedHFLM
 from ladder.eval.cache import (
     FILE_HASHES,
+    SCORING_PACKAGES,
+    STALE_TEMPORARY_SECONDS,
     FileHashes,
     cache_key,
     code_digest,
     fingerprint,
     model_class,
+    scoring_digest,
     task_identity,
 )
 from ladder.eval.lm_tasks import TASKS_DIR, hub_offline, task_configs, task_manager
@@ -604,13 +607,56 @@ def test_cache_misses_on_a_data_byte_and_the_dtype_and_hits_unchanged(tiny_check
     assert run("--dtype", "bfloat16") == []
     assert run("--batch-size", "auto") == []
     assert run("--dtype", "bfloat16") == ["ladder_piqa"]
-    # A file is hashed once and then known by its size and mtime: the same size and mtime with
-    # other content is not rehashed (the index's trade-off, as make and rsync make it).
+    # A file is hashed once and then known by its status: an edit that restores its size and
+    # mtime (os.utime) still changes its ctime, so it is hashed again and rescored, not served stale.
     status = items.stat()
     content[position : position + 1] = b"c"
     items.write_bytes(bytes(content))
     os.utime(items, ns=(status.st_atime_ns, status.st_mtime_ns))
+    assert (items.stat().st_size, items.stat().st_mtime_ns) == (status.st_size, status.st_mtime_ns)
+    assert run() == []
     assert run() == ["ladder_piqa"]
+
+
+def test_corrupt_cache_entries_are_rescored_and_killed_writes_cleaned(tiny_checkpoint, tmp_path, capsys):
+    """A cache entry that does not read back (flipped gzip bytes, bad UTF-8, a JSON list) is one
+    warning line and a miss, and the rescored entry replaces it; a killed write's temporary is
+    removed once it is old, a live write's (young) is kept."""
+    suite = _write_suite(tmp_path / "s.yaml", [{"task": "ladder_piqa", "limit": 2}])
+    cache = tmp_path / "cache"
+    runs = iter(range(100))
+
+    def run() -> tuple[list[str], list[str]]:
+        out = tmp_path / f"run{next(runs)}"
+        common = ["--suite", str(suite), "--cache", str(cache), "--device", "cpu"]
+        assert cli.main([str(tiny_checkpoint), *common, "--out", str(out)]) == 0
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "cache entry" in line]
+        return _cached(out), warnings
+
+    assert run() == ([], [])
+    (record,) = [path for path in cache.glob("*.json") if path.name != FILE_HASHES]
+    samples = record.with_suffix(".samples.json.gz")
+    flipped = bytearray(samples.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    corruptions = [
+        (samples, bytes(flipped), "unreadable cache entry"),
+        (record, b'{"results": "\xff\xfe"}', "unreadable cache entry"),
+        (record, b"[1, 2]", "not a cached record"),
+    ]
+    for path, content, message in corruptions:
+        path.write_bytes(content)
+        cached, warnings = run()
+        assert cached == [] and len(warnings) == 1 and message in warnings[0], (content, warnings)
+        assert path.read_bytes() != content  # rescored and written back: the next run hits
+        assert run() == (["ladder_piqa"], [])
+
+    killed, live = cache / f".{record.name}.tmp-4242", cache / f".{samples.name}.tmp-4243"
+    for leftover in (killed, live):
+        leftover.write_bytes(b"half a write")
+    hours_ago = killed.stat().st_mtime - STALE_TEMPORARY_SECONDS - 60
+    os.utime(killed, (hours_ago, hours_ago))
+    assert run() == (["ladder_piqa"], [])
+    assert not killed.exists() and live.exists()
 
 
 def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):
@@ -666,6 +712,24 @@ def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):
     )
     assert first != edited
     assert code_digest([LadderLlamaForCausalLM]) != code_digest([LlamaForCausalLM])
+
+
+def test_cache_key_covers_the_scoring_code(tmp_path):
+    """Every module of the scoring packages is in the key, computed from its source: the digest
+    over a copy of eval/ equals the installed one's, and an edit to the copy's shared-prefix scorer
+    (log-likelihoods negated) changes it. Paths do not: an unchanged copy of the project hits."""
+    import ladder.eval
+
+    installed = {name: Path(importlib.import_module(name).__file__).parent for name in SCORING_PACKAGES}
+    assert "ladder.eval" in installed and scoring_digest() == scoring_digest(installed)
+    copy = tmp_path / "eval"
+    shutil.copytree(Path(ladder.eval.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert scoring_digest({**installed, "ladder.eval": copy}) == scoring_digest()
+    scorer = copy / "backends" / "shared_prefix.py"
+    source = scorer.read_text()
+    assert "return float(logprobs.gather(1, tokens[:, None]).sum())" in source
+    scorer.write_text(source.replace("return float(logprobs.gather(", "return -float(logprobs.gather("))
+    assert scoring_digest({**installed, "ladder.eval": copy}) != scoring_digest()
 
 
 def test_model_class_is_the_installed_one(tiny_checkpoint, ladder_checkpoints):
