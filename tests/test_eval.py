@@ -464,6 +464,66 @@ def test_shared_context_scoring_equals_lm_evals_per_request(tiny_checkpoint, lad
     np.testing.assert_allclose([value for value, _ in ours], [value for value, _ in stock], rtol=1e-5)
 
 
+def _random_requests(tokenizer, count: int, seed: int = 0) -> list:
+    """lm-eval's (request, context tokens, continuation tokens): pairs of choices after one context."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for index in range(count):
+        context = rng.integers(1, len(tokenizer), 6 + index % 5).tolist()
+        for choice in range(2):
+            requests.append(
+                ((f"c{index}", f"x{choice}"), context, rng.integers(1, len(tokenizer), 2 + choice).tolist())
+            )
+    return requests
+
+
+def test_batch_size_auto_keeps_the_shared_context_scorer(tiny_checkpoint):
+    """Under `--batch-size auto` lm-eval's detection picks the batch size and the shared-context
+    scorer still scores (the head sees only continuation rows, [rows, hidden]; lm-eval's own path
+    and its detection run it on [batch, positions, hidden]), with lm-eval's numbers."""
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = load_model(tiny_checkpoint, dtype=DTYPES["float32"])
+    lm = LoadedHFLM(model, tokenizer, Runtime("cpu", "float32", batch_size="auto"))
+    lm.max_batch_size = 4  # the detection's first try (64 full-length rows) is slow on a CPU
+    head_inputs = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: head_inputs.append(inputs[0].dim()))
+    requests = _random_requests(tokenizer, 6)
+    ours = lm._loglikelihood_tokens(requests)
+    assert 2 in head_inputs  # (besides the detection's full-length batches)
+    head_inputs.clear()
+    stock = HFLM._loglikelihood_tokens(lm, requests)
+    hook.remove()
+    assert set(head_inputs) == {3}
+    assert [greedy for _, greedy in ours] == [greedy for _, greedy in stock]
+    np.testing.assert_allclose([value for value, _ in ours], [value for value, _ in stock], rtol=1e-5)
+
+
+def test_bfloat16_head_log_softmax_runs_in_float32(tiny_checkpoint):
+    """A bf16 model's continuation log-likelihoods equal the head and log-softmax taken in float64
+    over the same bf16 hidden states; bf16 logits (what the head gives in the model's dtype) are
+    off by far more."""
+    import torch
+
+    model, tokenizer = load_model(tiny_checkpoint, dtype=DTYPES["bfloat16"])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # logits of a trained model's size (random ones are near 0)
+    lm = LoadedHFLM(model, tokenizer, Runtime("cpu", "bfloat16", batch_size=4))
+    requests = _random_requests(tokenizer, 4, seed=1)
+    ours = [value for value, _ in lm._loglikelihood_tokens(requests)]
+    exact, rounded = [], []
+    for _, context, continuation in requests:
+        ids = torch.tensor([context + continuation[:-1]])
+        with torch.no_grad():
+            hidden = model.model(input_ids=ids).last_hidden_state[0, len(context) - 1 :]
+        targets = torch.tensor(continuation)[:, None]
+        logits = hidden.double() @ model.lm_head.weight.double().T
+        exact.append(float(torch.log_softmax(logits, dim=-1).gather(1, targets).sum()))
+        rounded.append(float(torch.log_softmax(model.lm_head(hidden).double(), dim=-1).gather(1, targets).sum()))
+    np.testing.assert_allclose(ours, exact, atol=2e-4)
+    assert max(abs(a - b) for a, b in zip(rounded, exact)) > 1e-2  # the check can tell them apart
+
+
 def test_runtime_defaults_to_cpu_float32_without_a_gpu():
     import torch
 
