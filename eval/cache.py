@@ -188,8 +188,10 @@ def cache_key(model: dict, task: dict, runtime: Runtime, batch_size: int | str) 
         "batch_size": batch_size,
         "processes": runtime.processes,
     }
-    if runtime.backend != DEFAULT_BACKEND:  # other kernels, other scores; HF keys stay as they were
+    if runtime.backend != DEFAULT_BACKEND:  # other kernels, other scores
         identity["backend"] = runtime.backend
+        # The all-reduces' order, and each engine's batches: float sums in another order.
+        identity["parallel"] = [runtime.tensor_parallel, runtime.data_parallel]
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=_stable_repr).encode()).hexdigest()
 
 

@@ -145,6 +145,13 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel ranks of the vllm backend (default 1)"
     )
+    parser.add_argument(
+        "--data-parallel",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="vllm backend: N engines (each with --tp ranks, on its own GPUs or CPU cores) splitting the items",
+    )
 
 
 def _add_samples_option(parser: argparse.ArgumentParser) -> None:
@@ -230,6 +237,7 @@ def main(argv: list[str]) -> int:
         parallelize=args.parallelize,
         backend=args.backend,
         tensor_parallel=args.tp,
+        data_parallel=args.data_parallel,
         log_samples=args.log_samples,
     )
     if evaluation is not None:  # process 0 of several prints for all

@@ -22,6 +22,8 @@ def check(runtime: Runtime, models: list[ModelRef]) -> None:
         raise UsageError("--tp is for --backend vllm")
     if runtime.data_parallel != 1:
         raise UsageError("--data-parallel is for --backend vllm (the hf backend's copies: --processes N)")
+    if runtime.data_parallel != 1:
+        raise UsageError("--data-parallel is for --backend vllm (the hf backend's copies: --processes N)")
 
 
 def code_classes() -> list[type]:

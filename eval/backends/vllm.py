@@ -1,5 +1,6 @@
-"""The `vllm` backend: lm-eval's `vllm` model type, one vLLM engine per model, with this package's
-plugin serving ladder checkpoints (vLLM loads it in each of its processes).
+"""The `vllm` backend: lm-eval's `vllm` model type, one vLLM engine per model (N with
+`--data-parallel N`, each at `--tp` ranks), with this package's plugin serving ladder checkpoints
+(vLLM loads it in each of its processes).
 
 It runs in the serving environment (.venv-serve, `make serve-env`), where vLLM is installed;
 `make eval BACKEND=vllm` uses that environment's `ladder`.
@@ -45,13 +46,20 @@ def code_classes() -> list[type]:
 
 def load_lm(ref: ModelRef, runtime: Runtime):
     """lm-eval's `VLLM` over the checkpoint directory, in the run's dtype (float32 on the CPU, like the
-    HF backend's models)."""
+    HF backend's models); with `--data-parallel N`, N such engines splitting the requests
+    (eval/backends/vllm_replicas.py)."""
     from lm_eval.models.vllm_causallms import VLLM
     from vllm.platforms import current_platform
 
     from ladder.serving.engine import cpu_binding
 
     tensor_parallel = runtime.tensor_parallel
+    arguments = dict(pretrained=str(ref.path), dtype=runtime.dtype, tensor_parallel_size=tensor_parallel)
+    if runtime.data_parallel > 1:
+        from .vllm_replicas import DataParallelVLLM, engine_environments
+
+        environments = engine_environments(runtime.data_parallel, tensor_parallel, current_platform.is_cpu())
+        return DataParallelVLLM(environments, **arguments, batch_size="auto")
     if current_platform.is_cpu() and tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel, sorted(os.sched_getaffinity(0)))
-    return VLLM(pretrained=str(ref.path), dtype=runtime.dtype, tensor_parallel_size=tensor_parallel, batch_size="auto")
+    return VLLM(**arguments, batch_size="auto")
