@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -341,6 +342,8 @@ def scores(results_dir: Path) -> dict[str, dict[str, float]]:
 
 
 def test_lm_eval_vllm_backend_matches_hf(checkpoints, tmp_path):
+    """`ladder eval --backend vllm --data-parallel 2` (two engines at TP=1, one core each, splitting
+    every batch of requests) scores the smoke suite as the HF backend does."""
     from ladder.eval import cli
 
     model = checkpoints["tiny-ladder"]
@@ -356,6 +359,8 @@ def test_lm_eval_vllm_backend_matches_hf(checkpoints, tmp_path):
             str(tmp_path / "vllm"),
             "--backend",
             "vllm",
+            "--data-parallel",
+            "2",
         ],
         env=serve_env_vars(),
         capture_output=True,
@@ -363,6 +368,10 @@ def test_lm_eval_vllm_backend_matches_hf(checkpoints, tmp_path):
         timeout=900,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    engines = set(re.findall(r"\(EngineCore pid=(\d+)\)", completed.stdout + completed.stderr))
+    assert len(engines) == 2, engines
+    (record,) = [path for path in (tmp_path / "vllm").glob("*.json") if path.name != "report.json"]
+    assert json.loads(record.read_text())["config"]["data_parallel"] == 2
     hf, vllm = scores(tmp_path / "hf"), scores(tmp_path / "vllm")
     assert hf.keys() == vllm.keys() and len(hf) == 6
     sizes = {"ladder_wikitext": 1, "ladder_lambada_openai": 8}
