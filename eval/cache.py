@@ -34,9 +34,10 @@ from .suite import SuiteTask
 
 # What `ladder convert` and `ladder adapt` write beside a model to say how it was made (with times).
 PROVENANCE_FILES = ("conversion.json", "recipe.yaml")
-# The packages whose every module is on the scoring path (import names; a backend adds its own):
-# this stage's harness, task plumbing, backends and scorers, the model classes, and the loading
-# that turns a checkpoint or GGUF file into weights. An edit to any of their files changes the key.
+# The packages whose every module is on the scoring path (import names): this stage's harness,
+# task plumbing, backends and scorers, the model classes, and the loading that turns a checkpoint
+# or GGUF file into weights. An edit to any of their files changes the key. (A backend's engine
+# code outside them is keyed by its model classes' sources, `code_classes`.)
 SCORING_PACKAGES = ("ladder.eval", "ladder.model", "ladder.io")
 # Where the content hashes of data files are remembered, by path and file status (in the cache folder).
 FILE_HASHES = "file-hashes.json"
@@ -77,11 +78,6 @@ def model_class(path: Path) -> type:
     except (OSError, ValueError, KeyError) as error:
         raise UsageError(f"cannot read the config of {path}: {first_line(error)}") from None
     return AutoModelForCausalLM._model_mapping[type(config)]
-
-
-def package_directories(packages: tuple[str, ...] = SCORING_PACKAGES) -> dict[str, Path]:
-    """Import name -> folder of each package (where its modules are read from)."""
-    return {name: Path(importlib.import_module(name).__file__).parent for name in packages}
 
 
 def code_digest(classes: list[type]) -> str:

@@ -820,6 +820,7 @@ def test_model_class_is_the_installed_one(tiny_checkpoint, ladder_checkpoints):
         (["--gen-kwargs", "until=["], r"'until=\[' does not parse as YAML"),
         (["--gen-kwargs", "until=a: b"], "a value is a number, a string"),
         (["--fewshot-as-multiturn"], "fewshot_as_multiturn needs apply_chat_template"),
+        (["--data-parallel", "2"], "--data-parallel is for --backend vllm"),
     ],
 )
 def test_bad_arguments_are_usage_errors(tiny_checkpoint, arguments, message):

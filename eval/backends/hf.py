@@ -22,8 +22,6 @@ def check(runtime: Runtime, models: list[ModelRef]) -> None:
         raise UsageError("--tp is for --backend vllm")
     if runtime.data_parallel != 1:
         raise UsageError("--data-parallel is for --backend vllm (the hf backend's copies: --processes N)")
-    if runtime.data_parallel != 1:
-        raise UsageError("--data-parallel is for --backend vllm (the hf backend's copies: --processes N)")
 
 
 def code_classes() -> list[type]:
