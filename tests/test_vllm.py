@@ -403,3 +403,22 @@ def test_lm_eval_vllm_backend_refuses_gguf():
         "ladder eval: error: --backend vllm: embedded is a GGUF file; vLLM scores checkpoint directories "
         "(`ladder convert` writes one, with --layers 0 for a plain copy)"
     ]
+
+
+def test_lm_eval_vllm_data_parallel_refuses_more_engines_than_cores(tiny_checkpoint):
+    """One engine per core at least: more engines than this machine's cores is one line, before
+    anything loads."""
+    cores = len(os.sched_getaffinity(0))
+    completed = subprocess.run(
+        [str(SERVE_ENV / "bin" / "ladder"), "eval", str(tiny_checkpoint), "--backend", "vllm"]
+        + ["--data-parallel", str(cores + 1)],
+        env=serve_env_vars(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines() == [
+        f"ladder eval: error: --data-parallel {cores + 1} x --tp 1 needs {cores + 1} CPU cores; "
+        f"this process may use {cores}"
+    ]

@@ -21,37 +21,6 @@ from lm_eval.models.vllm_causallms import VLLM
 from more_itertools import distribute
 from vllm import SamplingParams
 
-from ladder.errors import UsageError
-from ladder.serving.engine import cpu_binding
-
-
-def engine_environments(engines: int, tensor_parallel: int, on_cpu: bool) -> list[dict[str, str]]:
-    """The environment of each engine: on the CPU its own contiguous cores (OMP threads bound one
-    group per TP rank), on GPUs its own `tensor_parallel` visible devices."""
-    if on_cpu:
-        cores = sorted(os.sched_getaffinity(0))
-        per_engine = len(cores) // engines
-        if per_engine < tensor_parallel:
-            raise UsageError(
-                f"--data-parallel {engines} x --tp {tensor_parallel} needs {engines * tensor_parallel} CPU cores; "
-                f"this process may use {len(cores)}"
-            )
-        groups = [cores[index * per_engine : (index + 1) * per_engine] for index in range(engines)]
-        return [{"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(tensor_parallel, group)} for group in groups]
-    import torch
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = visible.split(",") if visible else [str(index) for index in range(torch.cuda.device_count())]
-    if len(devices) < engines * tensor_parallel:
-        raise UsageError(
-            f"--data-parallel {engines} x --tp {tensor_parallel} needs {engines * tensor_parallel} GPUs; "
-            f"{len(devices)} are visible"
-        )
-    return [
-        {"CUDA_VISIBLE_DEVICES": ",".join(devices[index * tensor_parallel : (index + 1) * tensor_parallel])}
-        for index in range(engines)
-    ]
-
 
 def _serve_engine(connection, vllm_arguments: dict, environment: dict[str, str]) -> None:
     """An engine process: lm-eval's VLLM made with the run's arguments, then each batch it is sent
@@ -109,7 +78,7 @@ def _stop_all(engines: list[EngineProcess]) -> None:
 class DataParallelVLLM(VLLM):
     """lm-eval's VLLM with every batch of requests split over this process's engine and
     `len(environments) - 1` engine processes made with the same arguments (`environments`: each
-    engine's, from `engine_environments`)."""
+    engine's, from vllm.py's `engine_environments`)."""
 
     def __init__(self, environments: list[dict[str, str]], **vllm_arguments):
         # The other engines first, so that all of them start at once; this process's last.
