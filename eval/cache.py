@@ -1,8 +1,11 @@
 """Cache identity: a (model, suite task) score is reused only when nothing that made it changed.
 
-The key (`cache_key`) covers the weights (`fingerprint`), the code that runs them (`code_digest`),
-the task (`task_identity`: suite entry, configs, task code, data files' content), the library
-versions and the run's numerics. Entries are a JSON record beside its gzipped per-item samples.
+The key (`cache_key`) covers the weights (`fingerprint`), the code that runs them and scores them
+(`code_digest`: the model classes' modules; `scoring_digest`: every module of the packages on the
+scoring path, `SCORING_PACKAGES`; computed from their source, not a number bumped by hand), the task
+(`task_identity`: suite entry, configs, task code, data files' content), the library versions and
+the run's numerics. Entries are a JSON record beside its gzipped per-item samples; an entry that
+does not read back as one (a flipped byte, a half-written file) is a miss, said in one line.
 """
 
 from __future__ import annotations
@@ -10,8 +13,12 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import importlib
 import inspect
 import json
+import time
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import lm_eval
@@ -27,10 +34,16 @@ from .suite import SuiteTask
 
 # What `ladder convert` and `ladder adapt` write beside a model to say how it was made (with times).
 PROVENANCE_FILES = ("conversion.json", "recipe.yaml")
-# Bump when the cached record's layout or the scoring code changes.
-CACHE_FORMAT = 3
-# Where the content hashes of data files are remembered, by path, size and mtime (in the cache folder).
+# The packages whose every module is on the scoring path (import names): this stage's harness,
+# task plumbing, backends and scorers, the model classes, and the loading that turns a checkpoint
+# or GGUF file into weights. An edit to any of their files changes the key. (A backend's engine
+# code outside them is keyed by its model classes' sources, `code_classes`.)
+SCORING_PACKAGES = ("ladder.eval", "ladder.model", "ladder.io")
+# Where the content hashes of data files are remembered, by path and file status (in the cache folder).
 FILE_HASHES = "file-hashes.json"
+# A temporary of a cache write (atomic_write's `.NAME.tmp-...`) older than this is a killed write's:
+# writing an entry takes well under a second.
+STALE_TEMPORARY_SECONDS = 3600
 
 
 def fingerprint(path: Path) -> str:
@@ -70,40 +83,63 @@ def model_class(path: Path) -> type:
 def code_digest(classes: list[type]) -> str:
     """SHA-256 over the source files of the modules that define `classes` and their base classes
     (torch's and Python's own excepted: the torch version is in the key)."""
-    files = set()
+    files = {}
     for cls in classes:
         for base in inspect.getmro(cls):
             if base.__module__.split(".")[0] in ("builtins", "torch", "typing"):
                 continue
             with contextlib.suppress(TypeError, OSError):
-                files.add(Path(inspect.getsourcefile(base)))
+                files[base.__module__] = Path(inspect.getsourcefile(base))
+    return _files_digest(files)
+
+
+def scoring_digest(packages: dict[str, Path] | None = None) -> str:
+    """SHA-256 over every Python file under each folder of `packages` (import name -> folder;
+    default `SCORING_PACKAGES` where they are imported from), each named by its place in its
+    package, so that an unchanged copy of the project keys the same and an edited one does not."""
+    if packages is None:
+        packages = {name: Path(importlib.import_module(name).__file__).parent for name in SCORING_PACKAGES}
+    return _files_digest(
+        {
+            f"{name}/{file.relative_to(folder).as_posix()}": file
+            for name, folder in packages.items()
+            for file in folder.rglob("*.py")
+        }
+    )
+
+
+def _files_digest(files: dict[str, Path]) -> str:
+    """SHA-256 over (label, content hash) of each file, in label order."""
     digest = hashlib.sha256()
-    for file in sorted(files):
-        digest.update(f"{file.name}\0{hashlib.sha256(file.read_bytes()).hexdigest()}\n".encode())
+    for label, file in sorted(files.items()):
+        digest.update(f"{label}\0{hashlib.sha256(file.read_bytes()).hexdigest()}\n".encode())
     return digest.hexdigest()
 
 
 class FileHashes:
-    """Content hashes of data files, remembered in a small JSON index by path, size and mtime, so a
-    large file is hashed once and not on every run (an edit changes the mtime; as for make and
-    rsync, a change that keeps both size and mtime goes unseen)."""
+    """Content hashes of data files, remembered in a small JSON index by path and file status, so
+    a large file is hashed once and not on every run. The status holds the inode and the ctime
+    besides the size and mtime: any write or rename sets the ctime to now, and no call sets it
+    back (`os.utime` restores an mtime, not a ctime), so an edit is seen whatever it restores."""
 
     def __init__(self, index: Path | None):
         self.index = index
         self.known: dict[str, list] = {}
         if index is not None:
-            with contextlib.suppress(OSError, json.JSONDecodeError):
-                self.known = json.loads(index.read_text())
+            with contextlib.suppress(OSError, ValueError):
+                known = json.loads(index.read_text())
+                self.known = known if isinstance(known, dict) else {}
         self.changed = False
 
     def digest(self, path: Path) -> str:
         path = path.resolve()
         status = path.stat()
+        identity = [status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino]
         known = self.known.get(str(path))
-        if known and known[:2] == [status.st_size, status.st_mtime_ns]:
-            return known[2]
+        if isinstance(known, list) and known[:-1] == identity:
+            return known[-1]
         digest = sha256_file(path)
-        self.known[str(path)] = [status.st_size, status.st_mtime_ns, digest]
+        self.known[str(path)] = [*identity, digest]
         self.changed = True
         return digest
 
@@ -131,12 +167,11 @@ def task_identity(suite_task: SuiteTask, prepared: dict, hashes: FileHashes) -> 
 
 
 def cache_key(model: dict, task: dict, runtime: Runtime, batch_size: int | str) -> str:
-    """The key of one (model, suite task) score: `model` (the weights' `fingerprint` and the
-    `code_digest` of the class that runs them), `task_identity`, the library versions, and the
-    run's numerics: dtype, device class, batch size (padding changes the float sums) and process
-    count (so does the batches' composition)."""
+    """The key of one (model, suite task) score: `model` (the weights' `fingerprint`, the
+    `code_digest` of the classes that run them, the `scoring_digest`), `task_identity`, the
+    library versions, and the run's numerics: dtype, device class, batch size (padding changes the
+    float sums) and process count (so does the batches' composition)."""
     identity = {
-        "format": CACHE_FORMAT,
         "model": model,
         "task": task,
         "versions": {
@@ -149,8 +184,10 @@ def cache_key(model: dict, task: dict, runtime: Runtime, batch_size: int | str) 
         "batch_size": batch_size,
         "processes": runtime.processes,
     }
-    if runtime.backend != DEFAULT_BACKEND:  # other kernels, other scores; HF keys stay as they were
+    if runtime.backend != DEFAULT_BACKEND:  # other kernels, other scores
         identity["backend"] = runtime.backend
+        # The all-reduces' order, and each engine's batches: float sums in another order.
+        identity["parallel"] = [runtime.tensor_parallel, runtime.data_parallel]
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=_stable_repr).encode()).hexdigest()
 
 
@@ -168,14 +205,36 @@ def _stable_repr(value) -> str:
     return str(value)
 
 
-def read_cache(path: Path) -> tuple[dict, dict] | None:
-    """A cached (record, samples), or None when either file is missing or unreadable."""
-    try:
-        record = json.loads(path.read_text())
-        with gzip.open(path.with_suffix(".samples.json.gz"), "rt", encoding="utf-8") as handle:
-            return record, json.load(handle)
-    except (OSError, EOFError, json.JSONDecodeError):
+def read_cache(path: Path, warn: Callable[[str], None]) -> tuple[dict, dict] | None:
+    """A cached (record, samples), or None when either file is missing; None too, with one line to
+    `warn`, when they do not read back as a record and its samples (flipped bytes, bad UTF-8,
+    another JSON type): the entry is scored again and replaced."""
+    samples_path = path.with_suffix(".samples.json.gz")
+    if not (path.is_file() and samples_path.is_file()):
         return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        with gzip.open(samples_path, "rt", encoding="utf-8") as handle:
+            samples = json.load(handle)
+    except (OSError, EOFError, ValueError, zlib.error) as error:  # ValueError: bad JSON or UTF-8
+        warn(f"warning: ignoring the unreadable cache entry {path} ({type(error).__name__}); scoring it again")
+        return None
+    if not (isinstance(record, dict) and isinstance(record.get("results"), dict) and isinstance(samples, dict)):
+        warn(f"warning: ignoring the cache entry {path}: not a cached record; scoring it again")
+        return None
+    return record, samples
+
+
+def remove_stale_temporaries(cache_dir: Path) -> None:
+    """Remove what killed cache writes left: atomic_write temporaries older than an hour (a live
+    write's is seconds old, also one of another run that shares the cache)."""
+    if not cache_dir.is_dir():
+        return
+    cutoff = time.time() - STALE_TEMPORARY_SECONDS
+    for leftover in cache_dir.glob(".*.tmp-*"):
+        with contextlib.suppress(OSError):  # another run may clean it at the same moment
+            if leftover.is_file() and leftover.lstat().st_mtime < cutoff:
+                leftover.unlink()
 
 
 def write_cache(path: Path, record: dict, samples: dict) -> None:

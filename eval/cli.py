@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ladder.errors import ArgumentParser, UsageError, run_command
+from ladder.errors import ArgumentParser, UsageError, first_line, run_command
 from ladder.io.files import ladder_data_dir
 from ladder.launch import multi_process_launcher
 
@@ -51,7 +51,13 @@ def _gen_kwargs(text: str) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise argparse.ArgumentTypeError(f"{text!r}: expected key=value[,key=value...]")
-        settings[key.strip()] = yaml.safe_load(value)
+        try:
+            settings[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            problem = getattr(error, "problem", None) or first_line(error)
+            raise argparse.ArgumentTypeError(f"{item!r} does not parse as YAML: {problem}") from None
+        if isinstance(settings[key.strip()], dict):
+            raise argparse.ArgumentTypeError(f"{item!r}: a value is a number, a string, true/false or a [list]")
     return settings
 
 
@@ -141,6 +147,13 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel ranks of the vllm backend (default 1)"
     )
+    parser.add_argument(
+        "--data-parallel",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="vllm backend: N engines (each with --tp ranks, on its own GPUs or CPU cores) splitting the items",
+    )
 
 
 def _add_samples_option(parser: argparse.ArgumentParser) -> None:
@@ -226,6 +239,7 @@ def main(argv: list[str]) -> int:
         parallelize=args.parallelize,
         backend=args.backend,
         tensor_parallel=args.tp,
+        data_parallel=args.data_parallel,
         log_samples=args.log_samples,
     )
     if evaluation is not None:  # process 0 of several prints for all

@@ -45,11 +45,12 @@ def evaluate_models(
     log_samples: bool = False,
     backend: str = "hf",
     tensor_parallel: int = 1,
+    data_parallel: int = 1,
 ) -> Evaluation | None:
     """Score `models` (checkpoint folders, .gguf files or `embedded`, each optionally `LABEL=MODEL`;
     the first is the reference column) on `suite` into `out` (default runs/eval/<time>-<suite>-<random>).
     `data_dir`: the folder our offline tasks read; `cache_dir` None scores everything again;
-    `device`, `dtype`, `batch_size`, `parallelize`, `backend`, `tensor_parallel`: see
+    `device`, `dtype`, `batch_size`, `parallelize`, `backend`, `tensor_parallel`, `data_parallel`: see
     `runtime.resolve_runtime`; `log_samples`: keep lm-eval's per-item records in
     out/samples/<model>/<task>.jsonl. Returns None on the
     processes other than 0 of a multi-process run."""
@@ -66,7 +67,7 @@ def evaluate_models(
     check_force_target(out, "eval", force)  # before any work (atomic_directory checks again at the end)
     check_outside_inputs(out, [ref.path for ref in refs])
     check_chat_templates(refs, suite)
-    runtime = resolve_runtime(device, dtype, batch_size, parallelize, backend, tensor_parallel)
+    runtime = resolve_runtime(device, dtype, batch_size, parallelize, backend, tensor_parallel, data_parallel)
     get_backend(runtime.backend).check(runtime, refs)
     if not verbose:
         logging.getLogger("lm_eval").setLevel(logging.ERROR)

@@ -35,6 +35,8 @@ from .cache import (
     fingerprint,
     model_class,
     read_cache,
+    remove_stale_temporaries,
+    scoring_digest,
     task_identity,
     write_cache,
 )
@@ -66,6 +68,7 @@ def run_suite(
     backend = get_backend(runtime.backend)
     cache = cache_dir if main else None  # process 0 alone reads and writes the cache
     identities = _task_identities(suite, prepared, cache) if cache is not None else {}
+    scoring_code = scoring_digest() if cache is not None else ""  # hashed once per run
     batch_sizes = _task_batch_sizes(suite, prepared, runtime)
     everything = []
     for ref in models:
@@ -75,8 +78,8 @@ def run_suite(
             log(f"hashing {ref.path}")
             results.fingerprint = fingerprint(ref.path)
         if cache is not None:
-            keys = _model_cache_keys(ref, results.fingerprint, backend, identities, runtime, batch_sizes)
-        found = _read_cached(cache, keys)
+            keys = _model_cache_keys(ref, results.fingerprint, scoring_code, backend, identities, runtime, batch_sizes)
+        found = _read_cached(cache, keys, log)
         results.cached = list(found)
         cached = share(runtime, list(found))
         missing = [task for task in suite.tasks if task.task not in cached]
@@ -90,7 +93,9 @@ def run_suite(
 
 
 def _task_identities(suite: Suite, prepared: dict[str, dict], cache_dir: Path) -> dict[str, dict]:
-    """Each suite task's `task_identity`, with the data files' hashes remembered in the cache folder."""
+    """Each suite task's `task_identity`, with the data files' hashes remembered in the cache folder
+    (whose leftovers of killed writes are removed first)."""
+    remove_stale_temporaries(cache_dir)
     hashes = FileHashes(cache_dir / FILE_HASHES)
     identities = {task.task: task_identity(task, prepared[task.task], hashes) for task in suite.tasks}
     hashes.save()
@@ -113,21 +118,24 @@ def _task_batch_sizes(suite: Suite, prepared: dict[str, dict], runtime: Runtime)
 def _model_cache_keys(
     ref: ModelRef,
     weights: str,
+    scoring_code: str,
     backend: ModuleType,
     identities: dict[str, dict],
     runtime: Runtime,
     batch_sizes: dict[str, int | str],
 ) -> dict[str, str]:
-    """The cache key of each suite task for one model: its weights' fingerprint and the code that runs them."""
-    model = {"weights": weights, "code": code_digest([model_class(ref.path), *backend.code_classes()])}
+    """The cache key of each suite task for one model: its weights' fingerprint, the code that runs
+    them and the code that scores them (`scoring_code`: the `scoring_digest`)."""
+    code = code_digest([model_class(ref.path), *backend.code_classes()])
+    model = {"weights": weights, "code": code, "scoring_code": scoring_code}
     return {task: cache_key(model, identity, runtime, batch_sizes[task]) for task, identity in identities.items()}
 
 
-def _read_cached(cache_dir: Path | None, keys: dict[str, str]) -> dict[str, Scored]:
+def _read_cached(cache_dir: Path | None, keys: dict[str, str], log: Callable[[str], None]) -> dict[str, Scored]:
     """The suite tasks found in the cache (in suite order), with their (record, samples)."""
     found = {}
     for task, key in keys.items():
-        if cache_dir is not None and (hit := read_cache(cache_dir / f"{key}.json")) is not None:
+        if cache_dir is not None and (hit := read_cache(cache_dir / f"{key}.json", log)) is not None:
             found[task] = hit
     return found
 

@@ -32,6 +32,7 @@ class Runtime:
     accelerator: object | None = None  # an accelerate.Accelerator when processes > 1
     backend: str = DEFAULT_BACKEND  # a name in eval/backends' table: "hf" (this process) or "vllm"
     tensor_parallel: int = 1  # the vllm backend's tensor-parallel ranks
+    data_parallel: int = 1  # the vllm backend's engines, each with tensor_parallel ranks
 
     @property
     def processes(self) -> int:
@@ -53,7 +54,7 @@ class Runtime:
             "batch_size": self.batch_size,
             "processes": self.processes,
             **(
-                {"backend": self.backend, "tensor_parallel": self.tensor_parallel}
+                {"backend": self.backend, "tensor_parallel": self.tensor_parallel, "data_parallel": self.data_parallel}
                 if self.backend != DEFAULT_BACKEND
                 else {}
             ),
@@ -67,6 +68,7 @@ def resolve_runtime(
     parallelize: bool = False,
     backend: str = DEFAULT_BACKEND,
     tensor_parallel: int = 1,
+    data_parallel: int = 1,
 ) -> Runtime:
     """`auto` picks the GPU in bfloat16 where one is present (float16 on GPUs without bf16), else
     the CPU in float32. Under `accelerate launch` with several processes each takes the device
@@ -83,7 +85,7 @@ def resolve_runtime(
         raise UsageError("--parallelize splits a model over GPUs: it needs --device cuda")
     if dtype == "auto":
         dtype = _default_dtype(device)
-    return Runtime(device, dtype, batch_size, parallelize, accelerator, backend, tensor_parallel)
+    return Runtime(device, dtype, batch_size, parallelize, accelerator, backend, tensor_parallel, data_parallel)
 
 
 def _check_settings(device: str, dtype: str, batch_size: int | str) -> None:

@@ -27,11 +27,14 @@ from ladder.eval import cli, report
 from ladder.eval.backends.hf import LoadedHFLM
 from ladder.eval.cache import (
     FILE_HASHES,
+    SCORING_PACKAGES,
+    STALE_TEMPORARY_SECONDS,
     FileHashes,
     cache_key,
     code_digest,
     fingerprint,
     model_class,
+    scoring_digest,
     task_identity,
 )
 from ladder.eval.lm_tasks import TASKS_DIR, hub_offline, task_configs, task_manager
@@ -462,6 +465,66 @@ def test_shared_context_scoring_equals_lm_evals_per_request(tiny_checkpoint, lad
     np.testing.assert_allclose([value for value, _ in ours], [value for value, _ in stock], rtol=1e-5)
 
 
+def _random_requests(tokenizer, count: int, seed: int = 0) -> list:
+    """lm-eval's (request, context tokens, continuation tokens): pairs of choices after one context."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for index in range(count):
+        context = rng.integers(1, len(tokenizer), 6 + index % 5).tolist()
+        for choice in range(2):
+            requests.append(
+                ((f"c{index}", f"x{choice}"), context, rng.integers(1, len(tokenizer), 2 + choice).tolist())
+            )
+    return requests
+
+
+def test_batch_size_auto_keeps_the_shared_context_scorer(tiny_checkpoint):
+    """Under `--batch-size auto` lm-eval's detection picks the batch size and the shared-context
+    scorer still scores (the head sees only continuation rows, [rows, hidden]; lm-eval's own path
+    and its detection run it on [batch, positions, hidden]), with lm-eval's numbers."""
+    from lm_eval.models.huggingface import HFLM
+
+    model, tokenizer = load_model(tiny_checkpoint, dtype=DTYPES["float32"])
+    lm = LoadedHFLM(model, tokenizer, Runtime("cpu", "float32", batch_size="auto"))
+    lm.max_batch_size = 4  # the detection's first try (64 full-length rows) is slow on a CPU
+    head_inputs = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: head_inputs.append(inputs[0].dim()))
+    requests = _random_requests(tokenizer, 6)
+    ours = lm._loglikelihood_tokens(requests)
+    assert 2 in head_inputs  # (besides the detection's full-length batches)
+    head_inputs.clear()
+    stock = HFLM._loglikelihood_tokens(lm, requests)
+    hook.remove()
+    assert set(head_inputs) == {3}
+    assert [greedy for _, greedy in ours] == [greedy for _, greedy in stock]
+    np.testing.assert_allclose([value for value, _ in ours], [value for value, _ in stock], rtol=1e-5)
+
+
+def test_bfloat16_head_log_softmax_runs_in_float32(tiny_checkpoint):
+    """A bf16 model's continuation log-likelihoods equal the head and log-softmax taken in float64
+    over the same bf16 hidden states; bf16 logits (what the head gives in the model's dtype) are
+    off by far more."""
+    import torch
+
+    model, tokenizer = load_model(tiny_checkpoint, dtype=DTYPES["bfloat16"])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # logits of a trained model's size (random ones are near 0)
+    lm = LoadedHFLM(model, tokenizer, Runtime("cpu", "bfloat16", batch_size=4))
+    requests = _random_requests(tokenizer, 4, seed=1)
+    ours = [value for value, _ in lm._loglikelihood_tokens(requests)]
+    exact, rounded = [], []
+    for _, context, continuation in requests:
+        ids = torch.tensor([context + continuation[:-1]])
+        with torch.no_grad():
+            hidden = model.model(input_ids=ids).last_hidden_state[0, len(context) - 1 :]
+        targets = torch.tensor(continuation)[:, None]
+        logits = hidden.double() @ model.lm_head.weight.double().T
+        exact.append(float(torch.log_softmax(logits, dim=-1).gather(1, targets).sum()))
+        rounded.append(float(torch.log_softmax(model.lm_head(hidden).double(), dim=-1).gather(1, targets).sum()))
+    np.testing.assert_allclose(ours, exact, atol=2e-4)
+    assert max(abs(a - b) for a, b in zip(rounded, exact)) > 1e-2  # the check can tell them apart
+
+
 def test_runtime_defaults_to_cpu_float32_without_a_gpu():
     import torch
 
@@ -605,13 +668,56 @@ def test_cache_misses_on_a_data_byte_and_the_dtype_and_hits_unchanged(tiny_check
     assert run("--dtype", "bfloat16") == []
     assert run("--batch-size", "auto") == []
     assert run("--dtype", "bfloat16") == ["ladder_piqa"]
-    # A file is hashed once and then known by its size and mtime: the same size and mtime with
-    # other content is not rehashed (the index's trade-off, as make and rsync make it).
+    # A file is hashed once and then known by its status: an edit that restores its size and
+    # mtime (os.utime) still changes its ctime, so it is hashed again and rescored, not served stale.
     status = items.stat()
     content[position : position + 1] = b"c"
     items.write_bytes(bytes(content))
     os.utime(items, ns=(status.st_atime_ns, status.st_mtime_ns))
+    assert (items.stat().st_size, items.stat().st_mtime_ns) == (status.st_size, status.st_mtime_ns)
+    assert run() == []
     assert run() == ["ladder_piqa"]
+
+
+def test_corrupt_cache_entries_are_rescored_and_killed_writes_cleaned(tiny_checkpoint, tmp_path, capsys):
+    """A cache entry that does not read back (flipped gzip bytes, bad UTF-8, a JSON list) is one
+    warning line and a miss, and the rescored entry replaces it; a killed write's temporary is
+    removed once it is old, a live write's (young) is kept."""
+    suite = _write_suite(tmp_path / "s.yaml", [{"task": "ladder_piqa", "limit": 2}])
+    cache = tmp_path / "cache"
+    runs = iter(range(100))
+
+    def run() -> tuple[list[str], list[str]]:
+        out = tmp_path / f"run{next(runs)}"
+        common = ["--suite", str(suite), "--cache", str(cache), "--device", "cpu"]
+        assert cli.main([str(tiny_checkpoint), *common, "--out", str(out)]) == 0
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "cache entry" in line]
+        return _cached(out), warnings
+
+    assert run() == ([], [])
+    (record,) = [path for path in cache.glob("*.json") if path.name != FILE_HASHES]
+    samples = record.with_suffix(".samples.json.gz")
+    flipped = bytearray(samples.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    corruptions = [
+        (samples, bytes(flipped), "unreadable cache entry"),
+        (record, b'{"results": "\xff\xfe"}', "unreadable cache entry"),
+        (record, b"[1, 2]", "not a cached record"),
+    ]
+    for path, content, message in corruptions:
+        path.write_bytes(content)
+        cached, warnings = run()
+        assert cached == [] and len(warnings) == 1 and message in warnings[0], (content, warnings)
+        assert path.read_bytes() != content  # rescored and written back: the next run hits
+        assert run() == (["ladder_piqa"], [])
+
+    killed, live = cache / f".{record.name}.tmp-4242", cache / f".{samples.name}.tmp-4243"
+    for leftover in (killed, live):
+        leftover.write_bytes(b"half a write")
+    hours_ago = killed.stat().st_mtime - STALE_TEMPORARY_SECONDS - 60
+    os.utime(killed, (hours_ago, hours_ago))
+    assert run() == (["ladder_piqa"], [])
+    assert not killed.exists() and live.exists()
 
 
 def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):
@@ -669,6 +775,24 @@ def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):
     assert code_digest([LadderLlamaForCausalLM]) != code_digest([LlamaForCausalLM])
 
 
+def test_cache_key_covers_the_scoring_code(tmp_path):
+    """Every module of the scoring packages is in the key, computed from its source: the digest
+    over a copy of eval/ equals the installed one's, and an edit to the copy's shared-prefix scorer
+    (log-likelihoods negated) changes it. Paths do not: an unchanged copy of the project hits."""
+    import ladder.eval
+
+    installed = {name: Path(importlib.import_module(name).__file__).parent for name in SCORING_PACKAGES}
+    assert "ladder.eval" in installed and scoring_digest() == scoring_digest(installed)
+    copy = tmp_path / "eval"
+    shutil.copytree(Path(ladder.eval.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert scoring_digest({**installed, "ladder.eval": copy}) == scoring_digest()
+    scorer = copy / "backends" / "shared_prefix.py"
+    source = scorer.read_text()
+    assert "return float(logprobs.gather(1, tokens[:, None]).sum())" in source
+    scorer.write_text(source.replace("return float(logprobs.gather(", "return -float(logprobs.gather("))
+    assert scoring_digest({**installed, "ladder.eval": copy}) != scoring_digest()
+
+
 def test_model_class_is_the_installed_one(tiny_checkpoint, ladder_checkpoints):
     from transformers import LlamaForCausalLM
 
@@ -694,7 +818,10 @@ def test_model_class_is_the_installed_one(tiny_checkpoint, ladder_checkpoints):
         (["--dtype", "int8"], "argument --dtype: invalid choice"),
         (["--batch-size", "big"], "not a positive integer"),
         (["--gen-kwargs", "max_gen_toks"], "expected key=value"),
+        (["--gen-kwargs", "until=["], r"'until=\[' does not parse as YAML"),
+        (["--gen-kwargs", "until=a: b"], "a value is a number, a string"),
         (["--fewshot-as-multiturn"], "fewshot_as_multiturn needs apply_chat_template"),
+        (["--data-parallel", "2"], "--data-parallel is for --backend vllm"),
     ],
 )
 def test_bad_arguments_are_usage_errors(tiny_checkpoint, arguments, message):
@@ -726,6 +853,16 @@ def test_missing_data_file_is_one_line_on_the_command_line(tiny_checkpoint, tmp_
     error = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(error) == 1
     assert error[0].startswith("ladder eval: error: data file ") and "is missing" in error[0]
+
+
+def test_gen_kwargs_that_do_not_parse_are_one_line(capsys):
+    from ladder.cli import main as ladder_main
+
+    assert ladder_main(["eval", "embedded", "--gen-kwargs", "max_gen_toks=5,until=[", "--out", "unused"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "ladder eval: error: argument --gen-kwargs: 'until=[' does not parse as YAML: "
+        "expected the node content, but found '<stream end>'"
+    ]
 
 
 def test_hub_switches_are_restored(tmp_path):

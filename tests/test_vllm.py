@@ -396,8 +396,10 @@ def scores(results_dir: Path) -> dict[str, dict[str, float]]:
 
 
 def test_lm_eval_vllm_backend_matches_hf(checkpoints, tmp_path):
-    """The real SmolLM2 ladder, scored by vLLM in its default (compiled) mode and by transformers.
-    (The compiled model's fault once gave LAMBADA perplexity 1019 through vLLM against 113.)"""
+    """The real SmolLM2 ladder scored by `ladder eval --backend vllm --data-parallel 2` (two engines
+    at TP=1 in vLLM's default compiled mode, one core each, splitting every batch of requests) as the
+    HF backend scores it. (The compiled model's fault once gave LAMBADA perplexity 1019 through vLLM
+    against 113.)"""
     from ladder.eval import cli
 
     model = checkpoints["smollm2-ladder"]
@@ -413,6 +415,8 @@ def test_lm_eval_vllm_backend_matches_hf(checkpoints, tmp_path):
             str(tmp_path / "vllm"),
             "--backend",
             "vllm",
+            "--data-parallel",
+            "2",
         ],
         env=serve_env_vars(),
         capture_output=True,
@@ -420,6 +424,10 @@ def test_lm_eval_vllm_backend_matches_hf(checkpoints, tmp_path):
         timeout=900,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    engines = set(re.findall(r"\(EngineCore pid=(\d+)\)", completed.stdout + completed.stderr))
+    assert len(engines) == 2, engines
+    (record,) = [path for path in (tmp_path / "vllm").glob("*.json") if path.name != "report.json"]
+    assert json.loads(record.read_text())["config"]["data_parallel"] == 2
     hf, vllm = scores(tmp_path / "hf"), scores(tmp_path / "vllm")
     assert hf.keys() == vllm.keys() and len(hf) == 6
     sizes = {"ladder_wikitext": 1, "ladder_lambada_openai": 8}
@@ -450,4 +458,23 @@ def test_lm_eval_vllm_backend_refuses_gguf():
     assert completed.stderr.strip().splitlines() == [
         "ladder eval: error: --backend vllm: embedded is a GGUF file; vLLM scores checkpoint directories "
         "(`ladder convert` writes one, with --layers 0 for a plain copy)"
+    ]
+
+
+def test_lm_eval_vllm_data_parallel_refuses_more_engines_than_cores(tiny_checkpoint):
+    """One engine per core at least: more engines than this machine's cores is one line, before
+    anything loads."""
+    cores = len(os.sched_getaffinity(0))
+    completed = subprocess.run(
+        [str(SERVE_ENV / "bin" / "ladder"), "eval", str(tiny_checkpoint), "--backend", "vllm"]
+        + ["--data-parallel", str(cores + 1)],
+        env=serve_env_vars(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines() == [
+        f"ladder eval: error: --data-parallel {cores + 1} x --tp 1 needs {cores + 1} CPU cores; "
+        f"this process may use {cores}"
     ]

@@ -20,6 +20,8 @@ def check(runtime: Runtime, models: list[ModelRef]) -> None:
     """Refuse the settings of another backend."""
     if runtime.tensor_parallel != 1:
         raise UsageError("--tp is for --backend vllm")
+    if runtime.data_parallel != 1:
+        raise UsageError("--data-parallel is for --backend vllm (the hf backend's copies: --processes N)")
 
 
 def code_classes() -> list[type]:
@@ -34,7 +36,8 @@ class LoadedHFLM(HFLM):
     (our GGUF and ladder loading) and CPU processes over gloo would each score every item."""
 
     def __init__(self, model, tokenizer, runtime: Runtime):
-        super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=runtime.batch_size)
+        # softmax_dtype: lm-eval's own path (rolling windows) takes its log-softmax in float32 too.
+        super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=runtime.batch_size, softmax_dtype="float32")
         if runtime.accelerator is not None and runtime.processes > 1:
             # The attributes HFLM's all_gather, gather_object and barrier use.
             self.accelerator = runtime.accelerator
@@ -42,17 +45,19 @@ class LoadedHFLM(HFLM):
             self._world_size = runtime.accelerator.num_processes
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
-        """Llama-family models score with each shared context run once (eval/backends/shared_prefix.py).
-        lm-eval's own path stays for rolling windows (no request string: nothing is shared, every
-        position is read), `--batch-size auto` (its detection) and other architectures."""
-        batch_size = override_bs or self.batch_size
-        shared = (
-            isinstance(self.model, transformers.LlamaForCausalLM)
-            and isinstance(batch_size, int)
-            and all(request is not None for request, _, _ in requests)
+        """Llama-family models score with each shared context run once (eval/backends/shared_prefix.py),
+        also under `--batch-size auto`, whose batch size lm-eval's detection picks (for the longest
+        request). lm-eval's own path stays for rolling windows (no request string: nothing is
+        shared, every position is read) and other architectures."""
+        shared = isinstance(self.model, transformers.LlamaForCausalLM) and all(
+            request is not None for request, _, _ in requests
         )
-        if not shared:
+        if not shared or not requests:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        batch_size = override_bs or self.batch_size
+        if batch_size == "auto":
+            longest = max(range(len(requests)), key=lambda index: len(requests[index][1]) + len(requests[index][2]))
+            batch_size = self._detect_batch_size(requests=requests, pos=longest)
         answers = score_continuations(
             self.model.model,
             self.model.lm_head,

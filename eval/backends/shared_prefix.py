@@ -8,7 +8,7 @@ left truncation) are one group. Where sharing saves at least a third of a group'
 key/value cache serves every choice; otherwise (LAMBADA's single continuation, PIQA's two long
 solutions after a short goal) each request runs whole, as in lm-eval, which costs fewer forward
 calls. Either way the head and the log-softmax run only on the positions that predict a
-continuation token.
+continuation token, both in float32 whatever the model's dtype.
 
 Same numbers as HFLM up to float rounding (tests/test_eval.py compares them per request), same
 left truncation to `max_length + 1` tokens. Sequences are right-padded, so that every real token
@@ -26,6 +26,8 @@ from torch import nn
 
 from ladder.model.modeling_ladder_llama import CACHE_ARGUMENT
 
+# The head's weight upcast to float32 this many vocabulary rows at a time (16k x 4096 x 4 bytes: 256 MB).
+HEAD_ROWS_PER_SLICE = 16384
 Request = tuple[Sequence[int], Sequence[int]]  # (context tokens, continuation tokens)
 Group = tuple[tuple[int, ...], list[int]]  # (context tokens, indices of the requests that share it)
 
@@ -79,7 +81,7 @@ def _score_shared(
     # Selections index with CPU tensors, which torch accepts for a tensor on any device: under
     # `--parallelize` the hidden states come out on the last GPU, not the inputs' first.
     last = output.last_hidden_state[torch.arange(len(groups)), context_lengths.cpu() - 1]
-    first_logprobs = torch.log_softmax(head(last).float(), dim=-1)  # [groups, vocab]
+    first_logprobs = _head_log_softmax(head, last)  # [groups, vocab]
     members = {index: group_index for group_index, (_, indices) in enumerate(groups) for index in indices}
     rest_logprobs: dict[int, torch.Tensor] = {}
 
@@ -103,7 +105,7 @@ def _score_shared(
             use_cache=True,
             **{CACHE_ARGUMENT: cache},
         ).last_hidden_state
-        logprobs = torch.log_softmax(head(hidden[inputs_mask.bool().cpu()]).float(), dim=-1)
+        logprobs = _head_log_softmax(head, hidden[inputs_mask.bool().cpu()])
         rest_logprobs.update(zip(chunk, logprobs.split([len(continuations[index]) - 1 for index in chunk])))
 
     for index, group_index in members.items():
@@ -127,9 +129,24 @@ def _score_whole(
     predicting = torch.zeros(ids.shape, dtype=torch.bool)
     for row, (context, index) in enumerate(requests):
         predicting[row, len(context) - 1 : len(context) - 1 + len(continuations[index])] = True
-    logprobs = torch.log_softmax(head(hidden[predicting]).float(), dim=-1)
+    logprobs = _head_log_softmax(head, hidden[predicting])
     for (_, index), predicted in zip(requests, logprobs.split([len(continuations[index]) for _, index in requests])):
         results[index] = _answer(predicted, continuations[index])
+
+
+def _head_log_softmax(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities over the vocabulary at each row of `hidden` ([rows, hidden]), the head and
+    the log-softmax in float32 whatever the model's dtype: bf16 logits keep 8 bits, which moves a
+    log-probability by up to |logit| / 256 (0.05 at a logit of 12). The head's weight is upcast a
+    slice of the vocabulary at a time, never whole (an 8B's head is 2 GB in float32)."""
+    if not isinstance(head, nn.Linear) or head.weight.dtype == torch.float32:
+        return torch.log_softmax(head(hidden).float(), dim=-1)
+    weight = head.weight
+    hidden = hidden.to(weight.device, torch.float32)
+    logits = torch.cat([hidden @ rows.float().T for rows in weight.split(HEAD_ROWS_PER_SLICE)], dim=-1)
+    if head.bias is not None:
+        logits += head.bias.float()
+    return torch.log_softmax(logits, dim=-1)
 
 
 def _answer(logprobs: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:

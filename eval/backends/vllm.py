@@ -1,5 +1,6 @@
-"""The `vllm` backend: lm-eval's `vllm` model type, one vLLM engine per model, with this package's
-plugin serving ladder checkpoints (vLLM loads it in each of its processes).
+"""The `vllm` backend: lm-eval's `vllm` model type, one vLLM engine per model (N with
+`--data-parallel N`, each at `--tp` ranks), with this package's plugin serving ladder checkpoints
+(vLLM loads it in each of its processes).
 
 It runs in the serving environment (.venv-serve, `make serve-env`), where vLLM is installed;
 `make eval BACKEND=vllm` uses that environment's `ladder`.
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from ladder.errors import UsageError
+from ladder.serving.engine import cpu_binding
 
 from ..models import ModelRef
 from ..runtime import Runtime
@@ -28,6 +32,9 @@ def check(runtime: Runtime, models: list[ModelRef]) -> None:
             "--backend vllm: vLLM is not installed in this environment; run `make eval BACKEND=vllm ...`, "
             "which builds and uses .venv-serve"
         ) from None
+    if runtime.data_parallel > 1:  # too few cores or GPUs for the engines: refused before anything loads
+        # torch's view of the GPUs, not vLLM's platform probe (which prints a Triton notice).
+        engine_environments(runtime.data_parallel, runtime.tensor_parallel, not torch.cuda.is_available())
     for ref in models:
         if not ref.path.is_dir():
             raise UsageError(
@@ -45,13 +52,44 @@ def code_classes() -> list[type]:
 
 def load_lm(ref: ModelRef, runtime: Runtime):
     """lm-eval's `VLLM` over the checkpoint directory, in the run's dtype (float32 on the CPU, like the
-    HF backend's models)."""
+    HF backend's models); with `--data-parallel N`, N such engines splitting the requests
+    (eval/backends/vllm_replicas.py)."""
     from lm_eval.models.vllm_causallms import VLLM
     from vllm.platforms import current_platform
 
-    from ladder.serving.engine import cpu_binding
-
     tensor_parallel = runtime.tensor_parallel
+    arguments = dict(pretrained=str(ref.path), dtype=runtime.dtype, tensor_parallel_size=tensor_parallel)
+    if runtime.data_parallel > 1:
+        from .vllm_replicas import DataParallelVLLM
+
+        environments = engine_environments(runtime.data_parallel, tensor_parallel, current_platform.is_cpu())
+        return DataParallelVLLM(environments, **arguments, batch_size="auto")
     if current_platform.is_cpu() and tensor_parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel, sorted(os.sched_getaffinity(0)))
-    return VLLM(pretrained=str(ref.path), dtype=runtime.dtype, tensor_parallel_size=tensor_parallel, batch_size="auto")
+    return VLLM(**arguments, batch_size="auto")
+
+
+def engine_environments(engines: int, tensor_parallel: int, on_cpu: bool) -> list[dict[str, str]]:
+    """The environment of each engine: on the CPU its own contiguous cores (OMP threads bound one
+    group per TP rank), on GPUs its own `tensor_parallel` visible devices."""
+    if on_cpu:
+        cores = sorted(os.sched_getaffinity(0))
+        per_engine = len(cores) // engines
+        if per_engine < tensor_parallel:
+            raise UsageError(
+                f"--data-parallel {engines} x --tp {tensor_parallel} needs {engines * tensor_parallel} CPU cores; "
+                f"this process may use {len(cores)}"
+            )
+        groups = [cores[index * per_engine : (index + 1) * per_engine] for index in range(engines)]
+        return [{"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(tensor_parallel, group)} for group in groups]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(index) for index in range(torch.cuda.device_count())]
+    if len(devices) < engines * tensor_parallel:
+        raise UsageError(
+            f"--data-parallel {engines} x --tp {tensor_parallel} needs {engines * tensor_parallel} GPUs; "
+            f"{len(devices)} are visible"
+        )
+    return [
+        {"CUDA_VISIBLE_DEVICES": ",".join(devices[index * tensor_parallel : (index + 1) * tensor_parallel])}
+        for index in range(engines)
+    ]
