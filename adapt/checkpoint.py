@@ -10,12 +10,14 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
+import ladder
 from ladder.errors import UsageError
-from ladder.io.files import atomic_directory, write_failure
+from ladder.io.files import atomic_directory, atomic_write, write_failure
 
 from .recipe import RESUME_FREE_KEYS, Recipe, dump_recipe, recipe_from_dict
 
@@ -145,6 +147,30 @@ def load_checkpoint(accelerator: Accelerator, path: Path, recipe: Recipe, blocks
     return state
 
 
+def truncate_metrics(metrics: Path, step: int) -> None:
+    """Keep the metrics log's lines up to `step`: what an interrupted run logged after its last
+    checkpoint is computed again by the resumed run."""
+    kept = []
+    for line in metrics.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            pass  # a line cut short by the kill
+    atomic_write(metrics, "".join(kept))
+
+
+def plain_ladder_model(trained: torch.nn.Module, state_dict: dict, dtype: torch.dtype) -> torch.nn.Module:
+    """The trained weights in a fresh ladder model built on the meta device (in `dtype`), so that one
+    process, DDP and FSDP (whose gathered `state_dict` this takes) save the same plain checkpoint."""
+    with torch.device("meta"):
+        plain = ladder.LadderLlamaForCausalLM(trained.config)
+    plain.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=True, assign=True)
+    plain.tie_weights()
+    plain.generation_config = trained.generation_config
+    return plain
+
+
 __all__ = [
     "METRICS_FILE",
     "RECIPE_FILE",
@@ -156,5 +182,7 @@ __all__ = [
     "differing_keys",
     "latest_checkpoint",
     "load_checkpoint",
+    "plain_ladder_model",
     "save_checkpoint",
+    "truncate_metrics",
 ]

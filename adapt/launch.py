@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import os
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -162,6 +163,15 @@ def warn_single_cpu_launch() -> None:
         )
 
 
+def raised_by_a_collective(error: BaseException) -> bool:
+    """Whether `error` comes out of torch.distributed (gloo raises a plain RuntimeError on a timeout
+    or a lost peer, NCCL a DistBackendError)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, torch.distributed.DistError) or (
+        bool(frames) and f"torch{os.sep}distributed{os.sep}" in frames[-1].filename
+    )
+
+
 __all__ = [
     "WANDB_ID_FILE",
     "enable_fsdp_on_cpu",
@@ -169,6 +179,7 @@ __all__ = [
     "fsdp_precision",
     "long_waits",
     "make_accelerator",
+    "raised_by_a_collective",
     "set_timeout",
     "start_trackers",
     "warn_single_cpu_launch",

@@ -25,10 +25,12 @@ from accelerate.utils import DistributedType
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 import ladder
+from ladder.errors import UsageError, first_line
 from ladder.io.loading import from_pretrained_arguments, gguf_parsed_once, load_model, load_tokenizer
 from ladder.io.model_card import SourceFacts, source_facts
+from ladder.layers import parse_ladder_layers
 
-from .recipe import ModelSpec, Recipe
+from .recipe import ModelSpec, Recipe, TrainableSpec
 
 PEAK_RSS_UNIT = 1 if sys.platform == "darwin" else 1024  # getrusage's ru_maxrss: bytes on macOS, KiB elsewhere
 
@@ -141,11 +143,49 @@ def peak_host_memory(accelerator: Accelerator) -> str:
     )
 
 
+def make_trainable(
+    model: torch.nn.Module, trainable: TrainableSpec, ladder_layers: list[int]
+) -> tuple[torch.nn.Module, list[int]]:
+    """Freeze all but the ladder layers (`ladder`), the named layers (`layers`), or wrap the model in
+    LoRA adapters (`lora`); `all` trains everything. Returns the model and the layers left trainable
+    (empty for `all` and `lora`)."""
+    mode = trainable.mode
+    layers: list[int] = []
+
+    if mode in ("ladder", "layers"):
+        if mode == "ladder":
+            layers = ladder_layers
+            if not layers:
+                raise UsageError("trainable.mode=ladder: the model has no ladder layer")
+        else:
+            layers = parse_ladder_layers(trainable.layers, model.config.num_hidden_layers, "trainable.layers")
+        model.requires_grad_(False)
+        for index in layers:
+            model.model.layers[index].requires_grad_(True)
+    elif mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = trainable.lora
+        config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        try:
+            model = get_peft_model(model, config)
+        except ValueError as error:
+            raise UsageError(f"trainable.lora.target_modules: {first_line(error)}") from None
+    return model, layers
+
+
 __all__ = [
     "configure_student",
     "empty_model",
     "load_student",
     "load_teacher",
+    "make_trainable",
     "peak_host_memory",
     "prepare_teacher",
     "receive_from_main",

@@ -6,13 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from accelerate import Accelerator
+
 from ladder.errors import UsageError
 from ladder.io.files import sha256_file
-from ladder.io.loading import check_llama_checkpoint, read_config_dict, resolve_model_path
+from ladder.io.loading import check_llama_checkpoint, load_tokenizer, read_config_dict, resolve_model_path
 from ladder.layers import LADDER_MODEL_TYPE, parse_layer_choice
 
 from .checkpoint import METRICS_FILE, check_same_recipe, latest_checkpoint
-from .data import local_files
+from .data import data_prepared, local_files
 from .recipe import Recipe, model_path
 
 
@@ -97,10 +99,25 @@ def check_data_files(recipe: Recipe) -> dict[str, str]:
     }
 
 
+def check_data_prepared(recipe: Recipe, accelerator: Accelerator) -> None:
+    """Several processes refuse data that is not tokenized yet, before any weight loads: all but one
+    (GPUs, on a real launch) would wait while it tokenizes. The main process says so in one line."""
+    processes = accelerator.num_processes
+    if processes == 1 or data_prepared(recipe.data, load_tokenizer(source_path(recipe.model.path))):
+        return
+    if not accelerator.is_main_process:
+        raise SystemExit(2)
+    raise UsageError(
+        f"the data is not prepared, and {processes - 1} of {processes} processes would wait while one "
+        "tokenizes it: run `ladder adapt RECIPE.yaml [key=value ...] --prepare-data` first"
+    )
+
+
 __all__ = [
     "ModelSources",
     "StepBudget",
     "check_data_files",
+    "check_data_prepared",
     "check_model",
     "resume_point",
     "source_path",

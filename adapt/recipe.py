@@ -26,6 +26,8 @@ import yaml
 from ladder.errors import UsageError, first_line
 from ladder.io.files import ladder_data_dir
 
+from .overrides import parse_overrides, set_dotted
+
 
 @dataclass
 class ModelSpec:
@@ -237,8 +239,8 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | dict | No
         if not isinstance(raw, dict):
             raise UsageError(f"recipe {path} must be a mapping of keys to values")
         raw.setdefault("name", path.stem)
-    for key, value in _parse_overrides(overrides):
-        _set_dotted(raw, key, value)
+    for key, value in parse_overrides(overrides):
+        set_dotted(raw, key, value)
     recipe = _build(Recipe, raw, "")
     validate(recipe)
     return recipe
@@ -253,61 +255,6 @@ def recipe_from_dict(raw: dict) -> Recipe:
 
 def dump_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
-
-
-def _parse_overrides(overrides: list[str] | dict | None) -> list[tuple[str, Any]]:
-    if not overrides:
-        return []
-    if isinstance(overrides, dict):
-        return list(overrides.items())
-    pairs = []
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"override {item!r} is not key=value (e.g. optimizer.lr=1e-4)")
-        try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError:
-            value = text
-        pairs.append((key.strip(), value))
-    return pairs
-
-
-def _set_dotted(raw: dict, key: str, value: Any) -> None:
-    """Set `key` (dotted; a number addresses a list item: `data.train.0.max_tokens`, or
-    `data.train[0].max_tokens` as errors name it) in the raw recipe. A list item written as a bare
-    string (a source's path) becomes a mapping when one of its keys is set; the index one past the
-    end appends an item."""
-    node: dict | list = raw
-    parts = re.sub(r"\[(\d+)\]", r".\1", key).split(".")
-    for depth, part in enumerate(parts):
-        where = ".".join(parts[: depth + 1])
-        last = depth == len(parts) - 1
-        if isinstance(node, list):
-            if not part.isdigit():
-                raise UsageError(f"override {key}: {'.'.join(parts[:depth])} is a list; address its items by number")
-            index = int(part)
-            if index > len(node):
-                raise UsageError(
-                    f"override {key}: {'.'.join(parts[:depth])} has {len(node)} item(s); "
-                    f"{index} is past the end (use {len(node)} to add one)"
-                )
-            if index == len(node):
-                node.append({})
-            if last:
-                node[index] = value
-                return
-            if isinstance(node[index], str):
-                node[index] = {"path": node[index]}  # a source written as just its path
-            child = node[index]
-        else:
-            if last:
-                node[part] = value
-                return
-            child = node.setdefault(part, [] if parts[depth + 1].isdigit() else {})
-        if not isinstance(child, (dict, list)):
-            raise UsageError(f"override {key}: {where} is not a section")
-        node = child
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:

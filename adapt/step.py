@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import resource
 import time
 from dataclasses import dataclass
 
@@ -177,4 +178,21 @@ class TrainingStep:
         return float(totals[0] / totals[1])
 
 
-__all__ = ["StepResult", "TrainingStep"]
+def step_metrics(result: StepResult, seconds: float, tokens: int, accelerator: Accelerator) -> dict[str, float]:
+    """What a step's log line adds: tokens/s per device (all, and those trained on), the peak
+    memory (the device's allocator, or the process's RSS on CPU) and the share of the step this
+    process spent getting its data."""
+    devices = accelerator.num_processes
+    if accelerator.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(accelerator.device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return {
+        "tokens_per_s_per_device": tokens / seconds / devices,
+        "labelled_tokens_per_s_per_device": result.labelled / seconds / devices,
+        "peak_memory_bytes": peak,
+        "data_wait_share": result.data_seconds / seconds,
+    }
+
+
+__all__ = ["StepResult", "TrainingStep", "step_metrics"]

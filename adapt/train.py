@@ -23,15 +23,11 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
-import resource
 import shutil
 import time
-import traceback
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
@@ -44,7 +40,6 @@ from ladder.layer_search import calibration_from_blocks, choose_ladder_layers
 from ladder.layers import (
     AutoLayers,
     format_layers,
-    parse_ladder_layers,
     parse_layer_choice,
     resolve_layer_choice,
 )
@@ -57,16 +52,19 @@ from .checkpoint import (
     check_same_data,
     latest_checkpoint,
     load_checkpoint,
+    plain_ladder_model,
     save_checkpoint,
+    truncate_metrics,
 )
-from .data import BlockOrder, Splits, data_prepared, prepare_data
+from .data import BlockOrder, Splits, prepare_data
 from .distill import Distiller
-from .launch import fsdp_precision, long_waits, make_accelerator, set_timeout, start_trackers
+from .launch import fsdp_precision, long_waits, make_accelerator, raised_by_a_collective, set_timeout, start_trackers
 from .memory import allocate_optimizer_state, keep_fewer_activations
 from .models import (
     configure_student,
     load_student,
     load_teacher,
+    make_trainable,
     peak_host_memory,
     prepare_teacher,
     reset_peak_host_memory,
@@ -75,9 +73,9 @@ from .models import (
 from .optimizer import build_optimizer
 from .plan import checkpointing_policy
 from .preemption import Preempted, StopSignals
-from .preflight import check_data_files, check_model, resume_point, source_path, step_budget
+from .preflight import check_data_files, check_data_prepared, check_model, resume_point, source_path, step_budget
 from .recipe import Recipe, dump_recipe
-from .step import StepResult, TrainingStep
+from .step import TrainingStep, step_metrics
 
 LAYER_SEARCH_FILE = "layer_search.json"  # what `model.ladder_layers: auto:N` measured and chose
 
@@ -114,32 +112,6 @@ def train(recipe: Recipe) -> Path:
             run.cleanup()
 
 
-def raised_by_a_collective(error: BaseException) -> bool:
-    """Whether `error` comes out of torch.distributed (gloo raises a plain RuntimeError on a timeout
-    or a lost peer, NCCL a DistBackendError)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return isinstance(error, torch.distributed.DistError) or (
-        bool(frames) and f"torch{os.sep}distributed{os.sep}" in frames[-1].filename
-    )
-
-
-def step_metrics(result: StepResult, seconds: float, tokens: int, accelerator: Accelerator) -> dict[str, float]:
-    """What a step's log line adds: tokens/s per device (all, and those trained on), the peak
-    memory (the device's allocator, or the process's RSS on CPU) and the share of the step this
-    process spent getting its data."""
-    devices = accelerator.num_processes
-    if accelerator.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(accelerator.device)
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return {
-        "tokens_per_s_per_device": tokens / seconds / devices,
-        "labelled_tokens_per_s_per_device": result.labelled / seconds / devices,
-        "peak_memory_bytes": peak,
-        "data_wait_share": result.data_seconds / seconds,
-    }
-
-
 class AdaptRun:
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
@@ -170,7 +142,7 @@ class AdaptRun:
         self.data_files = check_data_files(self.recipe)
         if resume_from is not None:
             check_same_data(resume_from, self.data_files)
-        self.check_data_prepared()
+        check_data_prepared(self.recipe, self.accelerator)
         student = self.setup_student()
         self.setup_data()  # before the rewiring: `auto:N` calibrates on training blocks
         teacher = load_teacher(self.recipe, self.sources.teacher, student, empty=self.receives_weights)
@@ -238,19 +210,6 @@ class AdaptRun:
 
         return resolve_layer_choice(choice, search)
 
-    def check_data_prepared(self) -> None:
-        """Several processes refuse data that is not tokenized yet, before any weight loads: all but one
-        (GPUs, on a real launch) would wait while it tokenizes. The main process says so in one line."""
-        processes = self.accelerator.num_processes
-        if processes == 1 or data_prepared(self.recipe.data, load_tokenizer(source_path(self.recipe.model.path))):
-            return
-        if not self.main:
-            raise SystemExit(2)
-        raise UsageError(
-            f"the data is not prepared, and {processes - 1} of {processes} processes would wait while one "
-            "tokenizes it: run `ladder adapt RECIPE.yaml [key=value ...] --prepare-data` first"
-        )
-
     def setup_data(self) -> None:
         """The tokenized blocks (the main process tokenizes, the others then read its cache) and
         the order in which the steps read them."""
@@ -267,36 +226,9 @@ class AdaptRun:
             self.teacher = prepare_teacher(teacher, self.recipe, self.accelerator.device, self.weights_from_main)
 
     def select_trainable(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Freeze all but the ladder layers (`ladder`), the named layers (`layers`), or wrap the model
-        in LoRA adapters (`lora`); `all` trains everything."""
+        """The trainable set (adapt/models.py: `make_trainable`), then the distiller over it."""
         mode = self.recipe.trainable.mode
-        if mode in ("ladder", "layers"):
-            if mode == "ladder":
-                layers = self.ladder_layers
-                if not layers:
-                    raise UsageError("trainable.mode=ladder: the model has no ladder layer")
-            else:
-                layers = parse_ladder_layers(
-                    self.recipe.trainable.layers, model.config.num_hidden_layers, "trainable.layers"
-                )
-            model.requires_grad_(False)
-            for index in layers:
-                model.model.layers[index].requires_grad_(True)
-        elif mode == "lora":
-            from peft import LoraConfig, get_peft_model
-
-            lora = self.recipe.trainable.lora
-            config = LoraConfig(
-                r=lora.r,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=lora.target_modules,
-                task_type="CAUSAL_LM",
-            )
-            try:
-                model = get_peft_model(model, config)
-            except ValueError as error:
-                raise UsageError(f"trainable.lora.target_modules: {first_line(error)}") from None
+        model, layers = make_trainable(model, self.recipe.trainable, self.ladder_layers)
         if self.teacher is not None:
             if self.recipe.objective.uses_hidden() and not self.ladder_layers:
                 raise UsageError("objective hidden: the model has no ladder layer whose stream could be matched")
@@ -502,15 +434,7 @@ class AdaptRun:
     def load_checkpoint(self, path: Path) -> None:
         self.state = load_checkpoint(self.accelerator, path, self.recipe, self.order.per_step)
         if self.main:
-            # Lines logged after this checkpoint by the interrupted run are computed again.
-            kept = []
-            for line in (self.run_dir / METRICS_FILE).read_text().splitlines(keepends=True):
-                try:
-                    if json.loads(line)["step"] <= self.state.step:
-                        kept.append(line)
-                except json.JSONDecodeError:
-                    pass  # a line cut short by the kill
-            atomic_write(self.run_dir / METRICS_FILE, "".join(kept))
+            truncate_metrics(self.run_dir / METRICS_FILE, self.state.step)
 
     # --- cleanup ---------------------------------------------------------------------------------
 
@@ -528,11 +452,7 @@ class AdaptRun:
             state_dict = accelerator.get_state_dict(self.model)
         if self.main:
             dtype = torch.bfloat16 if self.recipe.precision == "bf16" else torch.float32
-            with torch.device("meta"):
-                plain = ladder.LadderLlamaForCausalLM(trained.config)
-            plain.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=True, assign=True)
-            plain.tie_weights()
-            plain.generation_config = trained.generation_config
+            plain = plain_ladder_model(trained, state_dict, dtype)
             with atomic_directory(self.final_dir, force=True) as temporary:
                 plain.save_pretrained(temporary, max_shard_size="5GB")
                 self.tokenizer.save_pretrained(temporary)

@@ -173,7 +173,7 @@ def test_serve_env_plans_vllms_cuda_build_where_nvidia_smi_lists_a_gpu(tmp_path)
 
 
 def test_vllm_plugin_names_the_versions_it_supports():
-    from ladder.serving.plugin import SUPPORTED_VLLM, vllm_version_problem
+    from ladder.serving.engine import SUPPORTED_VLLM, vllm_version_problem
 
     assert SUPPORTED_VLLM == ("0.32",)
     assert vllm_version_problem("0.32.0") is None and vllm_version_problem("0.32.0+cpu") is None

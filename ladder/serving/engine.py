@@ -1,9 +1,12 @@
-"""What `ladder serve`, `ladder eval --backend vllm` and the vLLM benchmark share about running vLLM
-here: the CPU cores each tensor-parallel rank binds, and one line from a vLLM configuration error."""
+"""What the plugin, `ladder serve`, `ladder eval --backend vllm` and the vLLM benchmark share about
+running vLLM here: the vLLM versions the ladder model supports, the CPU cores each tensor-parallel
+rank binds, and one line from a vLLM configuration error."""
 
 from __future__ import annotations
 
 from ladder.errors import UsageError, first_line
+
+SUPPORTED_VLLM = ("0.32",)  # minor versions; `make serve-env` installs 0.32.0 (CPU or CUDA build)
 
 
 def cpu_binding(tp: int, cores: list[int]) -> str:
@@ -27,4 +30,20 @@ def vllm_error_message(error: BaseException) -> str:
     return first_line(error)
 
 
-__all__ = ["cpu_binding", "vllm_error_message"]
+def vllm_version_problem(version: str | None = None) -> str | None:
+    """One line saying why the installed vLLM (or `version`) cannot run the ladder model, or None."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    release = version.split("+")[0]  # "0.32.0+cpu" is 0.32.0
+    if any(release == minor or release.startswith(minor + ".") for minor in SUPPORTED_VLLM):
+        return None
+    supported = ", ".join(f"{minor}.x" for minor in SUPPORTED_VLLM)
+    return (
+        f"the ladder plugin supports vLLM {supported}, not {version}: "
+        f"pip install 'vllm=={SUPPORTED_VLLM[-1]}.0' (or `make serve-env`)"
+    )
+
+
+__all__ = ["SUPPORTED_VLLM", "cpu_binding", "vllm_error_message", "vllm_version_problem"]

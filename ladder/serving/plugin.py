@@ -8,31 +8,16 @@ it also applies the server's shutdown fix (ladder/serving/server.py: `quiet_engi
 
 The model subclasses vLLM's Llama internals (layer, model and loader signatures, its custom-op
 registration), which change between minor versions: the plugin registers it only with the versions
-it was tested with (SUPPORTED_VLLM), and logs one line instead under any other.
+it was tested with (`SUPPORTED_VLLM` in engine.py), and logs one line instead under any other.
 """
 
 import logging
 import os
 
+from ladder.serving.engine import vllm_version_problem
+
 ARCHITECTURE = "LadderLlamaForCausalLM"
 MODEL_CLASS = "ladder.serving.model:LadderLlamaForCausalLM"
-SUPPORTED_VLLM = ("0.32",)  # minor versions; `make serve-env` installs 0.32.0 (CPU or CUDA build)
-
-
-def vllm_version_problem(version: str | None = None) -> str | None:
-    """One line saying why the installed vLLM (or `version`) cannot run the ladder model, or None."""
-    if version is None:
-        import vllm
-
-        version = vllm.__version__
-    release = version.split("+")[0]  # "0.32.0+cpu" is 0.32.0
-    if any(release == minor or release.startswith(minor + ".") for minor in SUPPORTED_VLLM):
-        return None
-    supported = ", ".join(f"{minor}.x" for minor in SUPPORTED_VLLM)
-    return (
-        f"the ladder plugin supports vLLM {supported}, not {version}: "
-        f"pip install 'vllm=={SUPPORTED_VLLM[-1]}.0' (or `make serve-env`)"
-    )
 
 
 def register() -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ladder.errors import ArgumentParser, UsageError
 from ladder.io.loading import check_llama_checkpoint, resolve_model_path
-from ladder.serving.engine import cpu_binding, vllm_error_message
+from ladder.serving.engine import cpu_binding, vllm_error_message, vllm_version_problem
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -163,8 +163,6 @@ def main(argv: list[str]) -> int:
         raise UsageError(
             "vLLM is not installed in this environment: run `make serve MODEL=...`, which builds and uses .venv-serve"
         ) from None
-
-    from ladder.serving.plugin import vllm_version_problem
 
     if problem := vllm_version_problem():
         raise UsageError(problem)
