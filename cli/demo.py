@@ -17,6 +17,7 @@ import shlex
 import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ladder.errors import ArgumentParser, UsageError
@@ -69,104 +70,177 @@ def _command(*words: object) -> None:
     print("$ ladder " + " ".join(shlex.quote(str(word)) for word in words), flush=True)
 
 
+@dataclass
+class Demo:
+    """What the stages share: the recipe, the folders under --out, what to redo and reuse, the times."""
+
+    args: argparse.Namespace
+    recipe: object  # ladder.adapt.recipe.Recipe (the stages import torch: loaded in `main`)
+    adapt_recipe: object
+    adapt_overrides: list[str]
+    redo: set[str]
+    original: str
+    suite: object  # ladder.eval.suite.Suite, loaded before any stage runs
+    seconds: dict[str, float] = field(default_factory=dict)
+    reused: list[str] = field(default_factory=list)
+
+    @property
+    def ladder_dir(self) -> Path:
+        return self.args.out / "ladder"
+
+    @property
+    def adapt_dir(self) -> Path:
+        return self.args.out / "adapt"
+
+    @property
+    def report_dir(self) -> Path:
+        return self.args.out / "report"
+
+    @property
+    def data_cache(self) -> Path:
+        return self.args.out / "data"
+
+    @property
+    def eval_cache(self) -> Path:
+        return self.args.out / "eval-cache"
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    redo = set(STAGES) if "all" in args.redo else set(args.redo)
+    demo = plan_demo(args)
+    check_reuse(demo)
+    started = time.monotonic()
+    convert_stage(demo)
+    data_stage(demo)
+    adapt_stage(demo)
+    eval_stage(demo)
+    demo.seconds["total"] = round(time.monotonic() - started, 1)
+    write_summary(demo)
+    return 0
 
-    # The stages load torch, transformers and lm-eval: import them once the arguments are good.
+
+def plan_demo(args: argparse.Namespace) -> Demo:
+    """The recipe, and the adapt recipe that retrains the converted model in the demo's folders."""
     from ladder.adapt.recipe import load_recipe
-    from ladder.adapt.train import TrainingDiverged, prepare, resume_point, train
-    from ladder.convert.cli import format_summary
-    from ladder.convert.convert import conversion_differences, convert_checkpoint
-    from ladder.eval.evaluate import evaluate_models
     from ladder.eval.suite import load_suite
-    from ladder.layers import format_layers
 
     recipe = load_recipe(args.recipe)
     if recipe.model.ladder_layers is None:
         raise UsageError(
             f"recipe {args.recipe}: the demo converts model.path, so model.ladder_layers must name the layers"
         )
-    suite = load_suite(args.suite)
-    original = recipe.model.path or "embedded"
-    ladder_dir, adapt_dir, report_dir = args.out / "ladder", args.out / "adapt", args.out / "report"
-    data_cache, eval_cache = args.out / "data", args.out / "eval-cache"
+    out = args.out
     adapt_overrides = [
-        f"model.path={ladder_dir}",
+        f"model.path={out / 'ladder'}",
         "model.ladder_layers=null",
-        f"output_dir={adapt_dir}",
-        f"data.cache_dir={data_cache}",
+        f"output_dir={out / 'adapt'}",
+        f"data.cache_dir={out / 'data'}",
         "resume=true",  # resume: a finished run returns its model, a killed one continues
     ]
+    redo = set(STAGES) if "all" in args.redo else set(args.redo)
     adapt_recipe = load_recipe(args.recipe, adapt_overrides)
-    # A result made under other settings is never reused: it is refused here, before any stage runs,
-    # naming what differs, unless --redo asks for it again. A new conversion makes the retrained
-    # model stale too (its recipe names the same folder, so only this order can tell).
-    reuse_conversion = "convert" not in redo and (ladder_dir / "config.json").is_file()
-    if reuse_conversion and (differences := conversion_differences(ladder_dir, original, recipe.model.ladder_layers)):
+    return Demo(
+        args, recipe, adapt_recipe, adapt_overrides, redo, recipe.model.path or "embedded", load_suite(args.suite)
+    )
+
+
+def check_reuse(demo: Demo) -> None:
+    """A result made under other settings is never reused: it is refused here, before any stage runs,
+    naming what differs, unless --redo asks for it again. A new conversion makes the retrained model
+    stale too (its recipe names the same folder, so only this order can tell)."""
+    from ladder.adapt.train import resume_point
+    from ladder.convert.convert import conversion_differences
+
+    layers = demo.recipe.model.ladder_layers
+    reuse_conversion = "convert" not in demo.redo and (demo.ladder_dir / "config.json").is_file()
+    if reuse_conversion and (differences := conversion_differences(demo.ladder_dir, demo.original, layers)):
         raise UsageError(
-            f"{ladder_dir} was converted with other settings ({', '.join(differences)} differ from "
-            f"{args.recipe}'s model.path and model.ladder_layers); --redo convert converts again"
+            f"{demo.ladder_dir} was converted with other settings ({', '.join(differences)} differ from "
+            f"{demo.args.recipe}'s model.path and model.ladder_layers); --redo convert converts again"
         )
     if not reuse_conversion:
-        redo.add("adapt")
-    if "adapt" not in redo:
+        demo.redo.add("convert")
+        demo.redo.add("adapt")
+    if "adapt" not in demo.redo:
         try:
-            resume_point(adapt_recipe)
+            resume_point(demo.adapt_recipe)
         except UsageError as error:
             raise UsageError(f"{error}; for the demo: --redo adapt retrains") from None
-    seconds: dict[str, float] = {}
-    reused = []
-    started = time.monotonic()
 
-    with _stage(1, "convert", f"{original} -> {ladder_dir}, ladder layers: {recipe.model.ladder_layers}", seconds):
-        if reuse_conversion:
-            print(f"reusing {ladder_dir} (--redo convert converts again)")
-            reused.append("convert")
-        else:
-            layers = recipe.model.ladder_layers  # parsed by convert_checkpoint; text only in the command shown
-            shown = format_layers(sorted(layers)) if isinstance(layers, list) else layers
-            _command("convert", original, "--layers", shown, "--out", ladder_dir, "--force")
-            summary = convert_checkpoint(original, out=ladder_dir, ladder_layers=layers, force=True, progress=True)
-            print(format_summary(summary))
 
-    with _stage(2, "data", f"tokenize the recipe's books into {data_cache}", seconds):
-        if "data" in redo:
-            shutil.rmtree(data_cache, ignore_errors=True)
-        _command("adapt", args.recipe, *adapt_overrides, "--prepare-data")
-        splits = prepare(adapt_recipe)
+def convert_stage(demo: Demo) -> None:
+    from ladder.convert.cli import format_summary
+    from ladder.convert.convert import convert_checkpoint
+    from ladder.layers import format_layers
+
+    layers = demo.recipe.model.ladder_layers
+    with _stage(1, "convert", f"{demo.original} -> {demo.ladder_dir}, ladder layers: {layers}", demo.seconds):
+        if "convert" not in demo.redo:
+            print(f"reusing {demo.ladder_dir} (--redo convert converts again)")
+            demo.reused.append("convert")
+            return
+        shown = format_layers(sorted(layers)) if isinstance(layers, list) else layers  # text only in the command shown
+        _command("convert", demo.original, "--layers", shown, "--out", demo.ladder_dir, "--force")
+        summary = convert_checkpoint(
+            demo.original, out=demo.ladder_dir, ladder_layers=layers, force=True, progress=True
+        )
+        print(format_summary(summary))
+
+
+def data_stage(demo: Demo) -> None:
+    from ladder.adapt.train import prepare
+
+    with _stage(2, "data", f"tokenize the recipe's books into {demo.data_cache}", demo.seconds):
+        if "data" in demo.redo:
+            shutil.rmtree(demo.data_cache, ignore_errors=True)
+        _command("adapt", demo.args.recipe, *demo.adapt_overrides, "--prepare-data")
+        splits = prepare(demo.adapt_recipe)
         print(f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks")
 
-    with _stage(3, "adapt", f"retrain with {args.recipe} -> {adapt_dir}/model", seconds):
-        if "adapt" in redo:
-            shutil.rmtree(adapt_dir, ignore_errors=True)
-        elif (adapt_dir / "model" / "config.json").is_file():
-            reused.append("adapt")
-        _command("adapt", args.recipe, *adapt_overrides)
+
+def adapt_stage(demo: Demo) -> None:
+    from ladder.adapt.train import TrainingDiverged, train
+
+    with _stage(3, "adapt", f"retrain with {demo.args.recipe} -> {demo.adapt_dir}/model", demo.seconds):
+        if "adapt" in demo.redo:
+            shutil.rmtree(demo.adapt_dir, ignore_errors=True)
+        elif (demo.adapt_dir / "model" / "config.json").is_file():
+            demo.reused.append("adapt")
+        _command("adapt", demo.args.recipe, *demo.adapt_overrides)
         try:
-            train(adapt_recipe)
+            train(demo.adapt_recipe)
         except TrainingDiverged as error:
             raise SystemExit(f"ladder demo: the adapt stage failed: {error}") from None
 
-    with _stage(4, "eval", f"score {', '.join(LABELS)} on the {args.suite} suite -> {report_dir}", seconds):
-        if "eval" in redo:
+
+def eval_stage(demo: Demo) -> None:
+    from ladder.eval.evaluate import evaluate_models
+
+    report_dir, eval_cache = demo.report_dir, demo.eval_cache
+    with _stage(4, "eval", f"score {', '.join(LABELS)} on the {demo.args.suite} suite -> {report_dir}", demo.seconds):
+        if "eval" in demo.redo:
             shutil.rmtree(eval_cache, ignore_errors=True)
-        models = [f"{LABELS[0]}={original}", f"{LABELS[1]}={ladder_dir}", f"{LABELS[2]}={adapt_dir / 'model'}"]
-        _command("eval", *models, "--suite", args.suite, "--out", report_dir, "--force", "--cache", eval_cache)
-        evaluation = evaluate_models(models, suite, out=report_dir, force=True, cache_dir=eval_cache)
+        models = [
+            f"{LABELS[0]}={demo.original}",
+            f"{LABELS[1]}={demo.ladder_dir}",
+            f"{LABELS[2]}={demo.adapt_dir / 'model'}",
+        ]
+        _command("eval", *models, "--suite", demo.args.suite, "--out", report_dir, "--force", "--cache", eval_cache)
+        evaluation = evaluate_models(models, demo.suite, out=report_dir, force=True, cache_dir=eval_cache)
         print(evaluation.table)
 
-    seconds["total"] = round(time.monotonic() - started, 1)
+
+def write_summary(demo: Demo) -> None:
+    """The stage times and the headline numbers, printed and added to the eval stage's report."""
+    report_dir = demo.report_dir
     report = json.loads((report_dir / "report.json").read_text())
-    summary = _summary(report["rows"], adapt_dir, seconds, reused)
+    summary = _summary(report["rows"], demo.adapt_dir, demo.seconds, demo.reused)
     print("\n" + summary)
-    # The eval stage wrote the report; the demo adds its stage times to it.
-    report["pipeline"] = {"seconds": seconds, "reused": reused}
+    report["pipeline"] = {"seconds": demo.seconds, "reused": demo.reused}
     atomic_write(report_dir / "report.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     atomic_write(
         report_dir / "report.md", (report_dir / "report.md").read_text().rstrip("\n") + "\n\n" + summary + "\n"
     )
-    return 0
 
 
 def _summary(rows: list[dict], adapt_dir: Path, seconds: dict[str, float], reused: list[str]) -> str:
