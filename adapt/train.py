@@ -20,7 +20,6 @@ resumed run computes exactly what an uninterrupted run computes.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import shutil
@@ -36,12 +35,8 @@ from ladder.errors import UsageError, first_line
 from ladder.io.files import OutputLock, atomic_directory, atomic_write, lock_output
 from ladder.io.loading import load_tokenizer
 from ladder.io.model_card import copy_licence_files
-from ladder.layer_search import calibration_from_blocks, choose_ladder_layers
 from ladder.layers import (
-    AutoLayers,
     format_layers,
-    parse_layer_choice,
-    resolve_layer_choice,
 )
 
 from .card import TrainingFacts, model_card
@@ -59,6 +54,7 @@ from .checkpoint import (
 from .data import BlockOrder, Splits, prepare_data
 from .distill import Distiller
 from .launch import fsdp_precision, long_waits, make_accelerator, raised_by_a_collective, set_timeout, start_trackers
+from .layer_choice import LAYER_SEARCH_FILE, resolve_ladder_layers
 from .memory import allocate_optimizer_state, keep_fewer_activations
 from .models import (
     configure_student,
@@ -76,8 +72,6 @@ from .preemption import Preempted, StopSignals
 from .preflight import check_data_files, check_data_prepared, check_model, resume_point, source_path, step_budget
 from .recipe import Recipe, dump_recipe
 from .step import TrainingStep, step_metrics
-
-LAYER_SEARCH_FILE = "layer_search.json"  # what `model.ladder_layers: auto:N` measured and chose
 
 
 class TrainingDiverged(RuntimeError):
@@ -181,34 +175,13 @@ class AdaptRun:
     def rewire(self, model: torch.nn.Module) -> torch.nn.Module:
         """The student rewired in memory when model.path is an original Llama, set up for training."""
         if self.recipe.model.ladder_layers is not None:
-            model = ladder.to_ladder(model, self.resolve_ladder_layers(model))
+            layers = resolve_ladder_layers(self.recipe, model, self.accelerator, self.run_dir, self.data.train.ids)
+            model = ladder.to_ladder(model, layers)
         policy = checkpointing_policy(self.recipe, model.config, self.accelerator.num_processes, self.fsdp)
         configure_student(model, self.recipe.model, policy)
         self.ladder_layers = list(model.config.ladder_layers)
         self.num_hidden_layers = model.config.num_hidden_layers
         return model
-
-    def resolve_ladder_layers(self, model: torch.nn.Module) -> list[int]:
-        """model.ladder_layers as a list of layers. `auto:N` measures candidates on calibration blocks
-        spread over data.train (the main process searches, the others read its record); a resumed run
-        reuses the recorded choice."""
-        choice = parse_layer_choice(
-            self.recipe.model.ladder_layers, model.config.num_hidden_layers, "model.ladder_layers"
-        )
-        record = self.run_dir / LAYER_SEARCH_FILE
-
-        def search(auto: AutoLayers) -> list[int]:
-            with self.accelerator.main_process_first():
-                if self.main and not (
-                    self.recipe.resume and record.is_file() and json.loads(record.read_text())["spec"] == str(auto)
-                ):
-                    found = choose_ladder_layers(model, calibration_from_blocks(self.data.train.ids), auto)
-                    self.run_dir.mkdir(parents=True, exist_ok=True)
-                    atomic_write(record, json.dumps(dataclasses.asdict(found), indent=1) + "\n")
-                    self.accelerator.print(found.summary())
-                return json.loads(record.read_text())["chosen"]
-
-        return resolve_layer_choice(choice, search)
 
     def setup_data(self) -> None:
         """The tokenized blocks (the main process tokenizes, the others then read its cache) and
@@ -483,7 +456,6 @@ class AdaptRun:
 
 
 __all__ = [
-    "LAYER_SEARCH_FILE",
     "AdaptRun",
     "Preempted",
     "ProcessesLost",

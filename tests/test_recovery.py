@@ -18,9 +18,10 @@ from test_adapt import corpus, metrics, prose, write_recipe  # noqa: F401  (corp
 
 import ladder
 from ladder.adapt.distill import Distiller
+from ladder.adapt.layer_choice import LAYER_SEARCH_FILE
 from ladder.adapt.losses import hidden_loss
 from ladder.adapt.recipe import load_recipe
-from ladder.adapt.train import LAYER_SEARCH_FILE, train
+from ladder.adapt.train import train
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 from ladder.layer_search import calibration_from_files, choose_ladder_layers, forward_from, layer_inputs
