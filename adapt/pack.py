@@ -17,6 +17,7 @@ import itertools
 import math
 import multiprocessing
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -167,6 +168,15 @@ def estimate(sources: list[SourceSpec], quotas: list[int], group: str, dtype: ty
     )
 
 
+def start_pool_worker(worker: Worker) -> None:
+    """A forked worker's start: the default signal actions back first. A fork inherits the parent's
+    Python handlers, and adapt's (SIGTERM and SIGUSR1 only set a flag, adapt/preemption.py) would
+    keep `Pool.terminate` from ending a worker that waits for work: the pool's join then never returns."""
+    for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(number, signal.SIG_DFL)
+    start_worker(worker)
+
+
 class ChunkRunner:
     """Tokenizes chunks in worker processes (in this one when there is one core), results in order."""
 
@@ -180,7 +190,7 @@ class ChunkRunner:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
             try:
                 context = multiprocessing.get_context("fork")
-                self.pool = context.Pool(self.workers, initializer=start_worker, initargs=(self.worker,))
+                self.pool = context.Pool(self.workers, initializer=start_pool_worker, initargs=(self.worker,))
             finally:
                 if previous is None:
                     del os.environ["TOKENIZERS_PARALLELISM"]
