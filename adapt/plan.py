@@ -134,16 +134,23 @@ class Setting:
     tokens: float  # the budget
 
 
-def setting_of(recipe: Recipe, shape: Shape, devices: int, accelerator: bool, fsdp: bool | None = None) -> Setting:
-    """The recipe's training on `devices` devices (FSDP over them by default when more than one)."""
+def setting_of(
+    recipe: Recipe,
+    shape: Shape,
+    devices: int,
+    accelerator: bool,
+    fsdp: bool | None = None,
+    ladder_layers: list[int] | None = None,
+) -> Setting:
+    """The recipe's training on `devices` devices (FSDP over them by default when more than one);
+    `ladder_layers`: the model's, where a run knows them (a ladder checkpoint's own, or auto:N's choice)."""
     mode = recipe.trainable.mode
     if mode == "all":
         trained, head = list(range(shape.layers)), True
     elif mode == "ladder":
-        trained, head = (
-            parse_ladder_layers(recipe.model.ladder_layers or [], shape.layers, "model.ladder_layers"),
-            False,
-        )
+        if ladder_layers is None:
+            ladder_layers = parse_ladder_layers(recipe.model.ladder_layers or [], shape.layers, "model.ladder_layers")
+        trained, head = ladder_layers, False
     elif mode == "layers":
         trained, head = parse_ladder_layers(recipe.trainable.layers, shape.layers, "trainable.layers"), False
     else:  # lora: adapters on every layer, base weights frozen
@@ -360,6 +367,21 @@ def measured_matmul_peak(size: int = 1024, seconds: float = 1.0) -> float:
         a @ b
         best = max(best, 2 * size**3 / (time.perf_counter() - started))
     return best
+
+
+def peak_flops(recipe: Recipe, device) -> float | None:
+    """The FLOP/s per device that MFU is measured against (recipe key logging.peak_flops, which says
+    where the default comes from)."""
+    if recipe.logging.peak_flops:
+        return recipe.logging.peak_flops
+    if device.type == "cuda":
+        import torch
+
+        from ladder.plan.speed import device_names, device_profile
+
+        gpu = torch.cuda.get_device_name(device).lower()
+        return next((device_profile(name).flops for name in device_names() if name != "cpu" and name in gpu), None)
+    return measured_matmul_peak(seconds=0.5) if device.type == "cpu" else None
 
 
 def measured_saved_bytes(model, input_ids, layer_index: int) -> int:

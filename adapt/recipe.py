@@ -175,6 +175,10 @@ class LoggingSpec:
     # (WANDB_MODE=offline writes under <output_dir>/wandb; a resumed run continues the same run id),
     # trackio, comet_ml, aim, mlflow, clearml, dvclive, swanlab. metrics.jsonl is always written.
     log_with: list[Literal[TRACKERS]] = field(default_factory=list)
+    # FLOP/s per device that each log line's MFU is measured against. null: on a GPU the dense 16-bit
+    # peak of the ladder/plan/devices.tsv row its name names (H100, H200, A100), on the CPU its fp32
+    # matmul peak measured at the start; a GPU with no row gets no MFU.
+    peak_flops: float | None = None
 
 
 @dataclass

@@ -67,7 +67,7 @@ from .models import (
     weights_from_main,
 )
 from .optimizer import build_optimizer
-from .plan import checkpointing_policy
+from .plan import checkpointing_policy, flops_per_token, model_shape, peak_flops, setting_of
 from .preemption import Preempted, StopSignals
 from .preflight import check_data_files, check_data_prepared, check_model, resume_point, source_path, step_budget
 from .recipe import Recipe, dump_recipe
@@ -143,6 +143,7 @@ class AdaptRun:
         student = self.rewire(student)
         self.setup_teacher(teacher)
         student = self.select_trainable(student)
+        self.setup_mfu(student)
         keep_fewer_activations(student)
         self.setup_optimizer(student)
         self.setup_training_step()
@@ -177,8 +178,8 @@ class AdaptRun:
         if self.recipe.model.ladder_layers is not None:
             layers = resolve_ladder_layers(self.recipe, model, self.accelerator, self.run_dir, self.data.train.ids)
             model = ladder.to_ladder(model, layers)
-        policy = checkpointing_policy(self.recipe, model.config, self.accelerator.num_processes, self.fsdp)
-        configure_student(model, self.recipe.model, policy)
+        self.checkpointing = checkpointing_policy(self.recipe, model.config, self.accelerator.num_processes, self.fsdp)
+        configure_student(model, self.recipe.model, self.checkpointing)
         self.ladder_layers = list(model.config.ladder_layers)
         self.num_hidden_layers = model.config.num_hidden_layers
         return model
@@ -202,6 +203,7 @@ class AdaptRun:
         """The trainable set (adapt/models.py: `make_trainable`), then the distiller over it."""
         mode = self.recipe.trainable.mode
         model, layers = make_trainable(model, self.recipe.trainable, self.ladder_layers)
+        self.trained_layers = layers
         if self.teacher is not None:
             if self.recipe.objective.uses_hidden() and not self.ladder_layers:
                 raise UsageError("objective hidden: the model has no ladder layer whose stream could be matched")
@@ -216,6 +218,17 @@ class AdaptRun:
             decoder_layers = next(module for name, module in model.named_modules() if name.endswith("model.layers"))
             self.distiller = Distiller(self.teacher, decoder_layers, self.ladder_layers, shared_prefix=shared)
         return model
+
+    def setup_mfu(self, model: torch.nn.Module) -> None:
+        """The model FLOPs per token and the peak the log lines' MFU is measured against (adapt/plan.py)."""
+        accelerator = self.accelerator
+        shape = model_shape(model.config)
+        layers = self.trained_layers if self.recipe.trainable.mode == "ladder" else None
+        setting = setting_of(
+            self.recipe, shape, accelerator.num_processes, accelerator.device.type == "cuda", self.fsdp, layers
+        )
+        self.flops_per_token = flops_per_token(shape, setting, self.checkpointing)[0]
+        self.peak_flops = peak_flops(self.recipe, accelerator.device)
 
     def setup_optimizer(self, model: torch.nn.Module) -> None:
         """AdamW with the warmup and decay schedule (adapt/optimizer.py), everything handed to
@@ -342,7 +355,9 @@ class AdaptRun:
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "tokens_per_s": self.tokens_per_step / seconds,
-                **step_metrics(result, seconds, self.tokens_per_step, accelerator),
+                **step_metrics(
+                    result, seconds, self.tokens_per_step, accelerator, self.flops_per_token, self.peak_flops
+                ),
             }
             self.log(record)
             self.progress.update(self.tokens_per_step)

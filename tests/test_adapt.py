@@ -384,6 +384,7 @@ def test_training_lowers_the_loss_and_writes_a_normal_checkpoint(tmp_path, tiny_
         assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"])
         assert r["labelled_tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] * 63 / 64)
         assert 200 * 2**20 < r["peak_memory_bytes"] < 8 * 2**30 and 0 < r["data_wait_share"] < 0.5
+        assert 0 < r["mfu"] < 1  # against this CPU's measured matmul peak
     assert steps[0]["lr"] == pytest.approx(1.5e-3) and steps[1]["lr"] == pytest.approx(3e-3)  # warmup
     assert steps[-1]["lr"] < steps[2]["lr"]  # then decay
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
