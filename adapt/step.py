@@ -184,23 +184,23 @@ def step_metrics(
     tokens: int,
     accelerator: Accelerator,
     flops_per_token: float,
-    peak: float | None,
+    peak_flops: float | None,
 ) -> dict[str, float]:
     """What a step's log line adds: tokens/s per device (all, and those trained on), the model-FLOPs
-    utilisation against `peak` (FLOP/s per device; adapt/plan.py counts the FLOPs), the peak memory
+    utilisation against `peak_flops` (per device; adapt/plan.py counts the FLOPs), the peak memory
     (the device's allocator, or the process's RSS on CPU) and the share of the step this process
     spent getting its data."""
     devices = accelerator.num_processes
     if accelerator.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(accelerator.device)
+        memory = torch.cuda.max_memory_allocated(accelerator.device)
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     per_device = tokens / seconds / devices
     return {
         "tokens_per_s_per_device": per_device,
-        **({"mfu": per_device * flops_per_token / peak} if peak else {}),
+        **({"mfu": per_device * flops_per_token / peak_flops} if peak_flops else {}),
         "labelled_tokens_per_s_per_device": result.labelled / seconds / devices,
-        "peak_memory_bytes": peak,
+        "peak_memory_bytes": memory,
         "data_wait_share": result.data_seconds / seconds,
     }
 
