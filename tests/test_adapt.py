@@ -826,7 +826,9 @@ def test_held_out_losses_come_chunk_by_chunk_and_equal_the_full_logits(tiny_chec
     from ladder.adapt.losses import IGNORE_INDEX, block_loss_sums, chunk_positions, next_token_labels, token_losses
 
     assert chunk_positions(49_152) == 85 and chunk_positions(2**40) == 1
-    assert chunk_positions(128_256, "cuda") == 130 and chunk_positions(128_256, "meta") == 130
+    # On an accelerator a chunk spans at least 1,024 positions of a 128k vocabulary: the head weight is
+    # read a few times per micro-step, not 63 (issue 29).
+    assert chunk_positions(128_256, "cuda") == chunk_positions(128_256, "meta") == 1046
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
     ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(2))
     labels = next_token_labels(ids)
