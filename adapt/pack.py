@@ -12,6 +12,8 @@ document (each next document from the source furthest behind its share) and writ
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import io
 import itertools
 import math
@@ -168,12 +170,18 @@ def estimate(sources: list[SourceSpec], quotas: list[int], group: str, dtype: ty
     )
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
 def start_pool_worker(worker: Worker) -> None:
     """A forked worker's start: the default signal actions back first. A fork inherits the parent's
     Python handlers, and adapt's (SIGTERM and SIGUSR1 only set a flag, adapt/preemption.py) would
-    keep `Pool.terminate` from ending a worker that waits for work: the pool's join then never returns."""
+    keep `Pool.terminate` from ending a worker."""
     for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(number, signal.SIG_DFL)
+    # A worker ends with its parent (Linux's PR_SET_PDEATHSIG): a killed prepare leaves none behind.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     start_worker(worker)
 
 
@@ -201,9 +209,16 @@ class ChunkRunner:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.pool is not None:
+        if self.pool is None:
+            return
+        # Done: close, and the workers leave on their own. `terminate` only on an error: after a worker
+        # has died and the pool has replaced it, terminate can miss the replacement and join it forever
+        # (seen here twice, in runs that tokenized in-process).
+        if exc[0] is None:
+            self.pool.close()
+        else:
             self.pool.terminate()
-            self.pool.join()
+        self.pool.join()
 
     def run(self, jobs: Iterator[tuple[object, Chunk | None]]) -> Iterator[tuple[object, Tokenized | None]]:
         """(tag, result) for each (tag, chunk) in order; a None chunk passes through as a None result.

@@ -40,6 +40,27 @@ _AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # renameat2's arguments (linux/fcntl.h, 
 _libc = ctypes.CDLL(None, use_errno=True)  # renameat2 is in glibc >= 2.28; without it, see _rename_noreplace
 
 
+# The descriptors holding this process's locks. A forked child (a tokenizer worker) closes its copies at
+# once: an flock belongs to the open file, so a child left behind by a killed run would keep that run's
+# lock, and the resumed run would be refused as "another run is writing".
+_HELD_LOCKS: set[int] = set()
+
+
+def _unlock(descriptor: int) -> None:
+    _HELD_LOCKS.discard(descriptor)
+    os.close(descriptor)
+
+
+def _close_inherited_locks() -> None:
+    for descriptor in _HELD_LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(descriptor)
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
 def _lock(path: Path, blocking: bool = False) -> int | None:
     """A descriptor holding an exclusive flock on `path` (released when it is closed, also by a
     kill), or None when another process holds the lock or the file is gone."""
@@ -52,6 +73,7 @@ def _lock(path: Path, blocking: bool = False) -> int | None:
     except BlockingIOError:
         os.close(descriptor)
         return None
+    _HELD_LOCKS.add(descriptor)
     return descriptor
 
 
@@ -66,6 +88,7 @@ def _born_locked(parent: Path, stem: str, directory: bool, command: str | None =
         birth.mkdir()
     descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     fcntl.flock(descriptor, fcntl.LOCK_EX)
+    _HELD_LOCKS.add(descriptor)
     if directory:
         os.write(descriptor, json.dumps({"command": command}).encode() + b"\n")
     staging = parent / f".{stem}{_STAGING_MARK}{token}"
@@ -109,7 +132,7 @@ def _remove_stale_temporaries(final: Path) -> None:
     for leftover, descriptor in stale.items():
         if leftover.exists():
             _remove(leftover)
-        os.close(descriptor)
+        _unlock(descriptor)
 
 
 def _fsync_directory(path: Path) -> None:
@@ -185,7 +208,7 @@ class OutputLock:
 
     def close(self) -> None:
         if self._descriptor is not None:
-            os.close(self._descriptor)
+            _unlock(self._descriptor)
             self._descriptor = None
 
     def __enter__(self) -> OutputLock:
@@ -245,7 +268,7 @@ def _install(staging: Path, final: Path, force: bool, command: str | None) -> No
         _remove(retired)
     finally:
         if old_lock is not None:
-            os.close(old_lock)
+            _unlock(old_lock)
 
 
 def _disk_full(error: BaseException) -> bool:
@@ -287,7 +310,7 @@ def atomic_directory(final: str | Path, force: bool = False, command: str | None
             raise UsageError(f"no space left on the device while writing {final}") from None
         raise
     finally:
-        os.close(lock)
+        _unlock(lock)
 
 
 def write_failure(error: BaseException, directory: str | Path) -> str | None:
@@ -335,7 +358,7 @@ def atomic_write(path: str | Path, data: bytes | str, replace: bool = True) -> N
             raise UsageError(f"no space left on the device while writing {path}") from None
         raise
     finally:
-        os.close(descriptor)
+        _unlock(descriptor)
 
 
 def path_inside(root: str | Path, relative: str, what: str) -> Path:
