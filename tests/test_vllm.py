@@ -68,6 +68,12 @@ def serve_env_vars() -> dict[str, str]:
     return env
 
 
+def serve_ladder(*arguments: object, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`ladder ARGUMENTS` run from .venv-serve, its output captured."""
+    command = [str(SERVE_ENV / "bin" / "ladder"), *map(str, arguments)]
+    return subprocess.run(command, env=serve_env_vars(), capture_output=True, text=True, timeout=timeout)
+
+
 def reference_greedy(model_dir: Path, prompts: list[list[int]]) -> dict:
     """transformers' greedy tokens, the log-probability of each, the margin between the best two
     tokens at each step, and the log-probability of each prompt token after the first."""
@@ -361,13 +367,7 @@ def test_make_serve_answers_an_openai_chat_request(checkpoints, tmp_path):
 def test_serve_refuses_a_checkpoint_vllm_cannot_serve(checkpoints):
     """SmolLM2's 9 attention heads do not split over 2 ranks: one line and exit status 2, before
     any server starts."""
-    completed = subprocess.run(
-        [str(SERVE_ENV / "bin" / "ladder"), "serve", str(checkpoints["smollm2-ladder"]), "--tp", "2"],
-        env=serve_env_vars(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    completed = serve_ladder("serve", checkpoints["smollm2-ladder"], "--tp", "2")
     assert completed.returncode == 2
     lines = completed.stderr.strip().splitlines()
     assert len(lines) == 1, completed.stderr[-3000:]
@@ -405,23 +405,8 @@ def test_lm_eval_vllm_backend_matches_hf(checkpoints, tmp_path):
     model = checkpoints["smollm2-ladder"]
     common = ["--suite", "smoke", "--no-cache"]
     assert cli.main([str(model), *common, "--out", str(tmp_path / "hf")]) == 0
-    completed = subprocess.run(
-        [
-            str(SERVE_ENV / "bin" / "ladder"),
-            "eval",
-            str(model),
-            *common,
-            "--out",
-            str(tmp_path / "vllm"),
-            "--backend",
-            "vllm",
-            "--data-parallel",
-            "2",
-        ],
-        env=serve_env_vars(),
-        capture_output=True,
-        text=True,
-        timeout=900,
+    completed = serve_ladder(
+        "eval", model, *common, "--out", tmp_path / "vllm", "--backend", "vllm", "--data-parallel", 2, timeout=900
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     engines = set(re.findall(r"\(EngineCore pid=(\d+)\)", completed.stdout + completed.stderr))
@@ -447,13 +432,7 @@ def test_lm_eval_vllm_backend_matches_hf(checkpoints, tmp_path):
 
 
 def test_lm_eval_vllm_backend_refuses_gguf():
-    completed = subprocess.run(
-        [str(SERVE_ENV / "bin" / "ladder"), "eval", "embedded", "--backend", "vllm"],
-        env=serve_env_vars(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    completed = serve_ladder("eval", "embedded", "--backend", "vllm")
     assert completed.returncode == 2
     assert completed.stderr.strip().splitlines() == [
         "ladder eval: error: --backend vllm: embedded is a GGUF file; vLLM scores checkpoint directories "
@@ -465,14 +444,7 @@ def test_lm_eval_vllm_data_parallel_refuses_more_engines_than_cores(tiny_checkpo
     """One engine per core at least: more engines than this machine's cores is one line, before
     anything loads."""
     cores = len(os.sched_getaffinity(0))
-    completed = subprocess.run(
-        [str(SERVE_ENV / "bin" / "ladder"), "eval", str(tiny_checkpoint), "--backend", "vllm"]
-        + ["--data-parallel", str(cores + 1)],
-        env=serve_env_vars(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    completed = serve_ladder("eval", tiny_checkpoint, "--backend", "vllm", "--data-parallel", cores + 1)
     assert completed.returncode == 2
     assert completed.stderr.strip().splitlines() == [
         f"ladder eval: error: --data-parallel {cores + 1} x --tp 1 needs {cores + 1} CPU cores; "
