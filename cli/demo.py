@@ -81,28 +81,13 @@ class Demo:
     redo: set[str]
     original: str
     suite: object  # ladder.eval.suite.Suite, loaded before any stage runs
+    ladder_dir: Path
+    adapt_dir: Path
+    data_cache: Path
+    report_dir: Path
+    eval_cache: Path
     seconds: dict[str, float] = field(default_factory=dict)
     reused: list[str] = field(default_factory=list)
-
-    @property
-    def ladder_dir(self) -> Path:
-        return self.args.out / "ladder"
-
-    @property
-    def adapt_dir(self) -> Path:
-        return self.args.out / "adapt"
-
-    @property
-    def report_dir(self) -> Path:
-        return self.args.out / "report"
-
-    @property
-    def data_cache(self) -> Path:
-        return self.args.out / "data"
-
-    @property
-    def eval_cache(self) -> Path:
-        return self.args.out / "eval-cache"
 
 
 def main(argv: list[str]) -> int:
@@ -130,17 +115,29 @@ def plan_demo(args: argparse.Namespace) -> Demo:
             f"recipe {args.recipe}: the demo converts model.path, so model.ladder_layers must name the layers"
         )
     out = args.out
+    ladder_dir, adapt_dir, data_cache = out / "ladder", out / "adapt", out / "data"
     adapt_overrides = [
-        f"model.path={out / 'ladder'}",
+        f"model.path={ladder_dir}",
         "model.ladder_layers=null",
-        f"output_dir={out / 'adapt'}",
-        f"data.cache_dir={out / 'data'}",
+        f"output_dir={adapt_dir}",
+        f"data.cache_dir={data_cache}",
         "resume=true",  # resume: a finished run returns its model, a killed one continues
     ]
     redo = set(STAGES) if "all" in args.redo else set(args.redo)
     adapt_recipe = load_recipe(args.recipe, adapt_overrides)
     return Demo(
-        args, recipe, adapt_recipe, adapt_overrides, redo, recipe.model.path or "embedded", load_suite(args.suite)
+        args,
+        recipe,
+        adapt_recipe,
+        adapt_overrides,
+        redo,
+        original=recipe.model.path or "embedded",
+        suite=load_suite(args.suite),
+        ladder_dir=ladder_dir,
+        adapt_dir=adapt_dir,
+        data_cache=data_cache,
+        report_dir=out / "report",
+        eval_cache=out / "eval-cache",
     )
 
 
