@@ -29,6 +29,8 @@ from pathlib import Path
 
 from ladder.errors import UsageError
 from ladder.layers import parse_ladder_layers
+from ladder.plan.calibrate import matmul_peak
+from ladder.plan.costs import ModelShape, parameter_counts
 
 from .recipe import Recipe
 
@@ -44,51 +46,9 @@ UTILISATION = {"eager": 0.35, "compiled": 0.40}
 UTILISATION_SOURCE = "assumed: the low end of torchtitan's published Llama-3.1-8B FSDP2 throughput, {mode}"
 
 
-@dataclass(frozen=True)
-class Shape:
-    """What the memory and FLOPs depend on, read from a model config."""
-
-    hidden: int
-    kv: int  # key/value width: kv heads x head dim
-    heads: int
-    head_dim: int
-    intermediate: int
-    layers: int
-    vocab: int
-    tied: bool
-    layer_params: int
-    embed_params: int
-    head_params: int  # 0 when tied
-    other_params: int  # final norm
-
-
-def model_shape(config) -> Shape:
-    """Parameter counts from the model built on the meta device, widths from the config."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    layer = sum(p.numel() for p in model.model.layers[0].parameters())
-    embed = model.get_input_embeddings().weight.numel()
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    total = sum(p.numel() for p in model.parameters())
-    head = 0 if tied else model.get_output_embeddings().weight.numel()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return Shape(
-        hidden=config.hidden_size,
-        kv=config.num_key_value_heads * head_dim,
-        heads=config.num_attention_heads,
-        head_dim=head_dim,
-        intermediate=config.intermediate_size,
-        layers=config.num_hidden_layers,
-        vocab=config.vocab_size,
-        tied=tied,
-        layer_params=layer,
-        embed_params=embed,
-        head_params=head,
-        other_params=total - layer * config.num_hidden_layers - embed - head,
-    )
+def model_shape(config) -> ModelShape:
+    """The shape of a transformers config (ladder/plan/costs.py counts its parameters)."""
+    return ModelShape.from_config(config.to_dict())
 
 
 def read_model_config(path: Path):
@@ -105,16 +65,17 @@ def read_model_config(path: Path):
         raise UsageError(f"cannot read the config of {path}: {error}") from None
 
 
-def saved_bytes_per_token(shape: Shape, compute_bytes: int, stream_bytes: int) -> int:
+def saved_bytes_per_token(shape: ModelShape, compute_bytes: int, stream_bytes: int) -> int:
     """Bytes one trained decoder layer keeps for backward per token, with no recompute (see above)."""
-    computed = 4 * shape.hidden + 2 * shape.kv + 2 * shape.intermediate  # normed x2, q, out, k, v, gate, up
-    return 2 * shape.hidden * stream_bytes + computed * compute_bytes + 4 * shape.heads
+    hidden, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
+    computed = 4 * hidden + 2 * kv + 2 * shape.intermediate_size  # normed x2, q, out, k, v, gate, up
+    return 2 * hidden * stream_bytes + computed * compute_bytes + 4 * shape.num_heads
 
 
-def layer_saved_bytes(shape: Shape, tokens: int, policy: str, compute_bytes: int, stream_bytes: int) -> float:
+def layer_saved_bytes(shape: ModelShape, tokens: int, policy: str, compute_bytes: int, stream_bytes: int) -> float:
     """Average bytes one layer keeps for backward at `tokens` per micro-batch under `policy`."""
     kept = saved_bytes_per_token(shape, compute_bytes, stream_bytes) * tokens
-    inputs = 2 * shape.hidden * stream_bytes * tokens  # a recomputed layer keeps its two streams
+    inputs = 2 * shape.hidden_size * stream_bytes * tokens  # a recomputed layer keeps its two streams
     return {"none": kept, "full": inputs, "selective": (kept + inputs) / 2}[policy]
 
 
@@ -136,7 +97,7 @@ class Setting:
 
 def setting_of(
     recipe: Recipe,
-    shape: Shape,
+    shape: ModelShape,
     devices: int,
     accelerator: bool,
     fsdp: bool | None = None,
@@ -146,13 +107,15 @@ def setting_of(
     `ladder_layers`: the model's, where a run knows them (a ladder checkpoint's own, or auto:N's choice)."""
     mode = recipe.trainable.mode
     if mode == "all":
-        trained, head = list(range(shape.layers)), True
+        trained, head = list(range(shape.num_layers)), True
     elif mode == "ladder":
         if ladder_layers is None:
-            ladder_layers = parse_ladder_layers(recipe.model.ladder_layers or [], shape.layers, "model.ladder_layers")
+            ladder_layers = parse_ladder_layers(
+                recipe.model.ladder_layers or [], shape.num_layers, "model.ladder_layers"
+            )
         trained, head = ladder_layers, False
     elif mode == "layers":
-        trained, head = parse_ladder_layers(recipe.trainable.layers, shape.layers, "trainable.layers"), False
+        trained, head = parse_ladder_layers(recipe.trainable.layers, shape.num_layers, "trainable.layers"), False
     else:  # lora: adapters on every layer, base weights frozen
         trained, head = [], False
     return Setting(
@@ -162,39 +125,40 @@ def setting_of(
         fsdp=devices > 1 if fsdp is None else fsdp,
         bf16=recipe.precision == "bf16",
         trained=sorted(trained),
-        grads_from=0 if mode == "lora" else min(trained, default=shape.layers),
+        grads_from=0 if mode == "lora" else min(trained, default=shape.num_layers),
         head_trained=head,
         accelerator=accelerator,
         tokens=recipe.budget,
     )
 
 
-def memory_parts(shape: Shape, setting: Setting, policy: str, chunk_positions: int) -> dict[str, float]:
+def memory_parts(shape: ModelShape, setting: Setting, policy: str, chunk_positions: int) -> dict[str, float]:
     """Bytes per device by part, at the peak (the last layer's backward of a micro-batch)."""
     n = setting.devices
     tokens = setting.micro_batch * setting.seq_len
-    total = shape.layer_params * shape.layers + shape.embed_params + shape.head_params + shape.other_params
-    trained = (
-        shape.layer_params * len(setting.trained) + (shape.embed_params + shape.head_params) * setting.head_trained
-    )
+    counts = parameter_counts(shape)
+    total = counts.total(shape.num_layers)
+    trained = counts.per_layer * len(setting.trained) + (counts.embedding + counts.lm_head) * setting.head_trained
     compute_bytes = 2 if setting.bf16 else 4
     # Under FSDP's bf16 policy the residual streams are bf16 too; under autocast alone they stay fp32.
     stream_bytes = 2 if setting.bf16 and setting.fsdp else 4
     # Autograd keeps activations for every layer from the lowest trained one up.
-    saving = shape.layers - setting.grads_from
+    saving = shape.num_layers - setting.grads_from
     per_layer = layer_saved_bytes(shape, tokens, policy, compute_bytes, stream_bytes)
     # One layer's backward: its recomputed activations (when recomputed) and the gradients flowing through it.
     backward = (
         layer_saved_bytes(shape, tokens, "none", compute_bytes, stream_bytes) * (policy != "none")
-        + tokens * (2 * shape.hidden + 2 * shape.intermediate) * 4
+        + tokens * (2 * shape.hidden_size + 2 * shape.intermediate_size) * 4
     )
-    head_weight = shape.head_params or shape.embed_params
-    head = chunk_positions * shape.vocab * 4 * 2 + tokens * shape.hidden * 4 * 2  # chunk logits; hidden + its grad
+    head_weight = counts.lm_head or counts.embedding
+    head = (
+        chunk_positions * shape.vocab_size * 4 * 2 + tokens * shape.hidden_size * 4 * 2
+    )  # chunk logits; hidden + its grad
     if setting.head_trained:
         # The head's gradient, built in the forward: a float32 sum; in bf16 also each chunk's float32
         # product and the sum's cast to the weight's dtype (adapt/losses.py).
         head += head_weight * (4 + 4 + compute_bytes if setting.bf16 else 4)
-    unit = max(shape.layer_params, head_weight)
+    unit = max(counts.per_layer, head_weight)
     buffers = 2 * unit * compute_bytes if setting.fsdp else 0  # the gathered unit and the prefetched one
     return {
         "parameters": total * 4 / n,
@@ -207,18 +171,18 @@ def memory_parts(shape: Shape, setting: Setting, policy: str, chunk_positions: i
     }
 
 
-def flops_per_token(shape: Shape, setting: Setting, policy: str) -> tuple[float, float]:
+def flops_per_token(shape: ModelShape, setting: Setting, policy: str) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per trained token: forward everywhere, backward where gradients
     flow (weights' gradients only for trained layers), plus the recomputed forwards."""
-    matmul = 2 * (shape.layer_params - 2 * shape.hidden)  # a layer's matmuls (its norms are not)
-    attention = 2 * setting.seq_len * shape.heads * shape.head_dim  # causal: QK and AV over s/2 keys each
+    matmul = 2 * (parameter_counts(shape).per_layer - 2 * shape.hidden_size)  # a layer's matmuls (its norms are not)
+    attention = 2 * setting.seq_len * shape.num_heads * shape.head_dim  # causal: QK and AV over s/2 keys each
     layer_forward = matmul + attention
-    head_forward = 2 * shape.hidden * shape.vocab
-    flowing = shape.layers - setting.grads_from
+    head_forward = 2 * shape.hidden_size * shape.vocab_size
+    flowing = shape.num_layers - setting.grads_from
     trained = len(setting.trained)
     backward = flowing * (matmul + 2 * attention) + trained * matmul  # input grads, weight grads
     backward += head_forward * ((flowing > 0) + setting.head_trained)
-    model = shape.layers * layer_forward + head_forward + backward
+    model = shape.num_layers * layer_forward + head_forward + backward
     recomputed = {"none": 0, "selective": math.ceil(flowing / 2), "full": flowing}[policy]
     return model, model + recomputed * layer_forward
 
@@ -252,7 +216,7 @@ def choose_policy(peaks: dict[str, float], device_memory: float) -> str:
 
 
 def make_plan(
-    shape: Shape,
+    shape: ModelShape,
     setting: Setting,
     device_memory: float,
     device_flops: float,
@@ -263,7 +227,7 @@ def make_plan(
 ) -> Plan:
     from .losses import chunk_positions as positions_for
 
-    chunk = chunk_positions or positions_for(shape.vocab, "cuda" if setting.accelerator else "cpu")
+    chunk = chunk_positions or positions_for(shape.vocab_size, "cuda" if setting.accelerator else "cpu")
     parts = {p: memory_parts(shape, setting, p, chunk) for p in POLICIES}
     peaks = {p: sum(parts[p].values()) for p in POLICIES}
     chosen = choose_policy(peaks, device_memory) if policy == "auto" else policy
@@ -314,18 +278,32 @@ def recipe_plan(
     shape = model_shape(read_model_config(source_path(recipe.model.path)))
     if accelerator is None:  # planning for GPUs (their flops given), or for this machine
         accelerator = device_flops is not None or torch.accelerator.is_available()
-    mode = "compiled" if recipe.model.compiles(accelerator) else "eager"
-    source = UTILISATION_SOURCE.format(mode=mode)
+    flops_source = ""
     if device_flops is None:
-        device_flops = measured_matmul_peak()
-        source = f"of this machine's measured fp32 matmul peak; {source}"
-    if utilisation is not None:
-        source = "given"
+        device_flops, flops_source = matmul_peak(), "of this machine's measured fp32 matmul peak; "
     if device_memory is None:
         device_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return shape_plan(recipe, shape, devices, device_memory, device_flops, accelerator, utilisation, flops_source)
+
+
+def shape_plan(
+    recipe: Recipe,
+    shape: ModelShape,
+    devices: int,
+    device_memory: float,
+    device_flops: float,
+    accelerator: bool,
+    utilisation: float | None = None,
+    flops_source: str = "",
+    ladder_layers: list[int] | None = None,
+) -> Plan:
+    """The plan of `recipe`'s training of a model of this shape (`ladder plan --recipe` plans each
+    layer choice with its `ladder_layers`, which decide what trains under trainable.mode ladder)."""
+    mode = "compiled" if recipe.model.compiles(accelerator) else "eager"
+    source = "given" if utilisation is not None else flops_source + UTILISATION_SOURCE.format(mode=mode)
     return make_plan(
         shape,
-        setting_of(recipe, shape, devices, accelerator),
+        setting_of(recipe, shape, devices, accelerator, ladder_layers=ladder_layers),
         device_memory,
         device_flops,
         UTILISATION[mode] if utilisation is None else utilisation,
@@ -353,22 +331,6 @@ def checkpointing_policy(recipe: Recipe, config, processes: int, fsdp: bool) -> 
     ).activation_checkpointing
 
 
-def measured_matmul_peak(size: int = 1024, seconds: float = 1.0) -> float:
-    """FLOP/s of fp32 1024 x 1024 matmuls on this machine's CPU, best of repeated runs."""
-    import time
-
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # the first call starts the thread pool
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        started = time.perf_counter()
-        a @ b
-        best = max(best, 2 * size**3 / (time.perf_counter() - started))
-    return best
-
-
 def peak_flops(recipe: Recipe, device) -> float | None:
     """The FLOP/s per device that MFU is measured against (recipe key logging.peak_flops, which says
     where the default comes from)."""
@@ -381,7 +343,7 @@ def peak_flops(recipe: Recipe, device) -> float | None:
 
         gpu = torch.cuda.get_device_name(device).lower()
         return next((device_profile(name).flops for name in device_names() if name != "cpu" and name in gpu), None)
-    return measured_matmul_peak(seconds=0.5) if device.type == "cpu" else None
+    return matmul_peak(seconds=0.5) if device.type == "cpu" else None
 
 
 def measured_saved_bytes(model, input_ids, layer_index: int) -> int:
@@ -450,4 +412,5 @@ __all__ = [
     "model_shape",
     "plan_json",
     "recipe_plan",
+    "shape_plan",
 ]

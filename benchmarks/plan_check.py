@@ -2,7 +2,7 @@
 in one run, and prints them side by side; exits 1 when a row misses its bound.
 
 (a) here: this machine is calibrated (`ladder plan --calibrate`'s probe: both ranks' memory bandwidth,
-    matmul rate and operator cost; gloo all-reduce latency, bandwidth and CPU share) on each link
+    matmul rate and operator cost; gloo all-reduce latency, bandwidth and cost to the CPU) on each link
     setting, then benchmarks/tp_speed.py measures standard, all-ladder and upper-half-ladder decode on
     that link right after (TP=2 over gloo, the same synthetic weights, the wirings interleaved in each
     round), and the model's predicted ladder/standard speed-up must be within 10% of the measured one.
@@ -113,7 +113,8 @@ def check_here(args: argparse.Namespace, config: LlamaConfig, report: dict) -> l
             print(
                 f"[{link_name}] calibrated: memory {device.bandwidth / 1e9:.1f} GB/s, matmul {device.flops / 1e9:.0f} "
                 f"GFLOP/s, {device.eager_kernel_us:.1f} us/operator; all-reduce {link.base_us:.0f} us + bytes / "
-                f"{link.bus_bandwidth / 1e6:.2f} MB/s, {link.host_share:.0%} of it on the CPU",
+                f"{link.bus_bandwidth / 1e6:.2f} MB/s, of which {link.host_us:.0f} us + {link.host_ns_per_byte:.1f} "
+                "ns/byte on the CPU",
                 flush=True,
             )
             measured = launch(plan, prefix)

@@ -4,13 +4,15 @@ parallelism on the given hardware, predicted by ladder/plan/speed.py from the mo
 
 Per layer choice it prints the decode time per token of standard and ladder wiring, the speed-up, the
 all-reduces ladder hides and the no-communication bound; when MODEL is a conversion's folder, the
-damage it measured (conversion.json, layer_search.json) is printed beside the matching choice.
+damage it measured (conversion.json, layer_search.json) is printed beside the matching choice; with
+`--recipe`, what retraining that choice costs (device-hours, from `ladder adapt --plan`'s model).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from dataclasses import asdict
 from pathlib import Path
@@ -19,7 +21,16 @@ from ladder.errors import ArgumentParser, UsageError
 from ladder.io.loading import EMBEDDED, HUB_MODEL_ID, embedded_model_path, model_name
 from ladder.layers import check_llama_model_type, format_layers, parse_auto_layers, parse_ladder_layers
 from ladder.plan.costs import ModelShape
-from ladder.plan.speed import Prediction, Setting, device_names, device_profile, link_names, link_profile, predict
+from ladder.plan.speed import (
+    Device,
+    Prediction,
+    Setting,
+    device_names,
+    device_profile,
+    link_names,
+    link_profile,
+    predict,
+)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -48,6 +59,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="default bfloat16 (float32 on --device cpu)")
     parser.add_argument("--eager", action="store_true", help="kernels launched one by one (no CUDA graphs)")
+    parser.add_argument(
+        "--recipe", help="a retraining recipe (recipes/*.yaml): each choice's retraining cost on --device"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a recipe override, as `ladder adapt RECIPE KEY=VALUE` takes it (repeatable; e.g. trainable.mode=ladder)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--train-devices", type=int, help="devices the retraining runs on (default: --tp); needs --recipe"
+    )
     parser.add_argument("--json", action="store_true", help="print the predictions as JSON")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's profile (no MODEL)")
     parser.add_argument(
@@ -58,9 +79,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UsageError(
             "name a MODEL (a checkpoint folder, a .gguf file, 'embedded' or a Hub ID), or pass --calibrate"
         )
-    for name in ("tp", "prompt", "new"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name} must be at least 1")
+    for name in ("tp", "prompt", "new", "train_devices"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if (args.train_devices is not None or args.set) and args.recipe is None:
+        raise UsageError("--train-devices and --set go with --recipe")
     args.batches = _positive_ints(args.batch, "--batch")
     return args
 
@@ -186,15 +209,48 @@ def plan(args: argparse.Namespace, config: dict, folder: Path | None) -> dict:
     dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
     graphs = not (args.eager or on_cpu)
     choices, damage = layer_choices(args.layers, shape.num_layers), recorded_damage(folder)
+    retraining = retraining_costs(args, shape, device, choices) if args.recipe else {}
     rows = []
     for batch in args.batches:
         setting = Setting(device, link, args.tp, batch, args.prompt, args.new, DTYPE_BYTES[dtype], graphs)
         for label, layers in choices.items():
-            rows.append(_row(label, batch, predict(shape, setting, layers), damage.get(tuple(layers))))
+            row = _row(label, batch, predict(shape, setting, layers), damage.get(tuple(layers)))
+            rows.append(row | {"retraining": retraining.get(label)})
     return dict(
         model=args.model, shape=asdict(shape), tp=args.tp, device=asdict(device), interconnect=asdict(link),
-        dtype=dtype, cuda_graphs=graphs, prompt=args.prompt, new_tokens=args.new, rows=rows,
+        dtype=dtype, cuda_graphs=graphs, prompt=args.prompt, new_tokens=args.new, rows=rows, recipe=args.recipe,
     )  # fmt: skip
+
+
+def retraining_costs(args: argparse.Namespace, shape: ModelShape, device: Device, choices: dict) -> dict[str, dict]:
+    """Choice -> the recipe's retraining plan for it (adapt/plan.py, what `ladder adapt RECIPE --plan`
+    prints) on --train-devices devices of --device: under trainable.mode ladder only the chosen layers
+    train, so fewer ladder layers cost less; under `all` every choice costs the same."""
+    from ladder.adapt.plan import shape_plan
+    from ladder.adapt.recipe import load_recipe
+    from ladder.plan.calibrate import matmul_peak
+
+    recipe = load_recipe(args.recipe, args.set)
+    devices = args.train_devices or args.tp
+    on_cpu = device.name.startswith("cpu")
+    if not (device.memory or on_cpu):
+        raise UsageError(
+            "--recipe needs the device's memory: --device FLOPS,BANDWIDTH,MEMORY (e.g. 989e12,3.35e12,80e9)"
+        )
+    memory = device.memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # A CPU trains with every core: its matmul peak, not the one-core decode rate a profile holds.
+    flops, source = (matmul_peak(), "of this machine's measured fp32 matmul peak; ") if on_cpu else (device.flops, "")
+    costs = {}
+    for label, layers in choices.items():
+        plan = shape_plan(recipe, shape, devices, memory, flops, not on_cpu, flops_source=source, ladder_layers=layers)
+        costs[label] = dict(
+            recipe=recipe.name, tokens=recipe.budget, trainable=recipe.trainable.mode, devices=devices,
+            device_hours=plan.device_hours, hours=plan.device_hours / devices,
+            activation_checkpointing=plan.activation_checkpointing, peak_bytes_per_device=plan.peak_bytes_per_device,
+            tokens_per_second=plan.tokens_per_second, utilisation=plan.utilisation,
+            utilisation_source=plan.utilisation_source,
+        )  # fmt: skip
+    return costs
 
 
 def _row(label: str, batch: int, prediction: Prediction, damage: str | None) -> dict:
@@ -217,14 +273,17 @@ def render(result: dict) -> str:
         f"new tokens, {'CUDA graphs' if result['cuda_graphs'] else 'eager launches'} (predicted, not measured)",
         "",
         f"{'batch':>5}  {'ladder layers':<22} {'hidden':>9} {'standard':>10} {'ladder':>10} {'speed-up':>8} "
-        f"{'bound':>6}  damage (measured)",
+        f"{'bound':>6}  {'retraining   ' if result['recipe'] else ''}damage (measured)",
     ]
+    unit = "CPU" if result["device"]["name"].startswith("cpu") else "GPU"
     for row in result["rows"]:
         name = row["choice"] if row["choice"] == row["layers"] else f"{row['choice']} ({row['layers']})"
+        cost = row["retraining"]
+        retraining = f"{cost['device_hours']:>7,.1f} {unit}-h  " if cost else ""
         lines.append(
             f"{row['batch']:>5}  {name:<22} {row['hidden_all_reduces']:>4}/{row['all_reduces']:<4} "
             f"{row['standard_ms_per_token']:>7.2f} ms {row['ladder_ms_per_token']:>7.2f} ms {row['speedup']:>7.2f}x "
-            f"{row['bound_speedup']:>5.2f}x  {row['damage'] or '-'}"
+            f"{row['bound_speedup']:>5.2f}x  {retraining}{row['damage'] or '-'}"
         )
     lines += [
         "",
@@ -232,7 +291,18 @@ def render(result: dict) -> str:
         "behind the next branch's compute; bound: speed-up with no communication at all. Profiles: "
         "ladder/plan/devices.tsv and links.tsv (sources cited there); model: docs/plan.md.",
     ]
+    if result["recipe"]:
+        lines.append(retraining_note([row["retraining"] for row in result["rows"]], result["device"]["name"]))
     return "\n".join(lines)
+
+
+def retraining_note(costs: list[dict], device: str) -> str:
+    cost, recompute = costs[0], sorted({cost["activation_checkpointing"] for cost in costs})
+    return (
+        f"retraining: device-hours of {cost['recipe']} ({cost['tokens']:.3g} tokens, trainable {cost['trainable']}) "
+        f"on {cost['devices']} x {device} at {cost['utilisation']:.0%} utilisation ({cost['utilisation_source']}), "
+        f"recompute {' or '.join(recompute)}; predicted, as `ladder adapt RECIPE --plan` prints it."
+    )
 
 
 def run_calibration(out: str) -> None:
@@ -247,7 +317,7 @@ def run_calibration(out: str) -> None:
         f"this machine (2 ranks at once, 1 thread each, float32): memory {device['bandwidth'] / 1e9:.1f} GB/s, "
         f"matmul {device['flops'] / 1e9:.0f} GFLOP/s, {device['eager_kernel_us']:.1f} us per operator; gloo "
         f"all-reduce on loopback: {link['base_us']:.0f} us + bytes / {link['bus_bandwidth'] / 1e9:.2f} GB/s "
-        f"({link['host_share']:.0%} of it on the CPU); load average {profile['machine']['load_average']:.2f}\n"
+        f"(of which {link['host_us']:.0f} us + {link['host_ns_per_byte']:.1f} ns/byte on the CPU); load average {profile['machine']['load_average']:.2f}\n"
         f"written to {out}: use it as --device {out} --interconnect {out}"
     )
 

@@ -112,10 +112,15 @@ def test_latency_bandwidth_fit_recovers_known_parameters():
     fitted_latency, fitted_bandwidth = fit_latency_bandwidth(sizes, noisy)
     assert fitted_bandwidth == pytest.approx(bandwidth, rel=0.05)
     assert fitted_latency == pytest.approx(latency, abs=100e-6)
-    link = Link("fitted", 1e6 * fitted_latency, 0.0, fitted_bandwidth, 0.0)
+    link = Link("fitted", 1e6 * fitted_latency, 0.0, fitted_bandwidth, 0.0, 0.0)
     assert link.all_reduce_seconds(8192, ranks=2) == pytest.approx(latency + 8192 / bandwidth, rel=0.05)
     with pytest.raises(ValueError):
         fit_latency_bandwidth([4096, 4096], [1e-3, 1e-3])
+    # The compute stream's part: fixed + per byte, never more than the whole all-reduce.
+    slow = Link("100mbit", 70.0, 0.0, 6e6, host_us=200.0, host_ns_per_byte=30.0)
+    assert slow.host_seconds(8192, ranks=2) == pytest.approx(200e-6 + 30e-9 * 8192)
+    loopback = Link("loopback", 100.0, 0.0, 3e9, host_us=200.0, host_ns_per_byte=30.0)
+    assert loopback.host_seconds(32768, ranks=2) == loopback.all_reduce_seconds(32768, ranks=2)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -221,3 +226,33 @@ def test_plan_prints_a_table(llama_8b_folder, capsys):
     assert main(["plan", str(llama_8b_folder), "--interconnect", "pcie", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     assert "TP=8 on h100 over pcie" in out and "upper 8" in out and "all 32" in out and "predicted" in out
+
+
+def test_plan_prices_each_choice_s_retraining_as_adapt_plan_does(capsys):
+    """--recipe: each choice's retraining is the recipe's `ladder adapt --plan` with that choice's layers
+    (the CPU recipe trains only its ladder layers, so more of them cost more)."""
+    recipe = "recipes/smollm2-135m-ladder-cpu.yaml"
+    plan = ["plan", "embedded", "--tp", "2", "--batch", "1", "--layers", "8,all", "--recipe", recipe]
+    assert main([*plan, "--json"]) == 0
+    upper, every = (row["retraining"] for row in json.loads(capsys.readouterr().out)["rows"])
+    adapt = ["adapt", recipe, "--plan", "--json", "--gpus", "2", "--gpu-memory", "80e9", "--gpu-flops", "989e12"]
+    assert main(adapt) == 0  # the recipe's own ladder_layers: the upper 8
+    assert upper["device_hours"] == pytest.approx(json.loads(capsys.readouterr().out)["device_hours"], rel=1e-9)
+    assert every["device_hours"] > upper["device_hours"] and every["devices"] == upper["devices"] == 2
+    assert main(plan) == 0
+    assert "GPU-h" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--train-devices", "4"], "--train-devices and --set go with --recipe"),
+        (["--recipe", "recipes/smollm2-135m-ladder-cpu.yaml", "--set", "trainable.mode=most"], "trainable.mode"),
+        (["--recipe", "recipes/nope.yaml"], "does not exist"),
+        (["--recipe", "recipes/smollm2-135m-ladder-cpu.yaml", "--device", "1e12,1e12"], "needs the device's memory"),
+    ],
+)
+def test_plan_refuses_a_retraining_it_cannot_price(llama_8b_folder, capsys, arguments, message):
+    assert main(["plan", str(llama_8b_folder), *arguments]) == 2
+    error = capsys.readouterr().err
+    assert message in error and len(error.strip().splitlines()) == 1

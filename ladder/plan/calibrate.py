@@ -5,9 +5,10 @@
   and the cost of one eager operator from a forward of a tiny model (whose roofline time is nil);
 - link: two ranks over gloo (torchrun; behind a command prefix such as benchmarks/emulated_link.py's
   network namespace) time blocking all-reduces of several sizes, fitted to base + bytes / bandwidth
-  (`fit_latency_bandwidth`), and an asynchronous all-reduce beside a longer matmul, whose excess over
-  the matmul alone is the all-reduce's cost to the compute stream (`host_share` of its time: gloo's
-  thread wakes per packet, so the cost grows with the bytes).
+  (`fit_latency_bandwidth`), and at each size an asynchronous all-reduce beside a longer matmul, whose
+  excess over the matmul alone is the all-reduce's cost to the compute stream, fitted the same way to
+  host_us + bytes x host_ns_per_byte (gloo's thread wakes per packet, so the cost grows with the bytes;
+  measured on a quiet machine it hardly depends on the link's rate).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .speed import KERNELS, Device, Link
 
 LINK_SIZES = (2048, 8192, 32768)  # bytes: the branch outputs of the CPU benchmark shapes at batch 1-4
 LINK_REPEATS = 12
+DEVICE_REPEATS = 25
 
 
 def fit_latency_bandwidth(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
@@ -68,9 +70,25 @@ def device_rates(threads: int = 1) -> dict[str, float]:
     one, four = torch.randn(1, 2048), torch.randn(4, 2048)
     one_pass(one), one_pass(four)
     elements = sum(weight.numel() for weight in weights)
-    bandwidth = 4 * elements / _median_seconds(lambda: one_pass(one), 7)
-    flops = 2 * 4 * elements / _median_seconds(lambda: one_pass(four), 7)
+    # Medians of many short passes: a pass is ~10 ms, and single passes vary by 20% on a shared machine.
+    bandwidth = 4 * elements / _median_seconds(lambda: one_pass(one), DEVICE_REPEATS)
+    flops = 2 * 4 * elements / _median_seconds(lambda: one_pass(four), DEVICE_REPEATS)
     return {"flops": flops, "bandwidth": bandwidth, "operator_us": measure_operator_us(threads)}
+
+
+def matmul_peak(size: int = 1024, seconds: float = 1.0) -> float:
+    """FLOP/s of float32 `size` x `size` matmuls with every thread, best of repeated runs for `seconds`:
+    this CPU's peak, what training's MFU is measured against (decode runs far below it: device_rates)."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # the first call starts the thread pool
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        started = time.perf_counter()
+        a @ b
+        best = max(best, 2 * size**3 / (time.perf_counter() - started))
+    return best
 
 
 def device_from_rates(rates: dict[str, float], how: str) -> Device:
@@ -81,6 +99,7 @@ def device_from_rates(rates: dict[str, float], how: str) -> Device:
         efficiency=1.0,
         kernel_us=rates["operator_us"],
         eager_kernel_us=rates["operator_us"],
+        memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         source=f"measured here by ladder plan --calibrate: {how}, float32, 1 thread per rank",
     )
 
@@ -138,31 +157,33 @@ def _link_rank(out: Path) -> None:
             start = time.perf_counter()
             dist.all_reduce(tensor)
             blocking[size].append(time.perf_counter() - start)
-    # Overlap probe: the largest size's all-reduce launched asynchronously beside a matmul loop that
-    # runs about twice as long; the excess over the matmul alone is what the all-reduce cost the CPU.
-    size = LINK_SIZES[-1]
-    all_reduce_s = statistics.median(blocking[size])
+    # Overlap probe, per size: an asynchronous all-reduce launched beside a matmul loop that runs about
+    # twice as long; the excess over the loop alone is what the all-reduce cost the compute stream.
     a = torch.randn(256, 256)
     one = _median_seconds(lambda: a @ a, 20)
-    loops = max(1, round(2 * all_reduce_s / one))
 
-    def compute() -> None:
+    def compute(loops: int) -> None:
         for _ in range(loops):
             a @ a
 
-    alone, beside = [], []
-    for _ in range(LINK_REPEATS):
-        dist.barrier()
-        alone.append(_median_seconds(compute, 1))
-        tensor = torch.ones(size // 4)
-        dist.barrier()
-        start = time.perf_counter()
-        work = dist.all_reduce(tensor, async_op=True)
-        compute()
-        work.wait()
-        beside.append(time.perf_counter() - start)
+    alone, beside = {size: [] for size in LINK_SIZES}, {size: [] for size in LINK_SIZES}
+    for size in LINK_SIZES:
+        loops = max(1, round(2 * statistics.median(blocking[size]) / one))
+        for _ in range(LINK_REPEATS):
+            dist.barrier()
+            start = time.perf_counter()
+            compute(loops)
+            alone[size].append(time.perf_counter() - start)
+            tensor = torch.ones(size // 4)
+            dist.barrier()
+            start = time.perf_counter()
+            work = dist.all_reduce(tensor, async_op=True)
+            compute(loops)
+            work.wait()
+            beside[size].append(time.perf_counter() - start)
     if rank == 0:
-        samples = {"blocking": {str(k): v for k, v in blocking.items()}, "alone": alone, "beside": beside}
+        samples = {name: {str(size): values for size, values in series.items()}
+                   for name, series in (("blocking", blocking), ("alone", alone), ("beside", beside))}  # fmt: skip
         out.write_text(json.dumps(samples | {"device": rates}))
     dist.destroy_process_group()
 
@@ -182,15 +203,17 @@ def measure_link(name: str, prefix: list[str] | None = None) -> tuple[Device, Li
     sizes = [int(size) for size in samples["blocking"]]
     medians = [statistics.median(samples["blocking"][str(size)]) for size in sizes]
     latency, bandwidth = fit_latency_bandwidth(sizes, medians)
-    host = max(0.0, statistics.median(samples["beside"]) - statistics.median(samples["alone"]))
-    probed = statistics.median(samples["blocking"][str(LINK_SIZES[-1])])
+    hosts = [max(0.0, statistics.median(samples["beside"][str(size)]) - statistics.median(samples["alone"][str(size)]))
+             for size in sizes]  # fmt: skip
+    host_latency, host_bandwidth = fit_latency_bandwidth(sizes, hosts)
     device = device_from_rates(samples["device"], f"2 ranks at once ({name})")
     return device, Link(
         name=name,
         base_us=1e6 * latency,
         hop_us=0.0,
         bus_bandwidth=bandwidth,  # at T=2 the bus and algorithm bandwidths are equal
-        host_share=min(host / probed, 1.0),
+        host_us=1e6 * host_latency,
+        host_ns_per_byte=1e9 / host_bandwidth,
         shared=True,  # gloo runs each collective in flight on its own worker thread
         source=f"measured here by ladder plan --calibrate: gloo, 2 ranks, {name}",
     )

@@ -1,6 +1,6 @@
 """What a Llama costs to run, from its config alone: parameter counts, and the FLOPs and bytes each
 module moves for a given number of tokens, per tensor-parallel rank. Pure arithmetic (no torch), shared
-by `ladder plan` (inference speed) and any planner of training cost (`training_flops_per_token`).
+by `ladder plan` (inference speed) and `ladder adapt --plan` (training cost, adapt/plan.py).
 
 Counting convention: a multiply-add is 2 FLOPs; a linear layer of P weights on t tokens costs 2 t P
 FLOPs forward (and twice that backward); attention scores and values cost 2 * 2 * t * heads * head_dim
@@ -163,13 +163,6 @@ def forward_cost(
     )
 
 
-def training_flops_per_token(shape: ModelShape, sequence_length: int) -> float:
-    """FLOPs to train on one token (forward + backward = 3 x forward) of sequences of `sequence_length`
-    with causal attention (each position attends to the positions before it: half the square)."""
-    forward = forward_cost(shape, batch=1, query_tokens=sequence_length, context=sequence_length // 2 or 1)
-    return 3 * forward.flops / sequence_length
-
-
 __all__ = [
     "ForwardCost",
     "ModelShape",
@@ -178,5 +171,4 @@ __all__ = [
     "RankShape",
     "forward_cost",
     "parameter_counts",
-    "training_flops_per_token",
 ]

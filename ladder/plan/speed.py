@@ -5,7 +5,8 @@ Three parts, each a plain function of published (or calibrated) figures:
 - compute: a roofline per module, max(bytes / bandwidth, FLOPs / FLOP rate) at the device's achieved
   share of peak, plus a fixed cost per kernel (small with CUDA graphs, larger launched from Python);
 - communication: an all-reduce of n bytes over T ranks takes latency + 2 (T-1)/T n / bus bandwidth
-  (the latency-bandwidth model of nccl-tests' bus bandwidth); a share of it occupies the compute stream;
+  (the latency-bandwidth model of nccl-tests' bus bandwidth); of that, host_us + n host_ns_per_byte
+  occupies the compute stream (a CPU's gloo thread; nothing for NCCL);
 - overlap: the layer loop of Algorithm 1, replayed exactly as ladder/tp/shard.py runs it, with the
   compute stream and the link as two serial resources: a ladder layer's all-reduce runs behind the
   next branch's compute, a standard layer waits for its own. A contiguous block of k ladder layers
@@ -42,6 +43,7 @@ class Device:
     efficiency: float  # share of both peaks that decode kernels reach
     kernel_us: float  # per kernel replayed in a CUDA graph
     eager_kernel_us: float  # per kernel (or CPU operator) launched one by one
+    memory: float = 0.0  # bytes a retraining fits into; 0: this machine's RAM
     source: str = ""
 
     def module_seconds(self, cost: ModuleCost, kernels: int, graphs: bool) -> float:
@@ -55,7 +57,8 @@ class Link:
     base_us: float  # latency of any all-reduce
     hop_us: float  # latency per ring step, 2 (T - 1) of them
     bus_bandwidth: float  # bytes/s, nccl-tests convention
-    host_share: float  # the share of each all-reduce's time that occupies the compute stream
+    host_us: float  # compute-stream time of any all-reduce (gloo's thread on a CPU; 0 for NCCL)
+    host_ns_per_byte: float  # and per byte of the message (gloo's thread woken per packet)
     shared: bool = False  # all-reduces in flight share the link (gloo) rather than queue (NCCL)
     source: str = ""
 
@@ -64,6 +67,11 @@ class Link:
             return 0.0
         steps = 2 * (ranks - 1)
         return 1e-6 * (self.base_us + steps * self.hop_us) + steps / ranks * nbytes / self.bus_bandwidth
+
+    def host_seconds(self, nbytes: float, ranks: int) -> float:
+        """The part of `all_reduce_seconds` that occupies the compute stream (cannot overlap compute)."""
+        whole = self.all_reduce_seconds(nbytes, ranks)
+        return min(whole, 1e-6 * self.host_us + 1e-9 * self.host_ns_per_byte * nbytes)
 
 
 @functools.cache
@@ -85,26 +93,27 @@ def link_names() -> list[str]:
     return list(_table("links.tsv"))
 
 
-def _numbers(text: str, count: int) -> list[float] | None:
+def _numbers(text: str, *counts: int) -> list[float] | None:
     parts = text.split(",")
     try:
         values = [float(part) for part in parts]
     except ValueError:
         return None
-    return values if len(values) == count and min(values) > 0 else None
+    return values if len(values) in counts and min(values) > 0 else None
 
 
 def device_profile(spec: str) -> Device:
-    """A device by name (devices.tsv), `FLOPS,BANDWIDTH` (per second, e.g. 989e12,3.35e12), or a JSON
-    file `ladder plan --calibrate` wrote."""
+    """A device by name (devices.tsv), `FLOPS,BANDWIDTH[,MEMORY]` (per second, and bytes, e.g.
+    989e12,3.35e12,80e9), or a JSON file `ladder plan --calibrate` wrote."""
     if spec in _table("devices.tsv"):
         return _profile(Device, _table("devices.tsv")[spec])
-    if (values := _numbers(spec, 2)) is not None:
-        return Device(spec, values[0], values[1], 1.0, 1.0, 4.5, "given on the command line")
+    if (values := _numbers(spec, 2, 3)) is not None:
+        memory = values[2] if len(values) == 3 else 0.0
+        return Device(spec, values[0], values[1], 1.0, 1.0, 4.5, memory, "given on the command line")
     if spec.endswith(".json"):
         return Device(**_calibration(spec)["device"])
     raise UsageError(
-        f"--device {spec!r} is not one of {', '.join(device_names())}, FLOPS,BANDWIDTH (e.g. 989e12,3.35e12) "
+        f"--device {spec!r} is not one of {', '.join(device_names())}, FLOPS,BANDWIDTH[,MEMORY] (e.g. 989e12,3.35e12,80e9) "
         "or a calibration .json"
     )
 
@@ -115,7 +124,7 @@ def link_profile(spec: str) -> Link:
     if spec in _table("links.tsv"):
         return _profile(Link, _table("links.tsv")[spec])
     if (values := _numbers(spec, 2)) is not None:
-        return Link(spec, values[1], 0.0, values[0], 0.0, source="given on the command line")
+        return Link(spec, values[1], 0.0, values[0], 0.0, 0.0, source="given on the command line")
     if spec.endswith(".json"):
         return Link(**_calibration(spec)["links"][0])
     raise UsageError(
@@ -321,7 +330,7 @@ def _module_times(cost: ForwardCost, setting: Setting) -> tuple[float, float, fl
         return device.module_seconds(getattr(cost, name), kernels[name], setting.cuda_graphs)
 
     all_reduce = setting.link.all_reduce_seconds(cost.all_reduce_bytes, setting.tp)
-    host = min(setting.link.host_share, 1.0) * all_reduce
+    host = setting.link.host_seconds(cost.all_reduce_bytes, setting.tp)
     return seconds("attention"), seconds("mlp"), seconds("head"), all_reduce - host, host
 
 
