@@ -1,5 +1,5 @@
 """`ladder adapt RECIPE --plan`: what a recipe's training costs before it runs, from the model's
-config alone (the model built on the meta device: no weight is read).
+config alone (its sizes and parameter counts from ladder/plan/costs.py: no weight is read).
 
 Memory per device, by part: the parameters (fp32 master weights), the trained parameters' gradients
 and AdamW's two moments (all three sharded over the devices under FSDP), the activations each
