@@ -245,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         report["rows"] = [asdict(row) | {"error": row.error, "passed": row.passed} for row in rows]
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write(args.out, json.dumps(report, indent=2) + "\n")
+        loads = [load, os.getloadavg()[0]] + [link["load_after"] for link in report["links"]]
+        if report["links"] and max(loads) > 1.5 * os.cpu_count():  # the two ranks alone make about one per CPU here
+            print(
+                f"plan_check: warning: load average up to {max(loads):.1f} on {os.cpu_count()} CPUs: other jobs ran "
+                "beside the measurement, so its ratios are noisy; rerun on a quiet machine",
+                file=sys.stderr,
+            )
         missed = [row for row in rows if not row.passed]
         if missed:
             print(f"plan_check: {len(missed)} of {len(rows)} rows miss their bound", file=sys.stderr)
