@@ -43,11 +43,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (default 8)")
     parser.add_argument(
         "--interconnect", default="nvlink",
-        help=f"{', '.join(link_names())}, BANDWIDTH,LATENCY_US (bus bytes/s, us), or a --calibrate .json (default nvlink)",
+        help=f"{', '.join(link_names())}, BANDWIDTH,LATENCY_US (bus bytes/s, us), or a --calibrate .json "
+        "(default nvlink)",
     )  # fmt: skip
     parser.add_argument(
         "--device", default="h100",
-        help=f"{', '.join(device_names())}, FLOPS,BANDWIDTH (per second), or a --calibrate .json (default h100)",
+        help=f"{', '.join(device_names())}, FLOPS,BANDWIDTH[,MEMORY] (per second; bytes), or a --calibrate .json "
+        "(default h100)",
     )  # fmt: skip
     parser.add_argument("--batch", default="1,16,64", help="batch sizes, comma-separated (default 1,16,64)")
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens (default 1024)")
@@ -317,7 +319,8 @@ def run_calibration(out: str) -> None:
         f"this machine (2 ranks at once, 1 thread each, float32): memory {device['bandwidth'] / 1e9:.1f} GB/s, "
         f"matmul {device['flops'] / 1e9:.0f} GFLOP/s, {device['eager_kernel_us']:.1f} us per operator; gloo "
         f"all-reduce on loopback: {link['base_us']:.0f} us + bytes / {link['bus_bandwidth'] / 1e9:.2f} GB/s "
-        f"(of which {link['host_us']:.0f} us + {link['host_ns_per_byte']:.1f} ns/byte on the CPU); load average {profile['machine']['load_average']:.2f}\n"
+        f"(of which {link['host_us']:.0f} us + {link['host_ns_per_byte']:.1f} ns/byte on the CPU); "
+        f"load average {profile['machine']['load_average']:.2f}\n"
         f"written to {out}: use it as --device {out} --interconnect {out}"
     )
 

@@ -113,7 +113,8 @@ def device_profile(spec: str) -> Device:
     if spec.endswith(".json"):
         return Device(**_calibration(spec)["device"])
     raise UsageError(
-        f"--device {spec!r} is not one of {', '.join(device_names())}, FLOPS,BANDWIDTH[,MEMORY] (e.g. 989e12,3.35e12,80e9) "
+        f"--device {spec!r} is not one of {', '.join(device_names())}, FLOPS,BANDWIDTH[,MEMORY] "
+        "(e.g. 989e12,3.35e12,80e9) "
         "or a calibration .json"
     )
 
