@@ -29,12 +29,12 @@ from pathlib import Path
 from transformers import LlamaConfig
 
 from benchmarks.common import PUBLISHED_SHAPES
-from benchmarks.emulated_link import LOOPBACK, check_rate, emulated_link
 from benchmarks.tp_speed import BOUND, STANDARD, Plan, Variant, launch, positive_ints
 from ladder.errors import UsageError
 from ladder.io.files import atomic_write
 from ladder.plan.calibrate import measure_link
 from ladder.plan.costs import ModelShape
+from ladder.plan.emulated_link import LOOPBACK, check_rate, emulated_link
 from ladder.plan.speed import Setting, device_profile, link_profile, predict
 
 # Wide enough that a branch computes for milliseconds on one core (an all-reduce costs ~0.2 ms of CPU

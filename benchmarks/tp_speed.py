@@ -36,11 +36,11 @@ import torch
 from transformers import LlamaConfig
 
 from benchmarks.common import PUBLISHED_SHAPES
-from benchmarks.emulated_link import LOOPBACK, check_rate, emulated_link
 from benchmarks.tp_report import BOUND, STANDARD, add_ratios, table
 from ladder.errors import UsageError
 from ladder.io.files import atomic_write
 from ladder.io.loading import DTYPES
+from ladder.plan.emulated_link import LOOPBACK, check_rate, emulated_link
 from ladder.tp.runtime import GLOO_THREADS, prioritize_gloo_threads
 from ladder.tp.shard import LlamaShard, ShardShape
 

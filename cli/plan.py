@@ -74,8 +74,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print the predictions as JSON")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's profile (no MODEL)")
     parser.add_argument(
-        "--out", default="runs/plan/calibration.json", help="where --calibrate writes (default %(default)s)"
-    )
+        "--link", default="loopback",
+        help="with --calibrate: loopback, or a rate such as 100mbit (loopback shaped by tc; needs root)",
+    )  # fmt: skip
+    parser.add_argument("--out", help="where --calibrate writes (default runs/plan/calibration-LINK.json)")
     args = parser.parse_args(argv)
     if not args.calibrate and args.model is None:
         raise UsageError(
@@ -84,6 +86,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("tp", "prompt", "new", "train_devices"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if (args.link != "loopback" or args.out is not None) and not args.calibrate:
+        raise UsageError("--link and --out go with --calibrate")
     if (args.train_devices is not None or args.set) and args.recipe is None:
         raise UsageError("--train-devices and --set go with --recipe")
     args.batches = _positive_ints(args.batch, "--batch")
@@ -307,18 +311,19 @@ def retraining_note(costs: list[dict], device: str) -> str:
     )
 
 
-def run_calibration(out: str) -> None:
+def run_calibration(out: str, link_rate: str) -> None:
     from ladder.io.files import atomic_write
     from ladder.plan.calibrate import calibrate
+    from ladder.plan.emulated_link import check_rate
 
-    profile = calibrate()
+    profile = calibrate(check_rate(link_rate))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, json.dumps(profile, indent=2) + "\n")
     device, link = profile["device"], profile["links"][0]
     print(
         f"this machine (2 ranks at once, 1 thread each, float32): memory {device['bandwidth'] / 1e9:.1f} GB/s, "
         f"matmul {device['flops'] / 1e9:.0f} GFLOP/s, {device['eager_kernel_us']:.1f} us per operator; gloo "
-        f"all-reduce on loopback: {link['base_us']:.0f} us + bytes / {link['bus_bandwidth'] / 1e9:.2f} GB/s "
+        f"all-reduce on {link['name']}: {link['base_us']:.0f} us + bytes / {link['bus_bandwidth'] / 1e9:.3g} GB/s "
         f"(of which {link['host_us']:.0f} us + {link['host_ns_per_byte']:.1f} ns/byte on the CPU); "
         f"load average {profile['machine']['load_average']:.2f}\n"
         f"written to {out}: use it as --device {out} --interconnect {out}"
@@ -328,7 +333,7 @@ def run_calibration(out: str) -> None:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.calibrate:
-        run_calibration(args.out)
+        run_calibration(args.out or f"runs/plan/calibration-{args.link}.json", args.link)
         return 0
     config, folder = read_model_config(args.model)
     result = plan(args, config, folder)

@@ -180,6 +180,7 @@ def llama_8b_folder(tmp_path):
         (["--interconnect", "carrier-pigeon"], "--interconnect 'carrier-pigeon' is not one of"),
         (["--interconnect", "/no/such.json"], "is not a calibration"),
         (["--tp", "two"], "invalid int value"),
+        (["--link", "100mbit"], "--link and --out go with --calibrate"),
     ],
 )
 def test_plan_refuses_bad_input_in_one_line(llama_8b_folder, capsys, arguments, message):
@@ -228,14 +229,15 @@ def test_plan_prints_a_table(llama_8b_folder, capsys):
     assert "TP=8 on h100 over pcie" in out and "upper 8" in out and "all 32" in out and "predicted" in out
 
 
-def test_plan_prices_each_choice_s_retraining_as_adapt_plan_does(capsys):
+def test_plan_prices_each_choice_s_retraining_as_adapt_plan_does(llama_8b_folder, capsys):
     """--recipe: each choice's retraining is the recipe's `ladder adapt --plan` with that choice's layers
     (the CPU recipe trains only its ladder layers, so more of them cost more)."""
     recipe = "recipes/smollm2-135m-ladder-cpu.yaml"
-    plan = ["plan", "embedded", "--tp", "2", "--batch", "1", "--layers", "8,all", "--recipe", recipe]
+    plan = ["plan", str(llama_8b_folder), "--tp", "2", "--batch", "1", "--layers", "8,all", "--recipe", recipe]
     assert main([*plan, "--json"]) == 0
     upper, every = (row["retraining"] for row in json.loads(capsys.readouterr().out)["rows"])
-    adapt = ["adapt", recipe, "--plan", "--json", "--gpus", "2", "--gpu-memory", "80e9", "--gpu-flops", "989e12"]
+    adapt = ["adapt", recipe, f"model.path={llama_8b_folder}", "--plan", "--json", "--gpus", "2"]
+    adapt += ["--gpu-memory", "80e9", "--gpu-flops", "989e12"]
     assert main(adapt) == 0  # the recipe's own ladder_layers: the upper 8
     assert upper["device_hours"] == pytest.approx(json.loads(capsys.readouterr().out)["device_hours"], rel=1e-9)
     assert every["device_hours"] > upper["device_hours"] and every["devices"] == upper["devices"] == 2
@@ -256,3 +258,19 @@ def test_plan_refuses_a_retraining_it_cannot_price(llama_8b_folder, capsys, argu
     assert main(["plan", str(llama_8b_folder), *arguments]) == 2
     error = capsys.readouterr().err
     assert message in error and len(error.strip().splitlines()) == 1
+
+
+def test_calibration_measures_this_machine_and_plans_from_it(tmp_path, capsys):
+    """`ladder plan --calibrate`: two gloo ranks (torchrun) measure the device and the loopback link; the
+    file it writes is a --device and an --interconnect."""
+    out = tmp_path / "calibration.json"
+    assert main(["plan", "--calibrate", "--out", str(out)]) == 0
+    assert f"written to {out}" in capsys.readouterr().out
+    profile = json.loads(out.read_text())
+    device, link = profile["device"], profile["links"][0]
+    assert device["bandwidth"] > 1e8 and device["flops"] > 1e8 and device["memory"] > 1e9
+    assert link["name"] == "loopback" and link["bus_bandwidth"] > 0 and link["host_us"] >= 0
+    assert main(["plan", "embedded", "--tp", "2", "--device", str(out), "--interconnect", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["device"]["name"] == "cpu (measured)" and result["dtype"] == "float32"
+    assert all(row["standard_ms_per_token"] > 0 for row in result["rows"])

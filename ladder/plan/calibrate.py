@@ -3,7 +3,7 @@
 - device (each of two ranks at once, one thread each, float32): memory bandwidth from matrix-vector products over
   weights far larger than the caches (what decode does), the matmul rate from a large square matmul,
   and the cost of one eager operator from a forward of a tiny model (whose roofline time is nil);
-- link: two ranks over gloo (torchrun; behind a command prefix such as benchmarks/emulated_link.py's
+- link: two ranks over gloo (torchrun; behind a command prefix such as ladder/plan/emulated_link.py's
   network namespace) time blocking all-reduces of several sizes, fitted to base + bytes / bandwidth
   (`fit_latency_bandwidth`), and at each size an asynchronous all-reduce beside a longer matmul, whose
   excess over the matmul alone is the all-reduce's cost to the compute stream, fitted the same way to
@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from .emulated_link import LOOPBACK, emulated_link
 from .speed import KERNELS, Device, Link
 
 LINK_SIZES = (2048, 8192, 32768)  # bytes: the branch outputs of the CPU benchmark shapes at batch 1-4
@@ -219,12 +220,14 @@ def measure_link(name: str, prefix: list[str] | None = None) -> tuple[Device, Li
     )
 
 
-def calibrate(links: dict[str, list[str]] | None = None) -> dict:
-    """The device and each named link (name -> command prefix); what `--device/--interconnect FILE` read."""
-    measured = [measure_link(name, prefix) for name, prefix in (links or {"loopback": []}).items()]
+def calibrate(link: str = LOOPBACK) -> dict:
+    """This machine's device and a link: plain loopback, or loopback shaped to a rate such as 100mbit
+    (emulated_link.py; needs root); what `--device/--interconnect FILE` read."""
+    with emulated_link(link) as prefix:
+        device, measured = measure_link(link, prefix)
     return {
-        "device": asdict(measured[0][0]),
-        "links": [asdict(link) for _, link in measured],
+        "device": asdict(device),
+        "links": [asdict(measured)],
         "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg()[0]},
     }
 

@@ -20,7 +20,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 
-from ladder.errors import UsageError
+from ..errors import UsageError
 
 LOOPBACK = "loopback"
 _PREFIX = "ladder-bench-"
