@@ -11,8 +11,8 @@ from pathlib import Path
 from ladder.io.model_card import SourceFacts, loading_section, origin_line, render_card
 from ladder.layers import format_layers
 
-from .checkpoint import METRICS_FILE, RECIPE_FILE, TrainState
-from .recipe import Recipe
+from .checkpoint import METRICS_FILE, TrainState
+from .recipe import RECIPE_FILE, Recipe
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,9 @@ import ladder
 from ladder.errors import UsageError
 from ladder.io.files import atomic_directory, atomic_write, write_failure
 
-from .recipe import RESUME_FREE_KEYS, Recipe, dump_recipe, recipe_from_dict
+from .recipe import RECIPE_FILE, RESUME_FREE_KEYS, Recipe, dump_recipe, recipe_from_dict
 
 STATE_FILE = "trainer_state.json"
-RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"  # in the run folder: one JSON line per step and per evaluation
 
 
@@ -173,7 +172,6 @@ def plain_ladder_model(trained: torch.nn.Module, state_dict: dict, dtype: torch.
 
 __all__ = [
     "METRICS_FILE",
-    "RECIPE_FILE",
     "STATE_FILE",
     "TrainState",
     "check_same_data",

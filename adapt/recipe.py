@@ -28,6 +28,9 @@ from ladder.io.files import ladder_data_dir
 
 from .overrides import parse_overrides, set_dotted
 
+# The copy of the recipe saved beside every checkpoint and final model (what made them).
+RECIPE_FILE = "recipe.yaml"
+
 
 @dataclass
 class ModelSpec:

@@ -42,7 +42,6 @@ from ladder.layers import (
 from .card import TrainingFacts, model_card
 from .checkpoint import (
     METRICS_FILE,
-    RECIPE_FILE,
     TrainState,
     check_same_data,
     latest_checkpoint,
@@ -70,7 +69,7 @@ from .optimizer import build_optimizer
 from .plan import checkpointing_policy, flops_per_token, model_shape, peak_flops, setting_of
 from .preemption import Preempted, StopSignals
 from .preflight import check_data_files, check_data_prepared, check_model, resume_point, source_path, step_budget
-from .recipe import Recipe, dump_recipe
+from .recipe import RECIPE_FILE, Recipe, dump_recipe
 from .step import TrainingStep, step_metrics
 
 

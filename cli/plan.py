@@ -5,7 +5,8 @@ parallelism on the given hardware, predicted by ladder/plan/speed.py from the mo
 Per layer choice it prints the decode time per token of standard and ladder wiring, the speed-up, the
 all-reduces ladder hides and the no-communication bound; when MODEL is a conversion's folder, the
 damage it measured (conversion.json, layer_search.json) is printed beside the matching choice; with
-`--recipe`, what retraining that choice costs (device-hours, from `ladder adapt --plan`'s model).
+`--recipe` (or when MODEL is a folder `ladder adapt` wrote, with its recipe.yaml), what retraining that
+choice costs (device-hours, from `ladder adapt --plan`'s model).
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="default bfloat16 (float32 on --device cpu)")
     parser.add_argument("--eager", action="store_true", help="kernels launched one by one (no CUDA graphs)")
     parser.add_argument(
-        "--recipe", help="a retraining recipe (recipes/*.yaml): each choice's retraining cost on --device"
+        "--recipe",
+        help="a retraining recipe (recipes/*.yaml): each choice's retraining cost on --device (default: the "
+        "recipe.yaml in MODEL's folder, where `ladder adapt` left one)",
     )
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
@@ -88,8 +91,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if (args.link != "loopback" or args.out is not None) and not args.calibrate:
         raise UsageError("--link and --out go with --calibrate")
-    if (args.train_devices is not None or args.set) and args.recipe is None:
-        raise UsageError("--train-devices and --set go with --recipe")
     args.batches = _positive_ints(args.batch, "--batch")
     return args
 
@@ -215,7 +216,10 @@ def plan(args: argparse.Namespace, config: dict, folder: Path | None) -> dict:
     dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
     graphs = not (args.eager or on_cpu)
     choices, damage = layer_choices(args.layers, shape.num_layers), recorded_damage(folder)
-    retraining = retraining_costs(args, shape, device, choices) if args.recipe else {}
+    recipe = args.recipe or adapted_recipe(folder)
+    if (args.train_devices is not None or args.set) and recipe is None:
+        raise UsageError("--train-devices and --set go with --recipe (or a MODEL folder with its recipe.yaml)")
+    retraining = retraining_costs(args, recipe, shape, device, choices) if recipe else {}
     rows = []
     for batch in args.batches:
         setting = Setting(device, link, args.tp, batch, args.prompt, args.new, DTYPE_BYTES[dtype], graphs)
@@ -224,11 +228,21 @@ def plan(args: argparse.Namespace, config: dict, folder: Path | None) -> dict:
             rows.append(row | {"retraining": retraining.get(label)})
     return dict(
         model=args.model, shape=asdict(shape), tp=args.tp, device=asdict(device), interconnect=asdict(link),
-        dtype=dtype, cuda_graphs=graphs, prompt=args.prompt, new_tokens=args.new, rows=rows, recipe=args.recipe,
+        dtype=dtype, cuda_graphs=graphs, prompt=args.prompt, new_tokens=args.new, rows=rows, recipe=recipe,
     )  # fmt: skip
 
 
-def retraining_costs(args: argparse.Namespace, shape: ModelShape, device: Device, choices: dict) -> dict[str, dict]:
+def adapted_recipe(folder: Path | None) -> str | None:
+    """The recipe `ladder adapt` saved beside the model it wrote (adapt/train.py), if MODEL is one."""
+    from ladder.adapt.recipe import RECIPE_FILE
+
+    found = folder / RECIPE_FILE if folder is not None else None
+    return str(found) if found is not None and found.is_file() and not found.is_symlink() else None
+
+
+def retraining_costs(
+    args: argparse.Namespace, recipe_path: str, shape: ModelShape, device: Device, choices: dict
+) -> dict[str, dict]:
     """Choice -> the recipe's retraining plan for it (adapt/plan.py, what `ladder adapt RECIPE --plan`
     prints) on --train-devices devices of --device: under trainable.mode ladder only the chosen layers
     train, so fewer ladder layers cost less; under `all` every choice costs the same."""
@@ -236,7 +250,7 @@ def retraining_costs(args: argparse.Namespace, shape: ModelShape, device: Device
     from ladder.adapt.recipe import load_recipe
     from ladder.plan.calibrate import matmul_peak
 
-    recipe = load_recipe(args.recipe, args.set)
+    recipe = load_recipe(recipe_path, args.set)
     devices = args.train_devices or args.tp
     on_cpu = device.name.startswith("cpu")
     if not (device.memory or on_cpu):

@@ -3,6 +3,7 @@ arithmetic against transformers, and the command line (bad input, --json)."""
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,6 +244,10 @@ def test_plan_prices_each_choice_s_retraining_as_adapt_plan_does(llama_8b_folder
     assert every["device_hours"] > upper["device_hours"] and every["devices"] == upper["devices"] == 2
     assert main(plan) == 0
     assert "GPU-h" in capsys.readouterr().out
+    # A folder `ladder adapt` wrote carries its recipe.yaml: its cost shows without --recipe.
+    (llama_8b_folder / "recipe.yaml").write_text(Path(recipe).read_text())
+    assert main([*plan[: plan.index("--recipe")], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["retraining"] == upper
 
 
 @pytest.mark.parametrize(
