@@ -23,6 +23,8 @@ import signal
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,7 +178,7 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def start_pool_worker(worker: Worker) -> None:
     """A forked worker's start: the default signal actions back first. A fork inherits the parent's
     Python handlers, and adapt's (SIGTERM and SIGUSR1 only set a flag, adapt/preemption.py) would
-    keep `Pool.terminate` from ending a worker."""
+    keep a SIGTERM from ending a worker."""
     for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(number, signal.SIG_DFL)
     # A worker ends with its parent (Linux's PR_SET_PDEATHSIG): a killed prepare leaves none behind.
@@ -186,39 +188,40 @@ def start_pool_worker(worker: Worker) -> None:
 
 
 class ChunkRunner:
-    """Tokenizes chunks in worker processes (in this one when there is one core), results in order."""
+    """Tokenizes chunks in worker processes (in this one when there is one core), results in order.
+
+    concurrent.futures rather than multiprocessing.Pool: a worker that dies (the OOM killer, a kill)
+    breaks the executor, and the run ends in one line, its shards kept for the rerun; a Pool would
+    replace the worker and wait forever for the chunk it held."""
 
     def __init__(self, worker: Worker, workers: int):
         self.worker, self.workers, self.pool = worker, workers, None
+        self.parallelism: str | None = None
 
     def __enter__(self) -> ChunkRunner:
-        if self.workers > 1:
-            # Forked workers start at once (nothing to import); each tokenizes on one thread.
-            previous = os.environ.get("TOKENIZERS_PARALLELISM")
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            try:
-                context = multiprocessing.get_context("fork")
-                self.pool = context.Pool(self.workers, initializer=start_pool_worker, initargs=(self.worker,))
-            finally:
-                if previous is None:
-                    del os.environ["TOKENIZERS_PARALLELISM"]
-                else:
-                    os.environ["TOKENIZERS_PARALLELISM"] = previous
-        else:
+        if self.workers == 1:
             start_worker(self.worker)
+            return self
+        # Each worker tokenizes on one thread; set while they fork, so that no worker warns about it.
+        self.parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        self.pool = ProcessPoolExecutor(
+            self.workers, multiprocessing.get_context("fork"), start_pool_worker, (self.worker,)
+        )
+        # A fork executor starts every worker at its first task: now, from this thread (PR_SET_PDEATHSIG
+        # ties a worker to the thread that forked it).
+        self.pool.submit(int).result()
         return self
 
     def __exit__(self, *exc) -> None:
         if self.pool is None:
             return
-        # Done: close, and the workers leave on their own. `terminate` only on an error: after a worker
-        # has died and the pool has replaced it, terminate can miss the replacement and join it forever
-        # (seen here twice, in runs that tokenized in-process).
-        if exc[0] is None:
-            self.pool.close()
+        # On an error the queued chunks are dropped and the ones in flight finish (a few seconds).
+        self.pool.shutdown(wait=True, cancel_futures=exc[0] is not None)
+        if self.parallelism is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
         else:
-            self.pool.terminate()
-        self.pool.join()
+            os.environ["TOKENIZERS_PARALLELISM"] = self.parallelism
 
     def run(self, jobs: Iterator[tuple[object, Chunk | None]]) -> Iterator[tuple[object, Tokenized | None]]:
         """(tag, result) for each (tag, chunk) in order; a None chunk passes through as a None result.
@@ -228,16 +231,26 @@ class ChunkRunner:
             return
         pending = deque()
         for tag, chunk in jobs:
-            pending.append((tag, self.pool.apply_async(tokenize_in_worker, (chunk,)) if chunk is not None else None))
+            pending.append((tag, self.pool.submit(tokenize_in_worker, chunk) if chunk is not None else None))
             while len(pending) > 2 * self.workers or (pending and ready(pending[0][1])):
-                tag_done, result = pending.popleft()
-                yield tag_done, result.get() if result is not None else None
-        for tag, result in pending:
-            yield tag, result.get() if result is not None else None
+                tag_done, future = pending.popleft()
+                yield tag_done, result_of(future)
+        for tag, future in pending:
+            yield tag, result_of(future)
 
 
-def ready(result) -> bool:
-    return result is None or result.ready()
+def ready(future: Future | None) -> bool:
+    return future is None or future.done()
+
+
+def result_of(future: Future | None) -> Tokenized | None:
+    try:
+        return future.result() if future is not None else None
+    except BrokenProcessPool:
+        raise UsageError(
+            "a tokenizer worker process ended abruptly (killed, or out of memory: see `dmesg`); the shards "
+            "written so far are kept, and the same command continues from them"
+        ) from None
 
 
 @dataclass

@@ -4,6 +4,7 @@ seeded samples, mixtures, and the cache's size."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -20,7 +21,7 @@ from transformers import AutoTokenizer
 
 from ladder.adapt import sources as sources_module
 from ladder.adapt.data import load_blocks
-from ladder.adapt.pack import Sampling
+from ladder.adapt.pack import Sampling, worker_count
 from ladder.adapt.recipe import SourceSpec
 from ladder.adapt.sources import resumable_batches, source_chunks
 from ladder.errors import UsageError
@@ -132,15 +133,36 @@ from pathlib import Path
 from transformers import AutoTokenizer
 from ladder.adapt.data import load_blocks
 from ladder.adapt.recipe import SourceSpec
+from ladder.errors import run_command
 sources = [SourceSpec(**s) for s in {sources!r}]
-load_blocks(sources, AutoTokenizer.from_pretrained({tokenizer!r}), 16, Path({cache!r}), "train")
+tokenizer = AutoTokenizer.from_pretrained({tokenizer!r})
+def prepare(argv):
+    load_blocks(sources, tokenizer, 16, Path({cache!r}), "train")
+sys.exit(run_command("adapt", prepare, []))
 """
 
 
-@pytest.mark.parametrize("kind, kill_after", [("local", 1), ("local", 30), ("hub", 15)])
+def worker_processes(parent: int) -> list[int]:
+    """The processes `parent` started (its tokenizer workers)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                children.append(int(stat.parent.name))
+    return children
+
+
+@pytest.mark.parametrize(
+    "kind, kill_after, victim", [("local", 1, "prepare"), ("local", 30, "prepare"), ("hub", 15, "prepare"),
+                                 ("local", 5, "worker")]
+)  # fmt: skip
 def test_a_prepare_killed_at_any_point_resumes_to_the_same_bytes(
-    tmp_path, smollm2_tokenizer_dir, monkeypatch, kind, kill_after
+    tmp_path, smollm2_tokenizer_dir, monkeypatch, kind, kill_after, victim
 ):
+    """SIGKILL of the prepare, or of one of its tokenizer workers (the OOM killer's choice): the run
+    ends (a dead worker: in one line, not a wait for its chunk forever), and the next one continues."""
+    if victim == "worker" and worker_count() < 2:
+        pytest.skip("one core: the prepare tokenizes in its own process")
     sources = books(tmp_path / "data", 100)
     if kind == "hub":  # `hf:` streams through datasets; a local dataset folder stands in for a Hub name
         (tmp_path / "data" / "hub").mkdir()
@@ -164,8 +186,13 @@ def test_a_prepare_killed_at_any_point_resumes_to_the_same_bytes(
     while len(list((tmp_path / "cache").glob(".train-*.shards-200/*.npz"))) < kill_after:
         assert child.poll() is None and time.monotonic() < deadline, child.stdout.read().decode()
         time.sleep(0.01)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    if victim == "prepare":
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    else:
+        os.kill(worker_processes(child.pid)[0], signal.SIGKILL)
+        output = child.communicate(timeout=120)[0].decode()
+        assert child.returncode == 2 and "tokenizer worker process ended abruptly" in output.splitlines()[-1]
     assert not list((tmp_path / "cache").glob("train-*")), "the prepare finished before it was killed"
     kept = len(list((tmp_path / "cache").glob(".train-*.shards-200/*.npz")))
 
