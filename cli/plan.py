@@ -43,9 +43,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (default 8)")
     parser.add_argument(
-        "--interconnect", default="nvlink",
+        "--interconnect",
         help=f"{', '.join(link_names())}, BANDWIDTH,LATENCY_US (bus bytes/s, us), or a --calibrate .json "
-        "(default nvlink)",
+        "(default: the --device calibration's link, else nvlink)",
     )  # fmt: skip
     parser.add_argument(
         "--device", default="h100",
@@ -211,7 +211,9 @@ def layer_choices(spec: str | None, num_layers: int) -> dict[str, list[int]]:
 
 def plan(args: argparse.Namespace, config: dict, folder: Path | None) -> dict:
     shape = ModelShape.from_config(config)
-    device, link = device_profile(args.device), link_profile(args.interconnect)
+    # A calibration measured a device and a link together: one file names both.
+    interconnect = args.interconnect or (args.device if args.device.endswith(".json") else "nvlink")
+    device, link = device_profile(args.device), link_profile(interconnect)
     on_cpu = device.name.startswith("cpu")
     dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
     graphs = not (args.eager or on_cpu)
@@ -340,7 +342,7 @@ def run_calibration(out: str, link_rate: str) -> None:
         f"all-reduce on {link['name']}: {link['base_us']:.0f} us + bytes / {link['bus_bandwidth'] / 1e9:.3g} GB/s "
         f"(of which {link['host_us']:.0f} us + {link['host_ns_per_byte']:.1f} ns/byte on the CPU); "
         f"load average {profile['machine']['load_average']:.2f}\n"
-        f"written to {out}: use it as --device {out} --interconnect {out}"
+        f"written to {out}: use it as --device {out} (its link comes with it)"
     )
 
 

@@ -275,7 +275,8 @@ def test_calibration_measures_this_machine_and_plans_from_it(tmp_path, capsys):
     device, link = profile["device"], profile["links"][0]
     assert device["bandwidth"] > 1e8 and device["flops"] > 1e8 and device["memory"] > 1e9
     assert link["name"] == "loopback" and link["bus_bandwidth"] > 0 and link["host_us"] >= 0
-    assert main(["plan", "embedded", "--tp", "2", "--device", str(out), "--interconnect", str(out), "--json"]) == 0
+    assert main(["plan", "embedded", "--tp", "2", "--device", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["device"]["name"] == "cpu (measured)" and result["dtype"] == "float32"
+    assert result["interconnect"]["name"] == "loopback"  # the calibration's own link
     assert all(row["standard_ms_per_token"] > 0 for row in result["rows"])
