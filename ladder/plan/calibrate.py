@@ -1,8 +1,9 @@
 """`ladder plan --calibrate`: measure this machine's profile for the model in speed.py.
 
 - device (each of two ranks at once, one thread each, float32): memory bandwidth from matrix-vector products over
-  weights far larger than the caches (what decode does), the matmul rate from a large square matmul,
-  and the cost of one eager operator from a forward of a tiny model (whose roofline time is nil);
+  weights far larger than the caches (what decode does), the matmul rate from the same weights at four
+  tokens, and the cost of one eager operator from a forward of a tiny model (whose roofline time is nil);
+  `matmul_peak` is the other rate, every thread on a large square matmul (training's MFU reference);
 - link: two ranks over gloo (torchrun; behind a command prefix such as ladder/plan/emulated_link.py's
   network namespace) time blocking all-reduces of several sizes, fitted to base + bytes / bandwidth
   (`fit_latency_bandwidth`), and at each size an asynchronous all-reduce beside a longer matmul, whose
