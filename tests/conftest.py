@@ -14,9 +14,9 @@ _HF_HOME = tempfile.mkdtemp(prefix="ladder-tests-hf-")
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=_HF_HOME)
 
 import pytest  # noqa: E402
-from transformers import AutoTokenizer, GenerationConfig  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
-from tiny import tiny_llama  # noqa: E402
+from tiny import save_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -35,19 +35,7 @@ def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny random Llama checkpoint directory with SmolLM2's tokenizer (vocab 49152), as
     `save_pretrained` writes it: config.json, model.safetensors, tokenizer, generation config.
     Shared by the whole session: tests must not modify it (copy it first)."""
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-    model = tiny_llama(
-        vocab_size=len(tokenizer),
-        num_hidden_layers=4,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer_dir, num_hidden_layers=4)
 
 
 @pytest.fixture

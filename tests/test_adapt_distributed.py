@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 from test_adapt import corpus, losses, metrics, prose, run_adapt, write_recipe  # noqa: F401 (corpus: a fixture)
 from test_convert import _mount_namespace_prefix
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ladder.adapt.data import prepare_data
 from ladder.adapt.losses import block_losses
@@ -33,7 +33,7 @@ from ladder.adapt.recipe import load_recipe
 from ladder.adapt.train import train
 from ladder.cli import main as ladder_main
 from ladder.launch import free_port, multi_process_launcher
-from tiny import tiny_llama, two_processes
+from tiny import save_tiny_checkpoint, two_processes
 
 REPO = Path(__file__).resolve().parents[1]
 FSDP_CONFIG = REPO / "recipes" / "accelerate" / "fsdp-cpu-2proc.yaml"
@@ -157,21 +157,13 @@ def machine_launcher(machine_rank: int, port: int) -> list[str]:
 def wide_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny checkpoint whose decoder layers, not its (tied) embedding, hold most of its 88 MB: what a
     process that receives its shards saves shows in its memory, as for an 8B model."""
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-    model = tiny_llama(
-        vocab_size=len(tokenizer),
+    return save_tiny_checkpoint(
+        tmp_path_factory.mktemp("wide-llama"),
+        smollm2_tokenizer_dir,
         num_hidden_layers=8,
         intermediate_size=8192,
         tie_word_embeddings=True,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
     )
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    directory = tmp_path_factory.mktemp("wide-llama")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 @two_processes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -39,6 +41,20 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
             if "norm" in name:
                 parameter.add_(0.1 * torch.randn_like(parameter))
     return model
+
+
+def save_tiny_checkpoint(directory: Path, tokenizer_dir: Path, **overrides) -> Path:
+    """A tiny Llama with the tokenizer at `tokenizer_dir` (its vocabulary and special tokens), saved to
+    `directory` as `save_pretrained` writes it: config, weights, generation config, tokenizer."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=512, **special, **overrides)
+    model.generation_config = GenerationConfig(**special)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
 
 
 def random_ids(batch: int = 2, length: int = 12, seed: int = 1, vocab_size: int = 256) -> torch.Tensor:
