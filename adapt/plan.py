@@ -23,13 +23,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ladder.errors import UsageError
 from ladder.layers import parse_ladder_layers
-from ladder.plan.calibrate import matmul_peak
+from ladder.plan.calibrate import machine_memory, matmul_peak
 from ladder.plan.costs import ModelShape, parameter_counts
 
 from .recipe import Recipe
@@ -151,9 +150,8 @@ def memory_parts(shape: ModelShape, setting: Setting, policy: str, chunk_positio
         + tokens * (2 * shape.hidden_size + 2 * shape.intermediate_size) * 4
     )
     head_weight = counts.lm_head or counts.embedding
-    head = (
-        chunk_positions * shape.vocab_size * 4 * 2 + tokens * shape.hidden_size * 4 * 2
-    )  # chunk logits; hidden + its grad
+    # The chunk's logits and their gradient; the hidden states and theirs.
+    head = chunk_positions * shape.vocab_size * 4 * 2 + tokens * shape.hidden_size * 4 * 2
     if setting.head_trained:
         # The head's gradient, built in the forward: a float32 sum; in bf16 also each chunk's float32
         # product and the sum's cast to the weight's dtype (adapt/losses.py).
@@ -278,33 +276,32 @@ def recipe_plan(
     shape = model_shape(read_model_config(source_path(recipe.model.path)))
     if accelerator is None:  # planning for GPUs (their flops given), or for this machine
         accelerator = device_flops is not None or torch.accelerator.is_available()
-    flops_source = ""
-    if device_flops is None:
-        device_flops, flops_source = matmul_peak(), "of this machine's measured fp32 matmul peak; "
-    if device_memory is None:
-        device_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return shape_plan(recipe, shape, devices, device_memory, device_flops, accelerator, utilisation, flops_source)
+    return shape_plan(recipe, shape, devices, device_memory, device_flops, accelerator, utilisation)
 
 
 def shape_plan(
     recipe: Recipe,
     shape: ModelShape,
     devices: int,
-    device_memory: float,
-    device_flops: float,
+    device_memory: float | None,
+    device_flops: float | None,
     accelerator: bool,
     utilisation: float | None = None,
-    flops_source: str = "",
     ladder_layers: list[int] | None = None,
 ) -> Plan:
-    """The plan of `recipe`'s training of a model of this shape (`ladder plan --recipe` plans each
-    layer choice with its `ladder_layers`, which decide what trains under trainable.mode ladder)."""
+    """The plan of `recipe`'s training of a model of this shape; a memory or FLOP rate not given is this
+    machine's (its RAM; its measured fp32 matmul peak). `ladder plan --recipe` plans each layer choice
+    with its `ladder_layers`, which decide what trains under trainable.mode ladder."""
     mode = "compiled" if recipe.model.compiles(accelerator) else "eager"
-    source = "given" if utilisation is not None else flops_source + UTILISATION_SOURCE.format(mode=mode)
+    source = UTILISATION_SOURCE.format(mode=mode)
+    if device_flops is None:
+        device_flops, source = matmul_peak(), f"of this machine's measured fp32 matmul peak; {source}"
+    if utilisation is not None:
+        source = "given"
     return make_plan(
         shape,
         setting_of(recipe, shape, devices, accelerator, ladder_layers=ladder_layers),
-        device_memory,
+        device_memory or machine_memory(),
         device_flops,
         UTILISATION[mode] if utilisation is None else utilisation,
         source,
@@ -324,7 +321,7 @@ def checkpointing_policy(recipe: Recipe, config, processes: int, fsdp: bool) -> 
     if accelerator:
         memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     else:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = machine_memory()
     shape = model_shape(config)
     return make_plan(
         shape, setting_of(recipe, shape, processes, accelerator, fsdp), memory, 1.0

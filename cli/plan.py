@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from dataclasses import asdict
 from pathlib import Path
@@ -250,7 +249,6 @@ def retraining_costs(
     train, so fewer ladder layers cost less; under `all` every choice costs the same."""
     from ladder.adapt.plan import shape_plan
     from ladder.adapt.recipe import load_recipe
-    from ladder.plan.calibrate import matmul_peak
 
     recipe = load_recipe(recipe_path, args.set)
     devices = args.train_devices or args.tp
@@ -259,12 +257,12 @@ def retraining_costs(
         raise UsageError(
             "--recipe needs the device's memory: --device FLOPS,BANDWIDTH,MEMORY (e.g. 989e12,3.35e12,80e9)"
         )
-    memory = device.memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    # A CPU trains with every core: its matmul peak, not the one-core decode rate a profile holds.
-    flops, source = (matmul_peak(), "of this machine's measured fp32 matmul peak; ") if on_cpu else (device.flops, "")
+    # A CPU trains with every core: its measured matmul peak (shape_plan's default), not the one-core
+    # decode rate a profile holds; its memory is this machine's RAM unless a calibration recorded it.
+    flops = None if on_cpu else device.flops
     costs = {}
     for label, layers in choices.items():
-        plan = shape_plan(recipe, shape, devices, memory, flops, not on_cpu, flops_source=source, ladder_layers=layers)
+        plan = shape_plan(recipe, shape, devices, device.memory or None, flops, not on_cpu, ladder_layers=layers)
         costs[label] = dict(
             recipe=recipe.name, tokens=recipe.budget, trainable=recipe.trainable.mode, devices=devices,
             device_hours=plan.device_hours, hours=plan.device_hours / devices,

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -78,9 +79,16 @@ def device_rates(threads: int = 1) -> dict[str, float]:
     return {"flops": flops, "bandwidth": bandwidth, "operator_us": measure_operator_us(threads)}
 
 
+def machine_memory() -> int:
+    """Bytes of RAM on this machine: what a CPU run plans its memory against."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@functools.cache
 def matmul_peak(size: int = 1024, seconds: float = 1.0) -> float:
     """FLOP/s of float32 `size` x `size` matmuls with every thread, best of repeated runs for `seconds`:
-    this CPU's peak, what training's MFU is measured against (decode runs far below it: device_rates)."""
+    this CPU's peak, what training's MFU is measured against (decode runs far below it: device_rates).
+    Measured once per process: a plan of several layer choices reads it for each."""
     import torch
 
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -101,7 +109,7 @@ def device_from_rates(rates: dict[str, float], how: str) -> Device:
         efficiency=1.0,
         kernel_us=rates["operator_us"],
         eager_kernel_us=rates["operator_us"],
-        memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        memory=machine_memory(),
         source=f"measured here by ladder plan --calibrate: {how}, float32, 1 thread per rank",
     )
 
