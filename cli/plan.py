@@ -213,9 +213,8 @@ def plan(args: argparse.Namespace, config: dict, folder: Path | None) -> dict:
     # A calibration measured a device and a link together: one file names both.
     interconnect = args.interconnect or (args.device if args.device.endswith(".json") else "nvlink")
     device, link = device_profile(args.device), link_profile(interconnect)
-    on_cpu = device.name.startswith("cpu")
-    dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
-    graphs = not (args.eager or on_cpu)
+    dtype = args.dtype or ("float32" if device.on_cpu else "bfloat16")
+    graphs = not (args.eager or device.on_cpu)
     choices, damage = layer_choices(args.layers, shape.num_layers), recorded_damage(folder)
     recipe = args.recipe or adapted_recipe(folder)
     if (args.train_devices is not None or args.set) and recipe is None:
@@ -252,17 +251,16 @@ def retraining_costs(
 
     recipe = load_recipe(recipe_path, args.set)
     devices = args.train_devices or args.tp
-    on_cpu = device.name.startswith("cpu")
-    if not (device.memory or on_cpu):
+    if not (device.memory or device.on_cpu):
         raise UsageError(
             "--recipe needs the device's memory: --device FLOPS,BANDWIDTH,MEMORY (e.g. 989e12,3.35e12,80e9)"
         )
     # A CPU trains with every core: its measured matmul peak (shape_plan's default), not the one-core
     # decode rate a profile holds; its memory is this machine's RAM unless a calibration recorded it.
-    flops = None if on_cpu else device.flops
+    flops = None if device.on_cpu else device.flops
     costs = {}
     for label, layers in choices.items():
-        plan = shape_plan(recipe, shape, devices, device.memory or None, flops, not on_cpu, ladder_layers=layers)
+        plan = shape_plan(recipe, shape, devices, device.memory or None, flops, not device.on_cpu, ladder_layers=layers)
         costs[label] = dict(
             recipe=recipe.name, tokens=recipe.budget, trainable=recipe.trainable.mode, devices=devices,
             device_hours=plan.device_hours, hours=plan.device_hours / devices,

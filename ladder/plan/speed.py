@@ -46,6 +46,11 @@ class Device:
     memory: float = 0.0  # bytes a retraining fits into; 0: this machine's RAM
     source: str = ""
 
+    @property
+    def on_cpu(self) -> bool:
+        """The cpu row, or a calibration of this machine ("cpu (measured)")."""
+        return self.name.startswith("cpu")
+
     def module_seconds(self, cost: ModuleCost, kernels: int, graphs: bool) -> float:
         roofline = max(cost.bytes / self.bandwidth, cost.flops / self.flops) / self.efficiency
         return roofline + kernels * 1e-6 * (self.kernel_us if graphs else self.eager_kernel_us)
