@@ -4,7 +4,6 @@ seeded samples, mixtures, and the cache's size."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from test_adapt import prose
 from transformers import AutoTokenizer
@@ -142,16 +142,6 @@ sys.exit(run_command("adapt", prepare, []))
 """
 
 
-def worker_processes(parent: int) -> list[int]:
-    """The processes `parent` started (its tokenizer workers)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                children.append(int(stat.parent.name))
-    return children
-
-
 @pytest.mark.parametrize(
     "kind, kill_after, victim", [("local", 1, "prepare"), ("local", 30, "prepare"), ("hub", 15, "prepare"),
                                  ("local", 5, "worker")]
@@ -190,7 +180,9 @@ def test_a_prepare_killed_at_any_point_resumes_to_the_same_bytes(
         child.send_signal(signal.SIGKILL)
         child.wait()
     else:
-        os.kill(worker_processes(child.pid)[0], signal.SIGKILL)
+        prepare = psutil.Process(child.pid)
+        # A tokenizer worker: forked, so it runs the prepare's own command line.
+        next(p for p in prepare.children() if p.cmdline() == prepare.cmdline()).kill()  # SIGKILL
         output = child.communicate(timeout=120)[0].decode()
         assert child.returncode == 2 and "tokenizer worker process ended abruptly" in output.splitlines()[-1]
     assert not list((tmp_path / "cache").glob("train-*")), "the prepare finished before it was killed"
