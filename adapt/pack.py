@@ -229,28 +229,25 @@ class ChunkRunner:
         if self.pool is None:
             yield from ((tag, tokenize_in_worker(chunk) if chunk is not None else None) for tag, chunk in jobs)
             return
-        pending = deque()
-        for tag, chunk in jobs:
-            pending.append((tag, self.pool.submit(tokenize_in_worker, chunk) if chunk is not None else None))
-            while len(pending) > 2 * self.workers or (pending and ready(pending[0][1])):
-                tag_done, future = pending.popleft()
-                yield tag_done, result_of(future)
-        for tag, future in pending:
-            yield tag, result_of(future)
+        # A dead worker breaks the pool: the next `result()` raises, and so does the next `submit()`.
+        try:
+            pending = deque()
+            for tag, chunk in jobs:
+                pending.append((tag, self.pool.submit(tokenize_in_worker, chunk) if chunk is not None else None))
+                while len(pending) > 2 * self.workers or (pending and ready(pending[0][1])):
+                    tag_done, future = pending.popleft()
+                    yield tag_done, future.result() if future is not None else None
+            for tag, future in pending:
+                yield tag, future.result() if future is not None else None
+        except BrokenProcessPool:
+            raise UsageError(
+                "a tokenizer worker process ended abruptly (killed, or out of memory: see `dmesg`); the shards "
+                "written so far are kept, and the same command continues from them"
+            ) from None
 
 
 def ready(future: Future | None) -> bool:
     return future is None or future.done()
-
-
-def result_of(future: Future | None) -> Tokenized | None:
-    try:
-        return future.result() if future is not None else None
-    except BrokenProcessPool:
-        raise UsageError(
-            "a tokenizer worker process ended abruptly (killed, or out of memory: see `dmesg`); the shards "
-            "written so far are kept, and the same command continues from them"
-        ) from None
 
 
 @dataclass

@@ -4,6 +4,7 @@ seeded samples, mixtures, and the cache's size."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +23,10 @@ from transformers import AutoTokenizer
 
 from ladder.adapt import sources as sources_module
 from ladder.adapt.data import load_blocks
-from ladder.adapt.pack import Sampling, worker_count
+from ladder.adapt.pack import ChunkRunner, Sampling, worker_count
 from ladder.adapt.recipe import SourceSpec
 from ladder.adapt.sources import resumable_batches, source_chunks
+from ladder.adapt.tokenize import Chunk, Worker
 from ladder.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -196,6 +199,23 @@ def test_a_prepare_killed_at_any_point_resumes_to_the_same_bytes(
         assert (entry / name).read_bytes() == (reference / name).read_bytes(), name
     assert np.array_equal(resumed.ids, straight.ids) and kept >= kill_after
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [entry.name], "the shards are cleared"
+
+
+def test_a_worker_dead_before_the_next_chunk_is_sent_ends_the_run_in_one_line(smollm2_tokenizer_dir):
+    """The kill test above races the pool: a worker that dies between chunks breaks the pool before
+    the next `submit`, which then raises (once a traceback and status 1 in CI). Here that order is fixed."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    worker = Worker(tokenizer.backend_tokenizer.to_str(), None, tokenizer.special_tokens_map, tokenizer.eos_token_id)
+    source = SourceSpec(path="books")
+    with ChunkRunner(worker, 2) as runner:
+        this = psutil.Process()
+        next(p for p in this.children() if p.cmdline() == this.cmdline()).kill()  # a forked worker
+        with contextlib.suppress(BrokenProcessPool):  # until the executor has noticed the death
+            while True:
+                runner.pool.submit(int).result(timeout=30)
+        jobs = ((n, Chunk(source, "books", "text", ["some words"], ["books:1"])) for n in range(3))
+        with pytest.raises(UsageError, match="tokenizer worker process ended abruptly"):
+            list(runner.run(jobs))
 
 
 def test_a_failing_stream_is_reopened_where_it_stopped(capsys):
