@@ -14,7 +14,7 @@ cheap to compute again and expensive to keep:
 On the CPU recipe (8 trained layers, 2 x 512 tokens) that is 127 of 346 MiB of saved activations;
 `benchmarks/train_speed.py` measures what it does to peak RSS and to the speed. The forward runs the
 modules' own code, so outputs are those of the unchanged modules; the backward computes what
-autograd would, from recomputed values (tests/test_adapt.py checks the gradients, fp32 and bf16).
+autograd would, from recomputed values (tests/test_adapt_objectives.py checks the gradients, fp32 and bf16).
 """
 
 from __future__ import annotations

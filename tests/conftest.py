@@ -1,4 +1,4 @@
-"""Test session setup: no network, a private HF cache, and shared tiny checkpoints.
+"""Test session setup: no network, a private HF cache, and shared tiny checkpoints and corpus.
 
 The environment is set before transformers is imported anywhere, so no test can reach the Hub
 or write into the user's cache.
@@ -16,6 +16,7 @@ os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFL
 import pytest  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from adapt_runs import prose  # noqa: E402
 from tiny import save_tiny_checkpoint  # noqa: E402
 
 
@@ -51,3 +52,14 @@ def gguf_parses(monkeypatch) -> list:
 
     monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
     return parsed
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """Three books of generated prose in `train/` and a held-out file, for adapt runs on `tiny_checkpoint`."""
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "train").mkdir()
+    for i in range(3):
+        (folder / "train" / f"book{i}.txt").write_text(prose(i, 40))
+    (folder / "heldout.txt").write_text(prose(99, 30))
+    return folder

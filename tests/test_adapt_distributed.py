@@ -23,10 +23,10 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_adapt import corpus, losses, metrics, prose, run_adapt, write_recipe  # noqa: F401 (corpus: a fixture)
-from test_convert import _mount_namespace_prefix
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from adapt_runs import losses, metrics, prose, run_adapt, write_recipe
+from checkpoints import private_mount_namespace
 from ladder.adapt.data import prepare_data
 from ladder.adapt.losses import block_losses
 from ladder.adapt.recipe import load_recipe
@@ -75,7 +75,7 @@ def assert_same_curve(reference: list[dict], other: list[dict], tolerance: float
 
 
 @pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory, tiny_checkpoint, corpus) -> Path:  # noqa: F811
+def one_process_run(tmp_path_factory, tiny_checkpoint, corpus) -> Path:
     """The reference: one process, micro_batch 4."""
     directory = tmp_path_factory.mktemp("one")
     train(load_recipe(write_recipe(directory, tiny_checkpoint, corpus, budget=STEPS * 256)))
@@ -83,7 +83,7 @@ def one_process_run(tmp_path_factory, tiny_checkpoint, corpus) -> Path:  # noqa:
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory, tiny_checkpoint, corpus) -> Path:  # noqa: F811
+def fsdp_run(tmp_path_factory, tiny_checkpoint, corpus) -> Path:
     """The same recipe on 2 FSDP2 processes of micro_batch 2: the same blocks per step."""
     directory = tmp_path_factory.mktemp("fsdp")
     recipe = write_recipe(directory, tiny_checkpoint, corpus, budget=STEPS * 256, **{"batch.micro_batch": 2})
@@ -170,7 +170,7 @@ def wide_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 def test_two_nodes_read_the_checkpoint_once_and_give_the_loss_curve_of_one_process(
     tmp_path,
     wide_checkpoint,
-    corpus,  # noqa: F811
+    corpus,
 ):
     # Two "nodes" of one process each on localhost (two launchers, static rendezvous, gloo) train the
     # recipe that one process trains, with a teacher (kd mixed with lm, plus the hidden-stream term).
@@ -226,7 +226,7 @@ def assert_preempted(output: str, run_dir: Path, recipe: Path, signal_name: str)
 
 
 @two_processes
-def test_fsdp_preempted_then_killed_resumes_exactly(tmp_path, tiny_checkpoint, corpus, fsdp_run):  # noqa: F811
+def test_fsdp_preempted_then_killed_resumes_exactly(tmp_path, tiny_checkpoint, corpus, fsdp_run):
     recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256, **{"batch.micro_batch": 2})
     run_dir = tmp_path / "run"
     assert ladder_main(["adapt", str(recipe), "--prepare-data"]) == 0
@@ -279,7 +279,7 @@ def wait_until_waiting(process: psutil.Process, timeout: float = 120) -> None:
 
 
 @two_processes
-def test_a_stalled_rank_ends_the_run_fast_naming_the_step(tmp_path, tiny_checkpoint, corpus):  # noqa: F811
+def test_a_stalled_rank_ends_the_run_fast_naming_the_step(tmp_path, tiny_checkpoint, corpus):
     collective = 3  # seconds (timeout.collective; 900 by default)
     overrides = {"batch.micro_batch": 2, "timeout.collective": collective, "precision": "bf16"}
     recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256, **overrides)
@@ -313,7 +313,7 @@ def test_a_stalled_rank_ends_the_run_fast_naming_the_step(tmp_path, tiny_checkpo
     assert "FSDP2: parameters in bfloat16, gradients reduced in float32" in output.splitlines()
 
 
-def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, tiny_checkpoint, corpus, one_process_run):  # noqa: F811
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, tiny_checkpoint, corpus, one_process_run):
     recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256)
     run_dir = tmp_path / "run"
     process = run_adapt([str(recipe)])
@@ -380,7 +380,7 @@ def test_gradient_accumulation_makes_the_update_of_one_large_batch(tmp_path, tin
 def test_a_kill_while_a_checkpoint_is_written_keeps_the_previous_one(
     tmp_path,
     tiny_checkpoint,
-    corpus,  # noqa: F811
+    corpus,
     one_process_run,
 ):
     # The script dies inside the second checkpoint's save, after accelerate wrote the model,
@@ -417,12 +417,12 @@ def test_a_kill_while_a_checkpoint_is_written_keeps_the_previous_one(
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_one(
     tmp_path,
     tiny_checkpoint,
-    corpus,  # noqa: F811
+    corpus,
     one_process_run,
 ):
     # A real ENOSPC: the run folder is on a 110 MB tmpfs, where the checkpoint at step 3 (77 MB:
     # weights and AdamW's two moments in fp32) fits and the one at step 6 does not.
-    prefix = _mount_namespace_prefix()
+    prefix = private_mount_namespace()
     disk, copied = tmp_path / "disk", tmp_path / "copied"
     disk.mkdir()
     recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256, output_dir=str(disk / "run"))
@@ -458,7 +458,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_one(
 
 
 @pytest.mark.parametrize("state", ["finished", "partial"])
-def test_resume_refuses_a_run_made_with_other_settings(tmp_path, tiny_checkpoint, corpus, capsys, state):  # noqa: F811
+def test_resume_refuses_a_run_made_with_other_settings(tmp_path, tiny_checkpoint, corpus, capsys, state):
     recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=2 * 256, checkpoint_every=1)
     train(load_recipe(recipe))
     run_dir = tmp_path / "run"

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,8 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import ladder
 from benchmarks.common import write_synthetic_checkpoint
+from checkpoints import copy_of, edit_config, edit_tensors, private_mount_namespace, run_convert, snapshot, write_gguf
 from ladder import LadderLlamaForCausalLM, to_ladder
-from ladder.cli import main as ladder_main
 from ladder.convert import execute as convert_execute
 from ladder.convert.checks import expected_shapes
 from ladder.convert.execute import MODELING_FILES
@@ -45,25 +44,11 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def run_convert(capsys, *args) -> tuple[int, str, str]:
-    code = ladder_main(["convert", *map(str, args)])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def snapshot(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): sha256_file(p) for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
 def all_tensors(directory: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for path in sorted(directory.glob("*.safetensors")):
         tensors.update(load_file(path))
     return tensors
-
-
-def copy_of(checkpoint: Path, destination: Path) -> Path:
-    return Path(shutil.copytree(checkpoint, destination))
 
 
 def resaved(checkpoint: Path, destination: Path, **save_options) -> Path:
@@ -250,30 +235,6 @@ def test_existing_output_needs_force_and_force_replaces_only_a_conversion(tiny_c
 # --- Bad input: one line, exit 2, nothing written, the source untouched ----------------------------
 
 
-def _write_gguf(path: Path, architecture: str, tensor_type: gguf.GGMLQuantizationType, block_count: int = 2) -> Path:
-    writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_block_count(block_count)
-    _, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
-    writer.add_tensor("token_embd.weight", np.zeros((2, type_size), dtype=np.uint8), raw_dtype=tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def _edit_config(source: Path, **changes) -> None:
-    config = json.loads((source / "config.json").read_text())
-    config.update(changes)
-    (source / "config.json").write_text(json.dumps(config))
-
-
-def _edit_tensors(source: Path, edit) -> None:
-    tensors = load_file(source / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
-
-
 def _overwrite_start(path: Path, data: bytes) -> None:
     with open(path, "r+b") as handle:
         handle.write(data)
@@ -288,7 +249,7 @@ BAD_INPUTS = {
     # name: (make the source in `work` from a copy of the tiny checkpoint `src`, extra args, message)
     "missing-path": (lambda src, work: work / "nowhere", [], "does not exist"),
     "not-llama": (
-        lambda src, work: _edit_config(src, model_type="mistral") or src,
+        lambda src, work: edit_config(src, model_type="mistral") or src,
         [],
         "model_type 'mistral'; supported: 'llama' or 'llamaLadder'",
     ),
@@ -311,27 +272,27 @@ BAD_INPUTS = {
         "the header is not JSON",
     ),
     "unexpected-tensor": (
-        lambda src, work: _edit_tensors(src, lambda t: t.update(extra=torch.zeros(2))) or src,
+        lambda src, work: edit_tensors(src, lambda t: t.update(extra=torch.zeros(2))) or src,
         [],
         "tensor extra is not part of a Llama with this config",
     ),
     "missing-tensor": (
-        lambda src, work: _edit_tensors(src, lambda t: t.pop("model.norm.weight")) or src,
+        lambda src, work: edit_tensors(src, lambda t: t.pop("model.norm.weight")) or src,
         [],
         "lacks 1 tensor(s) its config needs: model.norm.weight",
     ),
     "wrong-shape": (
-        lambda src, work: _edit_config(src, intermediate_size=96) or src,
+        lambda src, work: edit_config(src, intermediate_size=96) or src,
         [],
         "has shape [128, 64]; the config needs [96, 64]",
     ),
     "gguf-other-architecture": (
-        lambda src, work: _write_gguf(work / "m.gguf", "gpt2", gguf.GGMLQuantizationType.F32),
+        lambda src, work: write_gguf(work / "m.gguf", "gpt2", gguf.GGMLQuantizationType.F32),
         [],
         "holds a 'gpt2' model; only the 'llama' architecture converts",
     ),
     "gguf-unsupported-type": (
-        lambda src, work: _write_gguf(work / "m.gguf", "llama", gguf.GGMLQuantizationType.Q8_K),
+        lambda src, work: write_gguf(work / "m.gguf", "llama", gguf.GGMLQuantizationType.Q8_K),
         [],
         "quantization type Q8_K, which gguf",
     ),
@@ -425,22 +386,9 @@ def test_sigkill_mid_copy_leaves_no_output_and_a_rerun_works(tmp_path, capsys):
         assert sha256_file(out / name) == sha256_file(source / name)
 
 
-def _mount_namespace_prefix() -> list[str]:
-    """A private mount namespace, so the test can mount a small tmpfs that vanishes with it."""
-    prefix = ["unshare", "--mount", "--propagation", "private"]
-    if os.geteuid() != 0:
-        prefix = ["unshare", "--user", "--map-root-user", "--mount"]
-    if (
-        shutil.which("unshare") is None
-        or subprocess.run([*prefix, "mount", "-t", "tmpfs", "tmpfs", "/mnt"], capture_output=True).returncode != 0
-    ):
-        pytest.skip("cannot mount a tmpfs in a private mount namespace here")
-    return prefix
-
-
 def test_full_disk_is_one_line_and_leaves_nothing(tiny_checkpoint, tmp_path):
     """A real ENOSPC: the output goes to a 12 MB tmpfs (the weights need 26 MB)."""
-    prefix = _mount_namespace_prefix()
+    prefix = private_mount_namespace()
     disk = tmp_path / "disk"
     disk.mkdir()
     script = (

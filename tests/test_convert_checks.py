@@ -8,8 +8,8 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from test_convert import _edit_config, _edit_tensors, _write_gguf, copy_of, run_convert, snapshot
 
+from checkpoints import copy_of, edit_config, edit_tensors, run_convert, snapshot, write_gguf
 from ladder.convert.convert import convert_checkpoint
 
 HIDDEN, LAYERS = 64, 4  # the tiny checkpoint's
@@ -28,8 +28,8 @@ def _attention_of(source: Path, heads: int, kv_heads: int, head_dim: int | None)
             tensors[prefix + "v_proj.weight"] = torch.randn(kv_heads * size, HIDDEN)
             tensors[prefix + "o_proj.weight"] = torch.randn(HIDDEN, heads * size)
 
-    _edit_tensors(source, resize)
-    _edit_config(source, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    edit_tensors(source, resize)
+    edit_config(source, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
     return source
 
 
@@ -45,22 +45,22 @@ def _integer_norm(tensors: dict[str, torch.Tensor]) -> None:
 REFUSED = {
     # name: (make the source in `work` from a copy of the tiny checkpoint `src`, extra args, message)
     "a-billion-layers": (
-        lambda src, work: _edit_config(src, num_hidden_layers=10**9) or src,
+        lambda src, work: edit_config(src, num_hidden_layers=10**9) or src,
         [],
         "config.json: num_hidden_layers is 1000000000, but the weights hold layers 0-3",
     ),
     "a-billion-layers-two-named": (
-        lambda src, work: _edit_config(src, num_hidden_layers=10**9) or src,
+        lambda src, work: edit_config(src, num_hidden_layers=10**9) or src,
         ["--layers", "2"],
         "config.json: num_hidden_layers is 1000000000, but the weights hold layers 0-3",
     ),
     "gguf-a-billion-blocks": (
-        lambda src, work: _write_gguf(work / "m.gguf", "llama", gguf.GGMLQuantizationType.F32, block_count=10**9),
+        lambda src, work: write_gguf(work / "m.gguf", "llama", gguf.GGMLQuantizationType.F32, block_count=10**9),
         [],
         "has llama.block_count 1000000000, but its tensors hold 0 blocks",
     ),
     "integer-weights": (
-        lambda src, work: _edit_tensors(src, _integer_norm) or src,
+        lambda src, work: edit_tensors(src, _integer_norm) or src,
         [],
         "tensor model.norm.weight holds int64; every weight of a Llama is floating point (1 such tensor)",
     ),
@@ -121,7 +121,7 @@ def _infinite_head(tensors: dict[str, torch.Tensor]) -> None:
 def test_verification_refuses_damage_that_is_not_finite(edit, tiny_checkpoint, tmp_path, capsys):
     work = tmp_path / "work"
     source = copy_of(tiny_checkpoint, work / "src")
-    _edit_tensors(source, edit)
+    edit_tensors(source, edit)
     before = snapshot(work)
     code, stdout, stderr = run_convert(capsys, source, "--out", tmp_path / "out")
     assert code == 2, stdout + stderr

@@ -4,16 +4,14 @@ no network. And the shipped manifest against the data folder's SHA256SUMS."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import re
 import socket
-import threading
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from file_server import Server, write_manifest
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 from ladder.io.data_fetch import DataFile, fetch_data, read_manifest
@@ -35,27 +33,6 @@ def data_folder() -> Path:
     return folder
 
 
-class Server:
-    """A static file server on 127.0.0.1 that records the paths it was asked for."""
-
-    def __init__(self, root: Path):
-        self.requests: list[str] = []
-        server = self
-
-        class Handler(SimpleHTTPRequestHandler):
-            def log_message(self, *args):  # quiet; record instead
-                server.requests.append(self.path)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def served(tmp_path) -> tuple[Server, list[DataFile]]:
     """The server, and the manifest entries of GOOD + ALTERED with their URLs pointing at it."""
@@ -74,13 +51,6 @@ def served(tmp_path) -> tuple[Server, list[DataFile]]:
     ]
     yield server, entries
     server.close()
-
-
-def write_manifest(path: Path, entries: list[DataFile]) -> Path:
-    lines = ["# a test manifest", "path\tsize\tsha256\turl"]
-    lines += [f"{e.path}\t{e.size}\t{e.sha256}\t{e.url}" for e in entries]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def files_under(folder: Path) -> set[str]:

@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_adapt import corpus, metrics, prose, write_recipe  # noqa: F401  (corpus is a fixture)
 
 import ladder
+from adapt_runs import metrics, prose, write_recipe
 from ladder.adapt.distill import Distiller
 from ladder.adapt.layer_choice import LAYER_SEARCH_FILE
 from ladder.adapt.losses import hidden_loss
@@ -230,7 +230,7 @@ def test_the_teacher_started_from_the_student_streams_computes_what_it_computes_
     assert not any(layer._forward_hooks or layer._forward_pre_hooks for layer in student.model.layers)
 
 
-def test_adapt_auto_layers_with_the_hidden_objective(tmp_path, tiny_checkpoint, corpus):  # noqa: F811
+def test_adapt_auto_layers_with_the_hidden_objective(tmp_path, tiny_checkpoint, corpus):
     recipe = write_recipe(
         tmp_path,
         tiny_checkpoint,
@@ -273,7 +273,7 @@ def test_gradient_descent_on_the_hidden_loss_brings_the_streams_closer():
     assert all(p.grad is None for p in teacher.parameters())
 
 
-def test_lm_plus_hidden_starts_above_lm_and_kd_needs_no_ladder_layer(tmp_path, tiny_checkpoint, corpus):  # noqa: F811
+def test_lm_plus_hidden_starts_above_lm_and_kd_needs_no_ladder_layer(tmp_path, tiny_checkpoint, corpus):
     plain = write_recipe(tmp_path / "lm", tiny_checkpoint, corpus, budget=256, **{"trainable.mode": "ladder"})
     mixed = write_recipe(
         tmp_path / "mix",

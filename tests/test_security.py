@@ -15,12 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_data_fetch import Server, write_manifest
 
+from file_server import Server, write_manifest
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 from ladder.io.data_fetch import DataFile
 from ladder.io.files import atomic_directory
+from serving import serve_env_vars, serve_python
 
 
 @pytest.mark.parametrize("escape", ["../victim.txt", "ABSOLUTE", "link/victim.txt"])
@@ -299,7 +300,7 @@ def test_two_conversions_into_one_folder_never_both_succeed(tmp_path, tiny_check
 
 def small_recipe(tmp_path: Path, checkpoint: Path) -> Path:
     """A recipe of a few steps on a small corpus, its output_dir tmp_path / "run"."""
-    from test_adapt import write_recipe
+    from adapt_runs import write_recipe
 
     corpus = tmp_path / "corpus"
     (corpus / "train").mkdir(parents=True)
@@ -435,8 +436,9 @@ def test_a_full_disk_during_a_safetensors_save_is_one_line(tmp_path):
 def test_a_chat_template_that_raises_is_one_line(tmp_path, tiny_checkpoint, capsys):
     """A model whose chat template raises (here through its own `raise_exception`) ended
     `ladder adapt --prepare-data` on chat records in a jinja2 traceback."""
-    from test_adapt import write_recipe
     from transformers import AutoTokenizer
+
+    from adapt_runs import write_recipe
 
     model = tmp_path / "model"
     shutil.copytree(tiny_checkpoint, model)
@@ -471,14 +473,10 @@ def test_serve_refuses_a_non_loopback_host_without_an_api_key(tmp_path, tiny_che
 def test_serve_pre_check_refuses_a_head_size_the_cpu_attention_cannot_run(tiny_checkpoint):
     """The tiny model's heads are 16 wide: vLLM's CPU attention has no kernel for that, the pre-check
     passed it, and the first request killed the engine. Runs this worktree's code in .venv-serve."""
-    from test_vllm import SERVE_PYTHON, serve_env_vars
-
-    if not SERVE_PYTHON.is_file():
-        pytest.skip("no serving environment (.venv-serve): `make serve-env`")
     env = dict(serve_env_vars(), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     script = "import sys; from ladder.errors import run_command; from ladder.serving.server import main; "
     script += "sys.exit(run_command('serve', main, sys.argv[1:]))"
-    command = [str(SERVE_PYTHON), "-c", script, str(tiny_checkpoint), "--check-only"]
+    command = [str(serve_python()), "-c", script, str(tiny_checkpoint), "--check-only"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     (error,) = done.stderr.strip().splitlines()

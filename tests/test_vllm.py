@@ -24,14 +24,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from ladder import to_ladder
 from ladder.launch import free_port
+from serving import serve_env_vars, serve_ladder, serve_python
 from tiny import tiny_llama
 
 # Needs vLLM's environment (.venv-serve), which `make test` builds: `make test-fast` skips it.
 pytestmark = pytest.mark.envs
 
 REPO = Path(__file__).resolve().parents[1]
-SERVE_ENV = REPO / ".venv-serve"
-SERVE_PYTHON = SERVE_ENV / "bin" / "python"
 
 NEW_TOKENS = 32
 PROMPTS = [
@@ -50,28 +49,6 @@ TINY_LADDER_LAYERS = [0, 2, 3]  # ladder first, ladder -> standard, standard -> 
 # The upper 8 of SmolLM2's 30 layers (`ladder convert --layers 8`, which vLLM's compiled mode once
 # served wrongly) and a non-contiguous set below them with every kind of neighbour.
 SMOLLM2_LADDER_LAYERS = "0,2,3,22-29"
-
-
-def serve_python() -> Path:
-    if not SERVE_PYTHON.is_file():
-        pytest.fail(f"the serving environment {SERVE_ENV} is missing: run `make serve-env` (make test builds it)")
-    return SERVE_PYTHON
-
-
-def serve_env_vars() -> dict[str, str]:
-    """The test session's environment (offline, private HF cache) for a subprocess in .venv-serve,
-    with vLLM's compile cache in the session's private cache too: every engine compiles, and the
-    code inductor wrote can be read back (test_compiled_ladder_overlap_order)."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
-    env["VLLM_CACHE_ROOT"] = str(Path(os.environ["HF_HOME"]) / "vllm")
-    env.pop("VIRTUAL_ENV", None)
-    return env
-
-
-def serve_ladder(*arguments: object, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`ladder ARGUMENTS` run from .venv-serve, its output captured."""
-    command = [str(SERVE_ENV / "bin" / "ladder"), *map(str, arguments)]
-    return subprocess.run(command, env=serve_env_vars(), capture_output=True, text=True, timeout=timeout)
 
 
 def reference_greedy(model_dir: Path, prompts: list[list[int]]) -> dict:

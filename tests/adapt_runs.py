@@ -1,0 +1,71 @@
+"""What the tests that run `ladder adapt` share: generated prose, a recipe for the tiny checkpoint,
+a run's metrics, and the adapt command as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+WORDS = (
+    "the a house river lantern quiet walked under over she he they old new bright small letter "
+    "morning evening garden window road stone bird spoke answered slowly again never always"
+).split()
+
+
+def prose(seed: int, paragraphs: int) -> str:
+    rng = random.Random(seed)
+    return "\n\n".join(
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))).capitalize() + "." for _ in range(paragraphs)
+    )
+
+
+def write_recipe(directory: Path, checkpoint: Path, corpus: Path, **overrides) -> Path:
+    recipe = {
+        "model": {"path": str(checkpoint), "ladder_layers": 2},
+        "data": {
+            "train": [str(corpus / "train")],
+            "eval": [str(corpus / "heldout.txt")],
+            "seq_len": 64,
+            "eval_blocks": 8,
+            "cache_dir": str(directory / "cache"),
+        },
+        "budget": 8 * 4 * 64,
+        "batch": {"micro_batch": 4, "grad_accum": 1},
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"warmup_steps": 2, "decay": "cosine"},
+        "checkpoint_every": 3,
+        "eval_every": 4,
+        "output_dir": str(directory / "run"),
+        "logging": {"progress": False},
+    }
+    for key, value in overrides.items():
+        node = recipe
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [record["loss"] for record in metrics(run_dir) if "loss" in record]
+
+
+def run_adapt(args: list[str], launcher: list[str] | None = None, **popen) -> subprocess.Popen:
+    command = (launcher or [sys.executable]) + ["-m", "adapt.cli", *args]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
