@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from adapt_runs import write_recipe
 from file_server import Server, write_manifest
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
@@ -300,8 +301,6 @@ def test_two_conversions_into_one_folder_never_both_succeed(tmp_path, tiny_check
 
 def small_recipe(tmp_path: Path, checkpoint: Path) -> Path:
     """A recipe of a few steps on a small corpus, its output_dir tmp_path / "run"."""
-    from adapt_runs import write_recipe
-
     corpus = tmp_path / "corpus"
     (corpus / "train").mkdir(parents=True)
     (corpus / "train" / "book.txt").write_text("The sea was calm and the ship sailed on. " * 400)
@@ -437,8 +436,6 @@ def test_a_chat_template_that_raises_is_one_line(tmp_path, tiny_checkpoint, caps
     """A model whose chat template raises (here through its own `raise_exception`) ended
     `ladder adapt --prepare-data` on chat records in a jinja2 traceback."""
     from transformers import AutoTokenizer
-
-    from adapt_runs import write_recipe
 
     model = tmp_path / "model"
     shutil.copytree(tiny_checkpoint, model)
