@@ -44,7 +44,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--interconnect",
         help=f"{', '.join(link_names())}, BANDWIDTH,LATENCY_US (bus bytes/s, us), or a --calibrate .json "
-        "(default: the --device calibration's link, else nvlink)",
+        "(default: the --device calibration's link, else nvlink; --device cpu needs one)",
     )  # fmt: skip
     parser.add_argument(
         "--device", default="h100",
@@ -210,6 +210,11 @@ def layer_choices(spec: str | None, num_layers: int) -> dict[str, list[int]]:
 
 def plan(args: argparse.Namespace, config: dict, folder: Path | None) -> dict:
     shape = ModelShape.from_config(config)
+    if args.interconnect is None and args.device == "cpu":  # nvlink, the default, joins GPUs, not CPUs
+        raise UsageError(
+            "--device cpu needs --interconnect (BANDWIDTH,LATENCY_US), or plan from this machine's calibration: "
+            "`ladder plan --calibrate`, then --device runs/plan/calibration-LINK.json"
+        )
     # A calibration measured a device and a link together: one file names both.
     interconnect = args.interconnect or (args.device if args.device.endswith(".json") else "nvlink")
     device, link = device_profile(args.device), link_profile(interconnect)

@@ -178,6 +178,7 @@ def llama_8b_folder(tmp_path):
         (["--layers", "40"], "the model has 32 layers"),
         (["--layers", "auto:0"], "needs 1 <= N <= 32"),
         (["--device", "tpu9"], "--device 'tpu9' is not one of"),
+        (["--device", "cpu"], "--device cpu needs --interconnect"),
         (["--interconnect", "carrier-pigeon"], "--interconnect 'carrier-pigeon' is not one of"),
         (["--interconnect", "/no/such.json"], "is not a calibration"),
         (["--tp", "two"], "invalid int value"),
