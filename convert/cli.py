@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ladder.errors import ArgumentParser, UsageError
+from ladder.errors import ArgumentParser
 from ladder.io.loading import DTYPE_NAMES
 from ladder.layers import format_layers
+from ladder.units import parse_size
 
 # Light on purpose (no torch, no transformers): `--help` and a copy-mode conversion start at once.
 from .convert import convert_checkpoint
@@ -90,18 +91,6 @@ def _add_check_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_size(text: str) -> int:
-    from transformers.utils.hub import convert_file_size_to_int  # resharding loads torch anyway
-
-    try:
-        size = int(text) if text.isdigit() else convert_file_size_to_int(text)
-    except ValueError:
-        raise UsageError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 2GiB") from None
-    if size <= 0:
-        raise UsageError(f"--max-shard-size {text!r} must be positive")
-    return size
-
-
 def _size(nbytes: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
@@ -153,7 +142,7 @@ def main(argv: list[str]) -> int:
         out=args.out,
         ladder_layers=args.layers,
         dtype=args.dtype,
-        max_shard_size=parse_size(args.max_shard_size) if args.max_shard_size else None,
+        max_shard_size=parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else None,
         force=args.force,
         verify=args.verify,
         allow_pickle=args.allow_pickle,

@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 
 from ladder.errors import ArgumentParser, UsageError
-from ladder.io.loading import check_llama_checkpoint, resolve_model_path
+from ladder.io.loading import check_llama_checkpoint, read_config_dict, resolve_model_path
 from ladder.serving.engine import cpu_binding, vllm_error_message, vllm_version_problem
+from ladder.tp.degrees import vllm_refusal
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -121,6 +122,14 @@ def check_servable(model: Path, tp: int) -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
+    # vLLM checks the KV heads only when it builds the model, after loading: check both here (the
+    # rules `ladder plan` prices with, ladder/tp/degrees.py).
+    declared = read_config_dict(model)
+    heads = declared.get("num_attention_heads")
+    kv_heads = declared.get("num_key_value_heads", heads)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads > 0 and kv_heads > 0:
+        if problem := vllm_refusal(heads, kv_heads, tp):
+            raise UsageError(f"vLLM cannot serve {model} at TP={tp}: {problem}")
     try:
         config = EngineArgs(model=str(model), tensor_parallel_size=tp).create_engine_config()
     except Exception as error:  # vLLM raises ValueError, TypeError, pydantic errors, RuntimeError...

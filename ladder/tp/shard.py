@@ -29,6 +29,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from .degrees import tp_runtime_refusal
+
 
 def shard_range(total: int, parts: int, index: int) -> range:
     """Part `index` of `range(total)` cut into `parts` contiguous pieces whose sizes differ by at most one."""
@@ -66,10 +68,8 @@ class ShardShape:
                 "only Llama's SiLU MLP without biases is supported (hidden_act=silu, no attention/mlp bias)"
             )
         kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
-        if kv_heads < tp_size:
-            raise ValueError(f"TP={tp_size} needs at least one KV head per rank; the model has {kv_heads}")
-        if heads % kv_heads:
-            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        if problem := tp_runtime_refusal(heads, kv_heads, tp_size):
+            raise ValueError(problem)
         group = heads // kv_heads
         kv_range = shard_range(kv_heads, tp_size, rank)
         return cls(

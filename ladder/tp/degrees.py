@@ -1,0 +1,45 @@
+"""Which tensor-parallel degrees each engine runs a Llama at, and why it refuses the others: one
+place for the rules, which the TP runtime (shard.py), `ladder serve` (ladder/serving/server.py) and
+`ladder plan` all apply. Plain arithmetic on head counts (no torch, no vLLM).
+
+- The TP runtime (ladder/tp) gives each rank whole KV heads with their groups of query heads, so
+  attention needs no communication: it needs at least one KV head per rank, and KV heads that do
+  not divide evenly give ranks unequal groups (it runs, unevenly: SmolLM2's 3 KV heads at TP=2).
+- vLLM (`ladder serve`, `ladder eval --backend vllm`) splits query heads evenly
+  (`ModelConfig.verify_with_parallel_config`: heads divisible by TP) and splits KV heads evenly or
+  replicates each over TP / KV ranks (`LlamaAttention`, `QKVParallelLinear`: KV heads divisible by
+  TP, or TP divisible by KV heads). vLLM checks the heads when it builds its configuration and the
+  KV heads only when it builds the model.
+"""
+
+from __future__ import annotations
+
+ENGINES = {"vllm": "vLLM", "tp-runtime": "the TP runtime"}
+
+
+def tp_runtime_refusal(heads: int, kv_heads: int, tp: int) -> str | None:
+    """Why the TP runtime cannot run a model with these head counts at TP=`tp`; None when it can."""
+    if kv_heads < tp:
+        return f"TP={tp} needs at least one KV head per rank; the model has {kv_heads}"
+    if heads % kv_heads:
+        return f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+    return None
+
+
+def vllm_refusal(heads: int, kv_heads: int, tp: int) -> str | None:
+    """Why vLLM cannot serve a model with these head counts at TP=`tp`; None when it can."""
+    if heads % tp:
+        return f"its {heads} attention heads are not divisible by TP={tp}"
+    if kv_heads >= tp and kv_heads % tp:
+        return f"its {kv_heads} KV heads are not divisible by TP={tp}"
+    if kv_heads < tp and tp % kv_heads:
+        return f"TP={tp} is not a multiple of its {kv_heads} KV heads (each KV head is replicated over TP / KV ranks)"
+    return None
+
+
+def refusal(engine: str, heads: int, kv_heads: int, tp: int) -> str | None:
+    """Why `engine` (a key of ENGINES) refuses TP=`tp` for these head counts; None when it runs it."""
+    return {"vllm": vllm_refusal, "tp-runtime": tp_runtime_refusal}[engine](heads, kv_heads, tp)
+
+
+__all__ = ["ENGINES", "refusal", "tp_runtime_refusal", "vllm_refusal"]

@@ -1,0 +1,35 @@
+"""Sizes as people write them: `80GB`, `80GiB`, `500MB`, `8e10` or `80000000000` (bytes). The one
+parser every command that takes a size uses (`ladder convert --max-shard-size`, `ladder adapt
+--gpu-memory`, `ladder plan --hardware FLOPS,BANDWIDTH,MEMORY`).
+
+transformers' `convert_file_size_to_int` takes neither fractions (`1.5GB`) nor plain numbers in
+scientific notation (`8e10`), which the device tables and datasheets use, hence this small one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .errors import UsageError
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SIZE = re.compile(r"\s*(?P<number>[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?P<unit>[kmgt]i?b|b)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Bytes in `text` (a number, optionally with a unit B, KB, MB, GB, TB or KiB, MiB, GiB, TiB); a
+    malformed or non-positive size is a UsageError naming `flag`."""
+    match = SIZE.fullmatch(text)
+    if match is None:
+        raise UsageError(f"{flag} {text!r} is not a size like 5GB, 80GiB, 500MB or 8e10 (bytes)")
+    size = float(match["number"]) * UNITS[(match["unit"] or "").lower()]
+    if not math.isfinite(size):
+        raise UsageError(f"{flag} {text!r} is not a finite size")
+    if size < 1:
+        raise UsageError(f"{flag} {text!r} must be at least one byte")
+    return int(size)
+
+
+__all__ = ["parse_size"]
