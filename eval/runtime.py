@@ -12,6 +12,7 @@ import torch
 
 from ladder.errors import UsageError
 from ladder.io.loading import DTYPES
+from ladder.serving.engine import use_spawn_where_cuda_may_be
 
 # `--device` values; `cuda:N` names one GPU.
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -75,6 +76,8 @@ def resolve_runtime(
     accelerate gives it (its own GPU, or the CPU over gloo when there is none). What the backend
     allows of these settings its own `check` says (eval/backends/)."""
     _check_settings(device, dtype, batch_size)
+    if backend == "vllm":
+        use_spawn_where_cuda_may_be()  # before anything imports vLLM (its backend's check does)
     accelerator = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         accelerator = _accelerator(device, parallelize)
@@ -84,7 +87,7 @@ def resolve_runtime(
     if parallelize and not device.startswith("cuda"):
         raise UsageError("--parallelize splits a model over GPUs: it needs --device cuda")
     if dtype == "auto":
-        dtype = _default_dtype(device)
+        dtype = _default_dtype(device, backend)
     return Runtime(device, dtype, batch_size, parallelize, accelerator, backend, tensor_parallel, data_parallel)
 
 
@@ -108,29 +111,45 @@ def _accelerator(device: str, parallelize: bool):
     # Process 0 hashes the models and reads the cache while the others wait (a large model
     # takes a while): a generous timeout for the first collective.
     return Accelerator(
-        cpu=device == "cpu" or not torch.cuda.is_available(),
+        cpu=device == "cpu" or visible_gpus() == 0,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(hours=6))],
     )
 
 
+def visible_gpus() -> int:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES honoured), counted through NVML where it
+    answers, so that this process does not initialise the CUDA driver: torch.cuda.is_available()
+    does, without setting the flag (torch.cuda.is_initialized) that vLLM reads to choose between
+    fork and spawn, and vLLM's forked engine then fails ("CUDA driver initialization failed")."""
+    return torch.cuda.device_count()
+
+
 def _single_process_device(device: str) -> str:
-    cuda = torch.cuda.is_available()
+    gpus = visible_gpus()
     if device == "auto":
-        return "cuda:0" if cuda else "cpu"
+        return "cuda:0" if gpus else "cpu"
     if device.startswith("cuda"):
         index = int(device.partition(":")[2] or 0)
-        if not cuda:
+        if not gpus:
             raise UsageError(f"--device {device}: no CUDA GPU is visible (torch {torch.__version__})")
-        if index >= torch.cuda.device_count():
-            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) are visible")
+        if index >= gpus:
+            raise UsageError(f"--device {device}: only {gpus} GPU(s) are visible")
         return f"cuda:{index}"
     return device
 
 
-def _default_dtype(device: str) -> str:
-    if device.startswith("cuda"):
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "float32"
+def _default_dtype(device: str, backend: str) -> str:
+    if not device.startswith("cuda"):
+        return "float32"
+    if backend == "vllm":
+        # torch's check makes a CUDA context on GPU 0 in this process, which runs no engine; vLLM's
+        # platform reads the compute capability through NVML. Without vLLM its check refuses next.
+        try:
+            from vllm.platforms import current_platform
+        except ImportError:
+            return "bfloat16"
+        return "bfloat16" if current_platform.has_device_capability(80) else "float16"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
 
 
 def share(runtime: Runtime, value):

@@ -329,6 +329,42 @@ def test_runtime_defaults_to_cpu_float32_without_a_gpu():
         resolve_runtime("gpu")
 
 
+def test_vllm_backend_spawns_its_engines_where_cuda_may_be(monkeypatch):
+    """Where torch has CUDA, vLLM's start method is spawn before vLLM is first imported, and this
+    process never initialises the CUDA driver: torch.cuda.is_available() does, without setting the
+    flag vLLM reads to choose spawn, and vLLM's forked engine then failed. A CUDA build with one GPU
+    (counted through NVML) is patched in: there is no GPU here."""
+    import importlib.abc
+
+    import torch
+
+    from ladder.eval.backends import get_backend
+
+    def initialises_the_driver(*args, **kwargs):
+        raise AssertionError("the CUDA driver was initialised in the process that starts vLLM")
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # restored after the test
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", initialises_the_driver)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", initialises_the_driver)
+    start_methods = []  # VLLM_WORKER_MULTIPROC_METHOD at each import of vllm
+
+    class ImportWatch(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "vllm":
+                start_methods.append(os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"))
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [ImportWatch(), *sys.meta_path])
+    runtime = resolve_runtime(backend="vllm")
+    with pytest.raises(UsageError, match="vLLM is not installed"):  # in this environment
+        get_backend("vllm").check(runtime, [])
+    assert runtime.device == "cuda:0"
+    assert start_methods and set(start_methods) == {"spawn"}
+
+
 def test_two_processes_score_the_items_of_one(tiny_checkpoint, tmp_path, capfd):
     """`--processes 2` (accelerate launch, gloo on the CPU) splits the items and gives the same
     per-item results and scores as one process."""

@@ -417,6 +417,41 @@ def test_lm_eval_vllm_backend_refuses_gguf():
     ]
 
 
+# Two models at --data-parallel 2 --tp 2 on four GPUs, as `ladder eval` runs them: each model's check,
+# then engine 0 starting in this process. The GPUs are torch's patched count (NVML's, where
+# there are GPUs) and engine 0's start, which needs them, records what it sees instead.
+DATA_PARALLEL_ON_FOUR_GPUS = """
+import os, torch
+torch.cuda.device_count = lambda: 4
+import lm_eval.models.vllm_causallms as lm_eval_vllm
+from ladder.eval.backends.vllm import engine_environments
+from ladder.eval.backends.vllm_replicas import DataParallelVLLM
+lm_eval_vllm.VLLM.__init__ = lambda self, **arguments: print("engine 0 sees", os.environ["CUDA_VISIBLE_DEVICES"])
+for model in ("baseline", "ladder"):
+    environments = engine_environments(2, 2, on_cpu=False)
+    print(model, "engines get", [environment["CUDA_VISIBLE_DEVICES"] for environment in environments])
+    DataParallelVLLM(environments[:1], pretrained=model)
+print("after:", os.environ.get("CUDA_VISIBLE_DEVICES"))
+"""
+
+
+def test_lm_eval_vllm_data_parallel_leaves_the_gpus_to_the_next_model():
+    """Engine 0 gets its GPUs only while it starts: the next model's check counts the four this
+    process was given (it read back engine 0's two and refused every run with a baseline)."""
+    env = {key: value for key, value in serve_env_vars().items() if key != "CUDA_VISIBLE_DEVICES"}
+    completed = subprocess.run(
+        [str(serve_python()), "-c", DATA_PARALLEL_ON_FOUR_GPUS], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.splitlines() == [
+        "baseline engines get ['0,1', '2,3']",
+        "engine 0 sees 0,1",
+        "ladder engines get ['0,1', '2,3']",
+        "engine 0 sees 0,1",
+        "after: None",
+    ]
+
+
 def test_lm_eval_vllm_data_parallel_refuses_more_engines_than_cores(tiny_checkpoint):
     """One engine per core at least: more engines than this machine's cores is one line, before
     anything loads."""

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from ladder.errors import UsageError
 from ladder.serving.engine import cpu_binding
 
 from ..models import ModelRef
-from ..runtime import Runtime
+from ..runtime import Runtime, visible_gpus
 
 
 def check(runtime: Runtime, models: list[ModelRef]) -> None:
@@ -33,8 +31,8 @@ def check(runtime: Runtime, models: list[ModelRef]) -> None:
             "which builds and uses .venv-serve"
         ) from None
     if runtime.data_parallel > 1:  # too few cores or GPUs for the engines: refused before anything loads
-        # torch's view of the GPUs, not vLLM's platform probe (which prints a Triton notice).
-        engine_environments(runtime.data_parallel, runtime.tensor_parallel, not torch.cuda.is_available())
+        # torch's count through NVML, not vLLM's platform probe (which prints a Triton notice).
+        engine_environments(runtime.data_parallel, runtime.tensor_parallel, visible_gpus() == 0)
     for ref in models:
         if not ref.path.is_dir():
             raise UsageError(
@@ -82,8 +80,9 @@ def engine_environments(engines: int, tensor_parallel: int, on_cpu: bool) -> lis
             )
         groups = [cores[index * per_engine : (index + 1) * per_engine] for index in range(engines)]
         return [{"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(tensor_parallel, group)} for group in groups]
+    # The devices this process was given: engine 0 sets its own only while it starts (vllm_replicas.py).
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = visible.split(",") if visible else [str(index) for index in range(torch.cuda.device_count())]
+    devices = visible.split(",") if visible else [str(index) for index in range(visible_gpus())]
     if len(devices) < engines * tensor_parallel:
         raise UsageError(
             f"--data-parallel {engines} x --tp {tensor_parallel} needs {engines * tensor_parallel} GPUs; "

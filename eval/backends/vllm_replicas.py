@@ -16,6 +16,7 @@ import os
 import traceback
 import weakref
 
+from accelerate.utils import patch_environment
 from lm_eval.models.utils import undistribute
 from lm_eval.models.vllm_causallms import VLLM
 from more_itertools import distribute
@@ -84,8 +85,10 @@ class DataParallelVLLM(VLLM):
         # The other engines first, so that all of them start at once; this process's last.
         self.engines = [EngineProcess(vllm_arguments, environment) for environment in environments[1:]]
         weakref.finalize(self, _stop_all, list(self.engines))
-        os.environ.update(environments[0])
-        super().__init__(**vllm_arguments)
+        # Engine 0's devices (or cores) only while it starts its processes, which inherit them: the
+        # next model's check counts the devices this process was given, not engine 0's share.
+        with patch_environment(**environments[0]):
+            super().__init__(**vllm_arguments)
         for engine in self.engines:
             engine.receive()  # "ready", or the engine's error
 

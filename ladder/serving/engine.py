@@ -1,8 +1,11 @@
 """What the plugin, `ladder serve`, `ladder eval --backend vllm` and the vLLM benchmark share about
 running vLLM here: the vLLM versions the ladder model supports, the CPU cores each tensor-parallel
-rank binds, and one line from a vLLM configuration error."""
+rank binds, how vLLM starts its processes where CUDA may be, and one line from a vLLM configuration
+error."""
 
 from __future__ import annotations
+
+import os
 
 from ladder.errors import UsageError, first_line
 
@@ -17,6 +20,17 @@ def cpu_binding(tp: int, cores: list[int]) -> str:
         raise UsageError(f"--tp {tp} needs at least {tp} CPU cores; this process may use {len(cores)}")
     groups = [cores[rank * per_rank : (rank + 1) * per_rank] for rank in range(tp)]
     return "|".join(",".join(str(core) for core in group) for group in groups)
+
+
+def use_spawn_where_cuda_may_be() -> None:
+    """Make vLLM spawn its engine and worker processes wherever torch is built with CUDA; call it
+    before vLLM is imported. vLLM forks unless torch.cuda.is_initialized(), and a call such as
+    torch.cuda.is_available() initialises the CUDA driver without setting that flag: the forked
+    child then fails ("CUDA driver initialization failed"). Without CUDA vLLM's fork stays (faster)."""
+    import torch
+
+    if torch.version.cuda is not None:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
 
 def vllm_error_message(error: BaseException) -> str:
@@ -46,4 +60,4 @@ def vllm_version_problem(version: str | None = None) -> str | None:
     )
 
 
-__all__ = ["SUPPORTED_VLLM", "cpu_binding", "vllm_error_message", "vllm_version_problem"]
+__all__ = ["SUPPORTED_VLLM", "cpu_binding", "use_spawn_where_cuda_may_be", "vllm_error_message", "vllm_version_problem"]
