@@ -43,6 +43,10 @@ MEMORY_MARGIN = 0.85
 # the 989 TFLOP/s peak once its recompute (selective to full) is counted. The lower ends:
 UTILISATION = {"eager": 0.35, "compiled": 0.40}
 UTILISATION_SOURCE = "assumed: the low end of torchtitan's published Llama-3.1-8B FSDP2 throughput, {mode}"
+# What one node's processes write together per second into a checkpoint (each its shard), assumed: a
+# network filesystem every node sees (multi-node runs need one); a node's local NVMe writes faster.
+CHECKPOINT_WRITE_RATE = 1e9
+GPUS_PER_NODE = 8
 
 
 def model_shape(config) -> ModelShape:
@@ -371,6 +375,18 @@ def measured_saved_bytes(model, input_ids, layer_index: int) -> int:
     return sum(kept.values())
 
 
+def stop_seconds(plan: Plan, recipe: Recipe) -> dict[str, float]:
+    """What a preempted run needs after SIGTERM or SIGUSR1 (adapt/preemption.py): the step in progress,
+    then a checkpoint of it, written by every process at once: its shard of the fp32 parameters and of
+    AdamW's moments, a node's share at CHECKPOINT_WRITE_RATE. torchrun's shutdown timeout
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default) must exceed their sum, or it kills the
+    processes mid-write (recipes/accelerate/*.yaml)."""
+    step_tokens = recipe.batch.micro_batch * recipe.batch.grad_accum * recipe.data.seq_len * plan.devices
+    per_device = plan.memory["parameters"] + plan.memory["optimizer_state"]
+    write = per_device * min(plan.devices, GPUS_PER_NODE) / CHECKPOINT_WRITE_RATE
+    return {"step": step_tokens / plan.tokens_per_second, "checkpoint_write": write}
+
+
 def format_plan(plan: Plan, recipe: Recipe) -> str:
     gib = 2**30
     lines = [
@@ -410,4 +426,5 @@ __all__ = [
     "plan_json",
     "recipe_plan",
     "shape_plan",
+    "stop_seconds",
 ]

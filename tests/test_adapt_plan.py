@@ -4,11 +4,14 @@ policy `auto` chooses, `ladder adapt --plan`, and `model.compile: auto`."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 import ladder
+from benchmarks.common import PUBLISHED_SHAPES
 from ladder.adapt.memory import keep_fewer_activations
 from ladder.adapt.plan import (
     layer_saved_bytes,
@@ -16,9 +19,13 @@ from ladder.adapt.plan import (
     measured_saved_bytes,
     model_shape,
     setting_of,
+    shape_plan,
+    stop_seconds,
 )
+from ladder.adapt.preemption import STOP_SIGNALS
 from ladder.adapt.recipe import ModelSpec, load_recipe
 from ladder.errors import UsageError
+from ladder.plan.costs import ModelShape
 from tiny import random_ids, tiny_llama
 
 CPU_RECIPE = "recipes/smollm2-135m-ladder-cpu.yaml"
@@ -68,6 +75,30 @@ def test_training_only_upper_layers_plans_fewer_flops_and_bytes():
     }
     assert plans["ladder"].model_flops_per_token < plans["all"].model_flops_per_token
     assert plans["ladder"].peak_bytes_per_device < plans["all"].peak_bytes_per_device
+
+
+@pytest.mark.parametrize("config, devices", [("fsdp-8gpu.yaml", 8), ("fsdp-multinode.yaml", 16)])
+def test_launch_configs_give_a_preempted_run_time_to_write_its_checkpoint(config, devices, monkeypatch):
+    """The launch line of each multi-GPU accelerate config has torchrun pass on both stop signals and
+    wait, before it kills the processes, twice what the plan gives an 8B run to end its step and write
+    its checkpoint (torchrun's default, 30 s, killed them mid-write, and SIGUSR1 was not passed on)."""
+    header = (Path("recipes/accelerate") / config).read_text()
+    timeout = int(re.search(r"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+)", header)[1])
+    signals = re.search(r"PET_SIGNALS_TO_HANDLE=(\S+)", header)[1]
+    shape = ModelShape.from_config(PUBLISHED_SHAPES["llama-3.1-8b"])
+    for recipe_file in ("llama31-8b-instruct-ladder16.yaml", "llama31-8b-instruct-ladder20.yaml"):
+        recipe = load_recipe(Path("recipes") / recipe_file)
+        needed = stop_seconds(shape_plan(recipe, shape, devices, 80e9, 989e12, accelerator=True), recipe)
+        assert needed["checkpoint_write"] > 30  # what torchrun's default leaves
+        assert timeout >= 2 * sum(needed.values()), (recipe_file, needed)
+    assert {signal.name for signal in STOP_SIGNALS} <= set(signals.split(","))
+    # torchrun (accelerate launch runs it in the launcher's process) reads both variables.
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    monkeypatch.setenv("PET_SIGNALS_TO_HANDLE", signals)
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(timeout))
+    launch, _, _ = config_from_args(get_args_parser().parse_args(["--nproc-per-node", "1", "train.py"]))
+    assert (launch.signals_to_handle, launch.shutdown_timeout) == (signals, timeout)
 
 
 def test_plan_command_prints_one_json_object(capsys):
