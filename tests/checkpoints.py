@@ -1,6 +1,6 @@
 """What the tests of convert/ and of the checkpoints it reads share: the CLI with its output captured,
 a folder's digests, copies and edits of a checkpoint, a GGUF file of any architecture, and a private
-mount namespace for a small tmpfs."""
+mount namespace for a small tmpfs, and a Hub cache laid out as `hf download` leaves it."""
 
 from __future__ import annotations
 
@@ -68,3 +68,22 @@ def private_mount_namespace() -> list[str]:
     ):
         pytest.skip("cannot mount a tmpfs in a private mount namespace here")
     return prefix
+
+
+# The commit of every snapshot `cache_hub_model` lays out.
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def cache_hub_model(cache: Path, repo: str, checkpoint: Path, files=("config.json", "model.safetensors")) -> Path:
+    """Lay `checkpoint` into a Hub cache as `hf download` leaves it: blobs, a snapshot of links, refs/main."""
+    storage = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = storage / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (storage / "blobs").mkdir()
+    for name in files:
+        blob = storage / "blobs" / name.replace(".", "-")
+        shutil.copyfile(checkpoint / name, blob)
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (storage / "refs").mkdir()
+    (storage / "refs" / "main").write_text(COMMIT)
+    return snapshot

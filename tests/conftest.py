@@ -54,6 +54,17 @@ def gguf_parses(monkeypatch) -> list:
     return parsed
 
 
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    """An empty Hugging Face cache for this test (the tests run with HF_HUB_OFFLINE=1); fill it with
+    checkpoints.cache_hub_model."""
+    import huggingface_hub
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """Three books of generated prose in `train/` and a held-out file, for adapt runs on `tiny_checkpoint`."""

@@ -11,6 +11,7 @@ import torch
 import yaml
 from huggingface_hub import ModelCard
 
+from checkpoints import COMMIT, cache_hub_model
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 from ladder.eval.models import resolve_models
@@ -55,30 +56,6 @@ def test_bad_model_paths_are_named(tmp_path, make, message):
 
 
 # --- Hub model IDs: resolved through huggingface_hub's cache (the tests run with HF_HUB_OFFLINE=1) ---
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def cache_hub_model(cache: Path, repo: str, checkpoint: Path, files=("config.json", "model.safetensors")) -> Path:
-    """Lay `checkpoint` into a Hub cache as `hf download` leaves it: blobs, a snapshot of links, refs/main."""
-    storage = cache / f"models--{repo.replace('/', '--')}"
-    snapshot = storage / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    (storage / "blobs").mkdir()
-    for name in files:
-        blob = storage / "blobs" / name.replace(".", "-")
-        shutil.copyfile(checkpoint / name, blob)
-        (snapshot / name).symlink_to(Path("..", "..", "blobs", blob.name))
-    (storage / "refs").mkdir()
-    (storage / "refs" / "main").write_text(COMMIT)
-    return snapshot
-
-
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch) -> Path:
-    cache = tmp_path / "hub"
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    return cache
 
 
 def test_a_hub_id_resolves_through_the_cache(hub_cache, tiny_checkpoint, tmp_path, monkeypatch):

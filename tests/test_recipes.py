@@ -10,8 +10,11 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
 import ladder
+from checkpoints import cache_hub_model
 from ladder.adapt.data import local_files
+from ladder.adapt.preflight import check_model
 from ladder.adapt.recipe import load_recipe
+from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -60,6 +63,36 @@ def test_paper_recipes_match_the_paper_setting(name, layers):
     launch = re.search(r"accelerate launch --config_file (\S+)", header)
     assert launch and (RECIPES.parent / launch.group(1)).is_file()
     assert "GPU-hours" in header
+
+
+HUB_ID = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_recipes_load_the_hub_model_and_say_how_to_get_it(name, hub_cache, tiny_checkpoint, capsys):
+    """The 8B recipes name the Hub ID: offline and not cached, one line naming a download that works;
+    once the snapshot is in the cache, the recipe resolves to it (the tiny model stands in)."""
+    recipe = load_recipe(RECIPES / name, ["model.ladder_layers=2"])
+    assert recipe.model.path == HUB_ID
+    with pytest.raises(UsageError, match=re.escape(f"`hf download {HUB_ID}`")) as error:
+        check_model(recipe)
+    assert "\n" not in str(error.value)
+    assert ladder_main(["adapt", str(RECIPES / name), "--prepare-data"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"`hf download {HUB_ID}`" in err
+    snapshot = cache_hub_model(hub_cache, HUB_ID, tiny_checkpoint)
+    assert check_model(recipe).student == snapshot
+
+
+def test_a_missing_local_model_folder_suggests_no_hub_download(tmp_path, monkeypatch):
+    """A path under a folder that exists here is a local path: its absence is said as such, with no
+    `hf download` of a local path."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    recipe = load_recipe(RECIPES / "llama31-8b-instruct-ladder16.yaml", ["model.path=models/Llama-3.1-8B-Instruct"])
+    with pytest.raises(UsageError, match="model path models/Llama-3.1-8B-Instruct does not exist") as error:
+        check_model(recipe)
+    assert "hf download" not in str(error.value) and "Hub" not in str(error.value)
 
 
 def test_fsdp_config_is_one_accelerate_reads():

@@ -134,10 +134,13 @@ def model_name(path: Path) -> str:
 def resolve_model_path(path: str | Path | None) -> Path:
     """The model a user named: a checkpoint directory, a .gguf file, `embedded` (also None or "")
     for the default, or a Hub model ID (`org/name[@revision]`, see `hub_model_path`); a local path
-    wins over a Hub ID spelled the same. Refuses anything else."""
+    wins over a Hub ID spelled the same, and so does a path whose first folder exists here
+    (`models/x` beside a `models/` folder), which is then missing rather than sent to the Hub.
+    Refuses anything else."""
     if path is None or str(path) in ("", EMBEDDED):
         return embedded_model_path()
-    if not Path(path).expanduser().exists() and HUB_MODEL_ID.fullmatch(str(path)):
+    local = Path(path).expanduser()
+    if not local.exists() and not local.parent.is_dir() and HUB_MODEL_ID.fullmatch(str(path)):
         path = hub_model_path(str(path))
     path = Path(path).expanduser()
     if not path.exists():
