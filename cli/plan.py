@@ -1,12 +1,14 @@
 """`ladder plan MODEL --tp T ...`: before converting, what ladder wiring would buy under tensor
-parallelism on the given hardware, predicted by ladder/plan/speed.py from the model's config.json alone
-(no weights are read). `ladder plan --calibrate` measures this machine's profile instead.
+parallelism on the given hardware with the given engine (vLLM or the TP runtime), predicted by
+ladder/plan/speed.py from the model's config alone (no weights are read, nothing is downloaded).
+`ladder plan --calibrate` measures this machine's profile instead.
 
 Per layer choice it prints the decode time per token of standard and ladder wiring, the speed-up, the
-all-reduces ladder hides and the no-communication bound; when MODEL is a conversion's folder, the
-damage it measured (conversion.json, layer_search.json) is printed beside the matching choice; with
-`--recipe` (or when MODEL is a folder `ladder adapt` wrote, with its recipe.yaml), what retraining that
-choice costs (device-hours, from `ladder adapt --plan`'s model).
+all-reduces ladder hides and the no-communication bound; which TP degrees each engine refuses, and why;
+when MODEL is a conversion's folder, its own ladder layers are a choice and the damage it measured
+(conversion.json, layer_search.json) is printed beside the matching choice; with `--recipe` (or when
+MODEL is a recipe, or a folder `ladder adapt` wrote, with its recipe.yaml), what retraining that choice
+costs (device-hours, from `ladder adapt --plan`'s model).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ladder.errors import ArgumentParser, UsageError
-from ladder.io.loading import EMBEDDED, HUB_MODEL_ID, embedded_model_path, model_name
-from ladder.layers import check_llama_model_type, format_layers, parse_auto_layers, parse_ladder_layers
+from ladder.io.loading import EMBEDDED, model_name
+from ladder.layers import format_layers, parse_auto_layers, parse_ladder_layers
 from ladder.plan.costs import ModelShape
+from ladder.plan.models import ModelConfig, model_config, own_ladder_layers
 from ladder.plan.speed import (
     Device,
     Prediction,
@@ -29,28 +32,41 @@ from ladder.plan.speed import (
     device_profile,
     link_names,
     link_profile,
+    overlapped_reductions,
     predict,
 )
+from ladder.tp.degrees import ENGINES, refusal
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+RECIPE_SUFFIXES = (".yaml", ".yml")
+# The TP degrees whose refusals every plan lists, besides --tp and the divisors of the head counts.
+LISTED_DEGREES = (1, 2, 4, 8, 16)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = ArgumentParser(prog="ladder plan", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "model", nargs="?", help="a checkpoint folder, a .gguf file, 'embedded', or a Hub ID in the local cache"
-    )
+        "model", nargs="?",
+        help="a checkpoint folder, its config.json, a .gguf file, 'embedded', a Hub ID (its config.json in the "
+        "local cache, or a published Llama 3.x shape: ladder/plan/llama3.tsv), or a recipe (its model.path)",
+    )  # fmt: skip
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (default 8)")
+    parser.add_argument(
+        "--engine", choices=tuple(ENGINES), default="vllm",
+        help="what runs the model: vllm (`ladder serve`: hides a ladder layer's attention all-reduce, not its "
+        "MLP's; on a CPU neither) or tp-runtime (ladder/tp: hides both) (default vllm)",
+    )  # fmt: skip
     parser.add_argument(
         "--interconnect",
         help=f"{', '.join(link_names())}, BANDWIDTH,LATENCY_US (bus bytes/s, us), or a --calibrate .json "
-        "(default: the --device calibration's link, else nvlink; --device cpu needs one)",
+        "(default: the --hardware calibration's link, else nvlink; --hardware cpu needs one)",
     )  # fmt: skip
     parser.add_argument(
-        "--device", default="h100",
-        help=f"{', '.join(device_names())}, FLOPS,BANDWIDTH[,MEMORY] (per second; bytes), or a --calibrate .json "
-        "(default h100)",
+        "--hardware", default="h100",
+        help=f"{', '.join(device_names())}, FLOPS,BANDWIDTH[,MEMORY] (per second; a size such as 80GB), or a "
+        "--calibrate .json (default h100)",
     )  # fmt: skip
+    parser.add_argument("--device", dest="hardware", help=argparse.SUPPRESS)  # its old name
     parser.add_argument("--batch", default="1,16,64", help="batch sizes, comma-separated (default 1,16,64)")
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens (default 1024)")
     parser.add_argument("--new", type=int, default=512, help="new tokens (default 512)")
@@ -59,12 +75,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="layer choices, comma-separated: N (the upper N), all, auto:N (a contiguous window of N), or a "
         "set of ranges joined by + (0-3+8-11); default: a quarter, half and all of the layers",
     )
-    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="default bfloat16 (float32 on --device cpu)")
+    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="default bfloat16 (float32 on --hardware cpu)")
     parser.add_argument("--eager", action="store_true", help="kernels launched one by one (no CUDA graphs)")
     parser.add_argument(
         "--recipe",
-        help="a retraining recipe (recipes/*.yaml): each choice's retraining cost on --device (default: the "
-        "recipe.yaml in MODEL's folder, where `ladder adapt` left one)",
+        help="a retraining recipe (recipes/*.yaml): each choice's retraining cost on --hardware (default: MODEL "
+        "when it is a recipe, or the recipe.yaml in MODEL's folder, where `ladder adapt` left one)",
     )
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
@@ -83,7 +99,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.calibrate and args.model is None:
         raise UsageError(
-            "name a MODEL (a checkpoint folder, a .gguf file, 'embedded' or a Hub ID), or pass --calibrate"
+            "name a MODEL (a checkpoint folder, a config.json, a .gguf file, 'embedded', a Hub ID or a recipe), "
+            "or pass --calibrate"
         )
     for name in ("tp", "prompt", "new", "train_devices"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -104,51 +121,23 @@ def _positive_ints(text: str, flag: str) -> list[int]:
 # --- Reading the model's config and its measured damage --------------------------------------------
 
 
-def read_model_config(model: str) -> tuple[dict, Path | None]:
-    """config.json as a dict, and the folder it came from (None for a GGUF file): a local folder, a .gguf
-    file or `embedded` (the config embedded in the GGUF), or a Hub ID whose config.json is already in the
-    local Hugging Face cache (nothing is downloaded)."""
-    path = Path(model).expanduser()
-    if model == EMBEDDED or path.suffix == ".gguf":
-        return _gguf_config(embedded_model_path() if model == EMBEDDED else path), None
-    if not path.exists() and HUB_MODEL_ID.fullmatch(model):
-        path = _cached_hub_folder(model)
-    if not (path / "config.json").is_file():
-        raise UsageError(f"{model} is not a folder with config.json, a .gguf file, 'embedded' or a cached Hub ID")
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as error:
-        raise UsageError(f"cannot read {path / 'config.json'}: {error}") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{path / 'config.json'} is not a JSON object")
-    check_llama_model_type(config.get("model_type"), str(path / "config.json"))
-    return config, path
+def read_model(args: argparse.Namespace) -> tuple[ModelConfig, list[int]]:
+    """The model MODEL names and the ladder layers it already has: a checkpoint's own (its config's
+    ladder_layers), or a recipe's (model.ladder_layers, when it names them; the recipe then prices the
+    retraining too, unless --recipe names another)."""
+    if Path(args.model).suffix not in RECIPE_SUFFIXES:
+        model = model_config(args.model)
+        return model, own_ladder_layers(model.config)
+    from ladder.adapt.recipe import load_recipe, model_path
 
-
-def _cached_hub_folder(model_id: str) -> Path:
-    from huggingface_hub import try_to_load_from_cache
-
-    match = HUB_MODEL_ID.fullmatch(model_id)
-    found = try_to_load_from_cache(match["repo"], "config.json", revision=match["revision"])
-    if not isinstance(found, str):
-        raise UsageError(
-            f"{model_id}: its config.json is not in the local Hugging Face cache (`hf download {match['repo']} "
-            "config.json` fetches just that file), and `ladder plan` downloads nothing"
-        )
-    return Path(found).parent
-
-
-def _gguf_config(path: Path) -> dict:
-    if not path.is_file():
-        raise UsageError(f"GGUF file {path} does not exist")
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
-    except (OSError, ValueError, KeyError) as error:
-        raise UsageError(f"cannot read the config embedded in {path}: {str(error).splitlines()[0]}") from None
-    check_llama_model_type(config.get("model_type"), str(path))
-    return config
+    recipe = load_recipe(args.model, args.set)
+    args.recipe = args.recipe or args.model
+    model = model_config(model_path(recipe.model.path) or EMBEDDED)
+    layers, chosen = own_ladder_layers(model.config), recipe.model.ladder_layers
+    num_layers = ModelShape.from_config(model.config).num_layers
+    if not layers and chosen is not None and parse_auto_layers(chosen, num_layers, "model.ladder_layers") is None:
+        layers = parse_ladder_layers(chosen, num_layers, "model.ladder_layers")
+    return model, layers
 
 
 def recorded_damage(folder: Path | None) -> dict[tuple[int, ...], str]:
@@ -183,9 +172,11 @@ def _json_or_empty(path: Path) -> dict:
 # --- Layer choices -----------------------------------------------------------------------------------
 
 
-def layer_choices(spec: str | None, num_layers: int) -> dict[str, list[int]]:
-    """Label -> layers for each comma-separated choice; default: a quarter, half and all of the layers."""
-    if spec is None:
+def layer_choices(spec: str | None, num_layers: int, own: list[int] | None = None) -> dict[str, list[int]]:
+    """Label -> layers for each comma-separated choice; default: the model's own ladder layers (`own`,
+    when it has some), then a quarter, half and all of the layers."""
+    default = spec is None
+    if default:
         counts = sorted({max(1, num_layers // 4), max(1, num_layers // 2), num_layers})
         spec = ",".join(map(str, counts))
     choices = {}
@@ -202,39 +193,65 @@ def layer_choices(spec: str | None, num_layers: int) -> dict[str, list[int]]:
         else:
             layers = parse_ladder_layers(part.replace("+", ","), num_layers, "--layers")
             choices[format_layers(layers)] = layers
-    return choices
+    if not (default and own):
+        return choices
+    label = next((label for label, layers in choices.items() if layers == own), None)
+    label = label or (
+        f"upper {len(own)}" if own == list(range(num_layers - len(own), num_layers)) else format_layers(own)
+    )
+    return {f"{label} (its own)": own} | {label: layers for label, layers in choices.items() if layers != own}
 
 
 # --- Output ------------------------------------------------------------------------------------------
 
 
-def plan(args: argparse.Namespace, config: dict, folder: Path | None) -> dict:
-    shape = ModelShape.from_config(config)
-    if args.interconnect is None and args.device == "cpu":  # nvlink, the default, joins GPUs, not CPUs
+def plan(args: argparse.Namespace, model: ModelConfig, own_layers: list[int]) -> dict:
+    shape = ModelShape.from_config(model.config)
+    degrees = tp_degrees(shape, args.tp)
+    if problem := degrees[args.tp][args.engine]:
+        runs = [engine for engine, refused in degrees[args.tp].items() if refused is None]
+        other = f"; {ENGINES[runs[0]]} runs it (--engine {runs[0]})" if runs else ""
+        raise UsageError(f"--tp {args.tp}: {ENGINES[args.engine]} refuses this model: {problem}{other}")
+    if args.interconnect is None and args.hardware == "cpu":  # nvlink, the default, joins GPUs, not CPUs
         raise UsageError(
-            "--device cpu needs --interconnect (BANDWIDTH,LATENCY_US), or plan from this machine's calibration: "
-            "`ladder plan --calibrate`, then --device runs/plan/calibration-LINK.json"
+            "--hardware cpu needs --interconnect (BANDWIDTH,LATENCY_US), or plan from this machine's calibration: "
+            "`ladder plan --calibrate`, then --hardware runs/plan/calibration-LINK.json"
         )
     # A calibration measured a device and a link together: one file names both.
-    interconnect = args.interconnect or (args.device if args.device.endswith(".json") else "nvlink")
-    device, link = device_profile(args.device), link_profile(interconnect)
+    interconnect = args.interconnect or (args.hardware if args.hardware.endswith(".json") else "nvlink")
+    device, link = device_profile(args.hardware), link_profile(interconnect)
     dtype = args.dtype or ("float32" if device.on_cpu else "bfloat16")
     graphs = not (args.eager or device.on_cpu)
-    choices, damage = layer_choices(args.layers, shape.num_layers), recorded_damage(folder)
-    recipe = args.recipe or adapted_recipe(folder)
+    choices = layer_choices(args.layers, shape.num_layers, own_layers)
+    damage = recorded_damage(model.folder)
+    recipe = args.recipe or adapted_recipe(model.folder)
     if (args.train_devices is not None or args.set) and recipe is None:
         raise UsageError("--train-devices and --set go with --recipe (or a MODEL folder with its recipe.yaml)")
     retraining = retraining_costs(args, recipe, shape, device, choices) if recipe else {}
     rows = []
     for batch in args.batches:
-        setting = Setting(device, link, args.tp, batch, args.prompt, args.new, DTYPE_BYTES[dtype], graphs)
+        setting = Setting(device, link, args.tp, batch, args.prompt, args.new, DTYPE_BYTES[dtype], graphs, args.engine)
         for label, layers in choices.items():
             row = _row(label, batch, predict(shape, setting, layers), damage.get(tuple(layers)))
             rows.append(row | {"retraining": retraining.get(label)})
     return dict(
-        model=args.model, shape=asdict(shape), tp=args.tp, device=asdict(device), interconnect=asdict(link),
-        dtype=dtype, cuda_graphs=graphs, prompt=args.prompt, new_tokens=args.new, rows=rows, recipe=recipe,
+        model=args.model, shape=asdict(shape), tp=args.tp, engine=args.engine,
+        overlapped={engine: list(overlapped_reductions(engine, device)) for engine in ENGINES}, device=asdict(device),
+        interconnect=asdict(link), dtype=dtype, cuda_graphs=graphs, prompt=args.prompt, new_tokens=args.new,
+        rows=rows, recipe=recipe, tp_degrees=[dict(tp=tp, refused=refused) for tp, refused in degrees.items()],
     )  # fmt: skip
+
+
+def tp_degrees(shape: ModelShape, tp: int) -> dict[int, dict[str, str | None]]:
+    """TP degree -> engine -> why it refuses the model at that degree (None: it runs it), for --tp, the
+    usual degrees (LISTED_DEGREES) and the divisors of the head counts up to 16, with the engines' own
+    rules (ladder/tp/degrees.py)."""
+    heads, kv_heads = shape.num_heads, shape.num_kv_heads
+    divisors = {d for d in range(1, 17) if heads % d == 0 or kv_heads % d == 0}
+    return {
+        degree: {engine: refusal(engine, heads, kv_heads, degree) for engine in ENGINES}
+        for degree in sorted({tp, *LISTED_DEGREES, *divisors})
+    }
 
 
 def adapted_recipe(folder: Path | None) -> str | None:
@@ -251,21 +268,15 @@ def retraining_costs(
     """Choice -> the recipe's retraining plan for it (adapt/plan.py, what `ladder adapt RECIPE --plan`
     prints) on --train-devices devices of --device: under trainable.mode ladder only the chosen layers
     train, so fewer ladder layers cost less; under `all` every choice costs the same."""
-    from ladder.adapt.plan import shape_plan
+    from ladder.adapt.plan import device_figures, shape_plan
     from ladder.adapt.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, args.set)
     devices = args.train_devices or args.tp
-    if not (device.memory or device.on_cpu):
-        raise UsageError(
-            "--recipe needs the device's memory: --device FLOPS,BANDWIDTH,MEMORY (e.g. 989e12,3.35e12,80e9)"
-        )
-    # A CPU trains with every core: its measured matmul peak (shape_plan's default), not the one-core
-    # decode rate a profile holds; its memory is this machine's RAM unless a calibration recorded it.
-    flops = None if device.on_cpu else device.flops
+    memory, flops, accelerator = device_figures(device)  # the same figures `ladder adapt --plan --hardware` uses
     costs = {}
     for label, layers in choices.items():
-        plan = shape_plan(recipe, shape, devices, device.memory or None, flops, not device.on_cpu, ladder_layers=layers)
+        plan = shape_plan(recipe, shape, devices, memory, flops, accelerator, ladder_layers=layers)
         costs[label] = dict(
             recipe=recipe.name, tokens=recipe.budget, trainable=recipe.trainable.mode, devices=devices,
             device_hours=plan.device_hours, hours=plan.device_hours / devices,
@@ -288,12 +299,16 @@ def _row(label: str, batch: int, prediction: Prediction, damage: str | None) -> 
 
 
 def render(result: dict) -> str:
-    shape = result["shape"]
+    shape, engine = result["shape"], result["engine"]
     lines = [
         f"{result['model']}: {shape['num_layers']} layers, hidden {shape['hidden_size']}, "
         f"{shape['num_heads']} heads / {shape['num_kv_heads']} KV; TP={result['tp']} on {result['device']['name']} "
         f"over {result['interconnect']['name']}, {result['dtype']}, prompt {result['prompt']} + {result['new_tokens']} "
         f"new tokens, {'CUDA graphs' if result['cuda_graphs'] else 'eager launches'} (predicted, not measured)",
+        f"engine: {ENGINES[engine]} (--engine {engine}): {_overlap(result['overlapped'][engine])}; "
+        + "; ".join(f"{ENGINES[e]}: {_overlap(o)}" for e, o in result["overlapped"].items() if e != engine),
+        "TP degrees each engine runs (ladder/tp/degrees.py):",
+        *(_degree(entry) for entry in result["tp_degrees"]),
         "",
         f"{'batch':>5}  {'ladder layers':<22} {'hidden':>9} {'standard':>10} {'ladder':>10} {'speed-up':>8} "
         f"{'bound':>6}  {'retraining   ' if result['recipe'] else ''}damage (measured)",
@@ -317,6 +332,20 @@ def render(result: dict) -> str:
     if result["recipe"]:
         lines.append(retraining_note([row["retraining"] for row in result["rows"]], result["device"]["name"]))
     return "\n".join(lines)
+
+
+def _overlap(overlapped: list[str]) -> str:
+    if len(overlapped) == 2:
+        return "a ladder layer's attention and MLP all-reduces both run behind compute"
+    if overlapped == ["attention"]:
+        return "a ladder layer's attention all-reduce runs behind its MLP, its MLP all-reduce blocks"
+    return "every all-reduce blocks (nothing overlaps)"
+
+
+def _degree(entry: dict) -> str:
+    """`TP=2  vllm refuses: ...; tp-runtime runs it`: one line per degree."""
+    verdicts = [f"{engine} {'refuses: ' + why if why else 'runs it'}" for engine, why in entry["refused"].items()]
+    return f"  TP={entry['tp']:<3} " + "; ".join(verdicts)
 
 
 def retraining_note(costs: list[dict], device: str) -> str:
@@ -352,8 +381,11 @@ def main(argv: list[str]) -> int:
     if args.calibrate:
         run_calibration(args.out or f"runs/plan/calibration-{args.link}.json", args.link)
         return 0
-    config, folder = read_model_config(args.model)
-    result = plan(args, config, folder)
-    result["model"] = model_name(folder) if folder is not None else Path(args.model).stem
+    model, own_layers = read_model(args)
+    result = plan(args, model, own_layers)
+    if model.folder is not None:
+        result["model"] = model_name(model.folder)
+    else:  # a GGUF file, or a published shape
+        result["model"] = Path(model.source).stem if model.source.endswith(".gguf") else model.source.split()[0]
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
 from ladder.cli import main
-from ladder.layers import overlapped_all_reduces
+from ladder.layers import LADDER_MODEL_TYPE, overlapped_all_reduces
 from ladder.plan.calibrate import fit_latency_bandwidth
 from ladder.plan.costs import ModelShape, forward_cost, parameter_counts
 from ladder.plan.speed import KERNELS, Link, replay
@@ -177,8 +177,10 @@ def llama_8b_folder(tmp_path):
         (["--batch", "1,x"], "must be positive integers"),
         (["--layers", "40"], "the model has 32 layers"),
         (["--layers", "auto:0"], "needs 1 <= N <= 32"),
-        (["--device", "tpu9"], "--device 'tpu9' is not one of"),
-        (["--device", "cpu"], "--device cpu needs --interconnect"),
+        (["--hardware", "tpu9"], "--hardware 'tpu9' is not one of"),
+        (["--hardware", "cpu"], "--hardware cpu needs --interconnect"),
+        (["--hardware", "989e12,3.35e12,80GX"], "--hardware MEMORY '80GX' is not a size like"),
+        (["--engine", "trt"], "argument --engine: invalid choice"),
         (["--interconnect", "carrier-pigeon"], "--interconnect 'carrier-pigeon' is not one of"),
         (["--interconnect", "/no/such.json"], "is not a calibration"),
         (["--tp", "two"], "invalid int value"),
@@ -207,6 +209,7 @@ def test_plan_refuses_a_model_it_cannot_read(capsys, model, message):
 
 def test_plan_json_shape_and_damage_beside_its_layers(llama_8b_folder, capsys):
     arguments = ["plan", str(llama_8b_folder), "--tp", "8", "--batch", "1,64", "--layers", "8,16,all,auto:4,0-3+8-11"]
+    arguments += ["--engine", "tp-runtime"]
     assert main([*arguments, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert {"model", "shape", "tp", "device", "interconnect", "dtype", "cuda_graphs", "rows"} <= set(result)
@@ -257,7 +260,7 @@ def test_plan_prices_each_choice_s_retraining_as_adapt_plan_does(llama_8b_folder
         (["--train-devices", "4"], "--train-devices and --set go with --recipe"),
         (["--recipe", "recipes/smollm2-135m-ladder-cpu.yaml", "--set", "trainable.mode=most"], "trainable.mode"),
         (["--recipe", "recipes/nope.yaml"], "does not exist"),
-        (["--recipe", "recipes/smollm2-135m-ladder-cpu.yaml", "--device", "1e12,1e12"], "needs the device's memory"),
+        (["--recipe", "recipes/smollm2-135m-ladder-cpu.yaml", "--hardware", "1e12,1e12"], "memory of device 1e12"),
     ],
 )
 def test_plan_refuses_a_retraining_it_cannot_price(llama_8b_folder, capsys, arguments, message):
@@ -268,7 +271,7 @@ def test_plan_refuses_a_retraining_it_cannot_price(llama_8b_folder, capsys, argu
 
 def test_calibration_measures_this_machine_and_plans_from_it(tmp_path, capsys):
     """`ladder plan --calibrate`: two gloo ranks (torchrun) measure the device and the loopback link; the
-    file it writes is a --device and an --interconnect."""
+    file it writes is a --hardware and an --interconnect."""
     out = tmp_path / "calibration.json"
     assert main(["plan", "--calibrate", "--out", str(out)]) == 0
     assert f"written to {out}" in capsys.readouterr().out
@@ -276,8 +279,138 @@ def test_calibration_measures_this_machine_and_plans_from_it(tmp_path, capsys):
     device, link = profile["device"], profile["links"][0]
     assert device["bandwidth"] > 1e8 and device["flops"] > 1e8 and device["memory"] > 1e9
     assert link["name"] == "loopback" and link["bus_bandwidth"] > 0 and link["host_us"] >= 0
-    assert main(["plan", "embedded", "--tp", "2", "--device", str(out), "--json"]) == 0
+    assert main(["plan", "embedded", "--tp", "2", "--engine", "tp-runtime", "--hardware", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["device"]["name"] == "cpu (measured)" and result["dtype"] == "float32"
     assert result["interconnect"]["name"] == "loopback"  # the calibration's own link
     assert all(row["standard_ms_per_token"] > 0 for row in result["rows"])
+
+
+# --- Engines, TP degrees, the model's own layers, models named without a download -----------------
+
+SMOLLM2 = dict(
+    model_type="llama", hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+    num_hidden_layers=30, vocab_size=49152, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+@pytest.fixture
+def smollm2_ladder8_folder(tmp_path):
+    """SmolLM2-135M's shape (9 heads, 3 KV heads) as a conversion with its upper 8 layers ladder wrote it:
+    config.json with ladder_layers, and the damage it measured (no weights: the planner reads none)."""
+    config = SMOLLM2 | dict(model_type=LADDER_MODEL_TYPE, ladder_layers=list(range(22, 30)))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    damage = dict(mean_kl=0.4321, top1_agreement=0.7)
+    (tmp_path / "conversion.json").write_text(json.dumps(dict(ladder_layers=list(range(22, 30)), damage=damage)))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--tp", "16"], "--tp 16: vLLM refuses this model: its 9 attention heads are not divisible by TP=16"),
+        (["--tp", "16", "--engine", "tp-runtime"], "the TP runtime refuses this model: TP=16 needs at least one KV"),
+        (["--tp", "1000000000"], "vLLM refuses this model"),
+        (["--tp", "2"], "not divisible by TP=2; the TP runtime runs it (--engine tp-runtime)"),
+        (["--tp", "9", "--engine", "tp-runtime"], "the model has 3; vLLM runs it (--engine vllm)"),
+    ],
+)
+def test_plan_refuses_the_tp_degrees_its_engine_refuses(smollm2_ladder8_folder, capsys, arguments, message):
+    """Issue 37 item 7: --tp 16 on 3 KV heads printed 1.20-1.40x, and --tp 1000000000 absurd times."""
+    assert main(["plan", str(smollm2_ladder8_folder), *arguments]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert captured.out == ""
+
+
+def test_plan_marks_each_tp_degree_an_engine_refuses_with_the_engines_own_rule(smollm2_ladder8_folder, capsys):
+    """Issue 38 item 4: TP=2 for 9 heads and TP=4 for 3 KV heads are marked, with the engine and why; the
+    TP runtime's verdicts are its own shard's (ShardShape.of raises exactly where the plan says it refuses)."""
+    assert main(["plan", str(smollm2_ladder8_folder), "--tp", "3", "--batch", "1", "--json"]) == 0
+    degrees = {entry["tp"]: entry["refused"] for entry in json.loads(capsys.readouterr().out)["tp_degrees"]}
+    assert {1, 2, 3, 4, 8, 9, 16} <= set(degrees)
+    assert "9 attention heads are not divisible by TP=2" in degrees[2]["vllm"] and degrees[2]["tp-runtime"] is None
+    assert degrees[3] == {"vllm": None, "tp-runtime": None}
+    assert "needs at least one KV head per rank" in degrees[4]["tp-runtime"] and degrees[4]["vllm"]
+    assert degrees[9]["vllm"] is None and degrees[9]["tp-runtime"]  # vLLM replicates a KV head over 3 ranks
+    config = tiny_config(num_attention_heads=SMOLLM2["num_attention_heads"], num_key_value_heads=3, hidden_size=72)
+    for tp, refused in degrees.items():
+        if refused["tp-runtime"] is None:
+            ShardShape.of(config, 0, tp)
+        else:
+            with pytest.raises(ValueError, match="needs at least one KV head per rank"):
+                ShardShape.of(config, 0, tp)
+    assert main(["plan", str(smollm2_ladder8_folder), "--tp", "3", "--batch", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "TP=2   vllm refuses: its 9 attention heads are not divisible by TP=2; tp-runtime runs it" in table
+
+
+def test_plan_prices_what_each_engine_overlaps(llama_8b_folder, capsys):
+    """Issue 36 item 3: the TP runtime hides both of a ladder layer's all-reduces, vLLM only the attention
+    output's (its MLP's is synchronous), and on a CPU none; the plan says which engine it predicts for."""
+    plan = ["plan", str(llama_8b_folder), "--tp", "8", "--batch", "1", "--layers", "16,all", "--json"]
+    results = {}
+    for engine in ("vllm", "tp-runtime"):
+        assert main([*plan, "--engine", engine]) == 0
+        results[engine] = json.loads(capsys.readouterr().out)
+    assert main(plan) == 0
+    assert json.loads(capsys.readouterr().out)["engine"] == "vllm"  # the default
+    vllm, runtime = results["vllm"]["rows"], results["tp-runtime"]["rows"]
+    assert [row["hidden_all_reduces"] for row in vllm] == [16, 32]
+    assert [row["hidden_all_reduces"] for row in runtime] == [31, 63]
+    for ours, theirs in zip(vllm, runtime):
+        assert ours["standard_ms_per_token"] == pytest.approx(theirs["standard_ms_per_token"])
+        assert 1 < ours["speedup"] < theirs["speedup"]
+    assert results["vllm"]["overlapped"] == {"vllm": ["attention"], "tp-runtime": ["attention", "mlp"]}
+    cpu = [*plan, "--hardware", "cpu", "--interconnect", "1e9,50"]
+    assert main(cpu) == 0
+    assert all(row["hidden_all_reduces"] == 0 for row in json.loads(capsys.readouterr().out)["rows"])
+    assert main([*plan[:-1], "--engine", "tp-runtime"]) == 0
+    assert "engine: the TP runtime (--engine tp-runtime)" in capsys.readouterr().out
+
+
+def test_plan_default_rows_include_the_checkpoint_s_own_layers_with_their_damage(smollm2_ladder8_folder, capsys):
+    """Issue 38 item 4: a conversion with its upper 8 layers showed upper 7, 15 and all 30, damage empty."""
+    arguments = ["plan", str(smollm2_ladder8_folder), "--tp", "3", "--batch", "1", "--json"]
+    assert main(arguments) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [row["choice"] for row in rows] == ["upper 8 (its own)", "upper 7", "upper 15", "all 30"]
+    assert rows[0]["layers"] == "22-29" and rows[0]["damage"] == "KL 0.4321, top-1 70.0%"
+    assert main([*arguments, "--layers", "15"]) == 0  # chosen layers are what was asked for
+    assert [row["choice"] for row in json.loads(capsys.readouterr().out)["rows"]] == ["upper 15"]
+
+
+# Parameter counts the Hub shows for each repository (its safetensors metadata).
+PUBLISHED_PARAMETERS = {
+    "meta-llama/Llama-3.2-1B-Instruct": 1_235_814_400,
+    "meta-llama/Llama-3.2-3B-Instruct": 3_212_749_824,
+    "meta-llama/Llama-3.1-8B-Instruct": 8_030_261_248,
+    "meta-llama/Llama-3.1-70B-Instruct": 70_553_706_496,
+    "meta-llama/Llama-3.3-70B-Instruct": 70_553_706_496,
+    "meta-llama/Llama-3.1-405B-Instruct": 405_853_388_800,
+}
+
+
+@pytest.mark.parametrize("model_id", sorted(PUBLISHED_PARAMETERS))
+def test_plan_knows_the_published_llama3_shapes_without_a_download(hub_cache, capsys, model_id):
+    """Issue 38 item 3: `ladder plan meta-llama/Llama-3.1-8B-Instruct` needed the config in the local cache
+    (gated). The shipped shapes give the parameter count the Hub publishes for each repository."""
+    assert main(["plan", model_id, "--batch", "1", "--layers", "all", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    shape = ModelShape(**result["shape"])
+    assert parameter_counts(shape).total(shape.num_layers) == PUBLISHED_PARAMETERS[model_id]
+    assert result["model"] == model_id and not any(hub_cache.rglob("*"))  # nothing was downloaded
+
+
+def test_plan_reads_a_config_json_and_a_recipe(llama_8b_folder, tmp_path, capsys):
+    """Issue 38 item 3: a config.json path and a recipe (its model.path, a Hub ID not downloaded) plan too; a
+    recipe also prices each choice's retraining."""
+    assert main(["plan", str(llama_8b_folder / "config.json"), "--batch", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shape"]["num_layers"] == 32
+    recipe = tmp_path / "recipe.yaml"
+    text = Path("recipes/smollm2-135m-ladder-cpu.yaml").read_text()
+    recipe.write_text(text.replace("path: embedded", "path: meta-llama/Llama-3.2-1B-Instruct", 1))
+    assert main(["plan", str(recipe), "--batch", "1", "--hardware", "h100", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["shape"]["num_layers"] == 16 and result["recipe"] == str(recipe)
+    assert all(row["retraining"]["device_hours"] > 0 for row in result["rows"])

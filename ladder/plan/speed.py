@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
+from ..units import parse_size
 from .costs import ForwardCost, ModelShape, ModuleCost, forward_cost
 
 PROFILES = Path(__file__).resolve().parent
@@ -33,6 +34,14 @@ PROFILES = Path(__file__).resolve().parent
 # fused projection, rope + cache write, attention, output projection, residual add); eager counts are
 # the operators ladder/tp/shard.py dispatches (HF's RMSNorm and rope are several small ops each).
 KERNELS = {"compiled": {"attention": 6, "mlp": 4, "head": 2}, "eager": {"attention": 39, "mlp": 14, "head": 12}}
+
+# Which of a ladder layer's two all-reduces (its attention output's, its MLP output's) each engine
+# runs behind compute; the others block, as a standard layer's do. The TP runtime
+# (ladder/tp/runtime.py): both, Algorithm 1 of the paper. vLLM (ladder/serving/model.py): the
+# attention output's, on CUDA's auxiliary stream behind the MLP; the MLP output's is synchronous
+# (its piecewise CUDA graphs are split at attention, so a fork there could not be joined); on a CPU
+# neither (no streams: a start is vLLM's synchronous all-reduce).
+OVERLAPPED = {"vllm": ("attention",), "tp-runtime": ("attention", "mlp")}
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,11 @@ class Device:
     def module_seconds(self, cost: ModuleCost, kernels: int, graphs: bool) -> float:
         roofline = max(cost.bytes / self.bandwidth, cost.flops / self.flops) / self.efficiency
         return roofline + kernels * 1e-6 * (self.kernel_us if graphs else self.eager_kernel_us)
+
+
+def overlapped_reductions(engine: str, device: Device) -> tuple[str, ...]:
+    """The ladder layer's all-reduces `engine` (a key of OVERLAPPED) runs behind compute on `device`."""
+    return () if engine == "vllm" and device.on_cpu else OVERLAPPED[engine]
 
 
 @dataclass(frozen=True)
@@ -107,20 +121,21 @@ def _numbers(text: str, *counts: int) -> list[float] | None:
     return values if len(values) in counts and min(values) > 0 else None
 
 
-def device_profile(spec: str) -> Device:
-    """A device by name (devices.tsv), `FLOPS,BANDWIDTH[,MEMORY]` (per second, and bytes, e.g.
-    989e12,3.35e12,80e9), or a JSON file `ladder plan --calibrate` wrote."""
+def device_profile(spec: str, flag: str = "--hardware") -> Device:
+    """A device by name (devices.tsv), `FLOPS,BANDWIDTH,MEMORY` (per second, and a size, e.g.
+    989e12,3.35e12,80GB; without MEMORY it prices decoding but not a retraining), or a JSON file
+    `ladder plan --calibrate` wrote. `flag` names the option in errors."""
     if spec in _table("devices.tsv"):
         return _profile(Device, _table("devices.tsv")[spec])
-    if (values := _numbers(spec, 2, 3)) is not None:
-        memory = values[2] if len(values) == 3 else 0.0
-        return Device(spec, values[0], values[1], 1.0, 1.0, 4.5, memory, "given on the command line")
+    *rates, memory = spec.split(",") if spec.count(",") == 2 else [*spec.split(","), None]
+    if (values := _numbers(",".join(rates), 2)) is not None:
+        size = parse_size(memory, f"{flag} MEMORY") if memory is not None else 0.0
+        return Device(spec, values[0], values[1], 1.0, 1.0, 4.5, size, "given on the command line")
     if spec.endswith(".json"):
         return Device(**_calibration(spec)["device"])
     raise UsageError(
-        f"--device {spec!r} is not one of {', '.join(device_names())}, FLOPS,BANDWIDTH[,MEMORY] "
-        "(e.g. 989e12,3.35e12,80e9) "
-        "or a calibration .json"
+        f"{flag} {spec!r} is not one of {', '.join(device_names())}, FLOPS,BANDWIDTH[,MEMORY] "
+        "(e.g. 989e12,3.35e12,80GB) or a calibration .json"
     )
 
 
@@ -253,9 +268,11 @@ def replay(
     wire_s: float,
     host_s: float,
     shared_link: bool = False,
+    overlapped: tuple[str, ...] = OVERLAPPED["tp-runtime"],
 ) -> Timeline:
     """Replay ladder/tp/shard.py's `LlamaShard.forward` (one flag per layer) with these module times and
-    all-reduce costs; `wire_s` < 0 means no communication at all (the no-communication bound)."""
+    all-reduce costs; `wire_s` < 0 means no communication at all (the no-communication bound).
+    `overlapped`: which of a ladder layer's all-reduces run behind compute (the engine's; the rest block)."""
     run = _Replay(max(wire_s, 0.0), host_s if wire_s >= 0 else 0.0, shared_link)
     communicate = wire_s >= 0
     pending_attention = pending_mlp = None
@@ -273,10 +290,10 @@ def replay(
         if is_ladder:
             run.wait(pending_attention)
             run.compute(attention_s)
-            pending_attention = reduce(2 * layer, blocking=False)
+            pending_attention = reduce(2 * layer, blocking="attention" not in overlapped)
             run.wait(pending_mlp)
             run.compute(mlp_s)
-            pending_mlp = reduce(2 * layer + 1, blocking=False)
+            pending_mlp = reduce(2 * layer + 1, blocking="mlp" not in overlapped)
         else:
             run.wait(pending_attention)
             run.wait(pending_mlp)
@@ -306,6 +323,7 @@ class Setting:
     new_tokens: int = 512
     dtype_bytes: int = 2
     cuda_graphs: bool = True
+    engine: str = "tp-runtime"  # a key of OVERLAPPED: which ladder all-reduces run behind compute
 
 
 @dataclass
@@ -349,9 +367,10 @@ def step_times(shape: ModelShape, setting: Setting, ladder_layers: list[int], qu
         wire = -1.0
     chosen = set(ladder_layers)
     flags = [index in chosen for index in range(shape.num_layers)]
+    overlapped = overlapped_reductions(setting.engine, setting.device)
     return {
         "standard": replay([False] * shape.num_layers, attention, mlp, head, wire, host, setting.link.shared),
-        "ladder": replay(flags, attention, mlp, head, wire, host, setting.link.shared),
+        "ladder": replay(flags, attention, mlp, head, wire, host, setting.link.shared, overlapped),
         "bound": replay([False] * shape.num_layers, attention, mlp, head, -1.0, 0.0),
     }
 
@@ -378,6 +397,7 @@ def profile_dict(profile: Device | Link) -> dict:
 
 __all__ = [
     "KERNELS",
+    "OVERLAPPED",
     "Device",
     "Link",
     "Prediction",
@@ -387,6 +407,7 @@ __all__ = [
     "device_profile",
     "link_names",
     "link_profile",
+    "overlapped_reductions",
     "predict",
     "profile_dict",
     "replay",
