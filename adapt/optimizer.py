@@ -1,11 +1,16 @@
-"""AdamW over the trainable parameters with linear warmup, then cosine, linear or no decay."""
+"""AdamW over the trainable parameters with linear warmup, then cosine, linear or no decay.
+
+One convention for every decay, transformers' `cosine_warmup_with_min_lr`: the warmup's step k
+(from 0) runs at (k + 1) / warmup of the peak (no step at lr 0), and the decay reaches the floor
+(`min_lr_ratio` of the peak) at the last step.
+"""
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
+from transformers import get_scheduler
 
 from .recipe import OptimizerSpec, ScheduleSpec
 
@@ -26,20 +31,41 @@ def build_optimizer(
         # recipe's step: 0.018 s against 0.062). transformers' Trainer defaults to it too.
         fused=True,
     )
-    factor = functools.partial(lr_factor, schedule, total_steps)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return optimizer, build_schedule(optimizer, schedule, total_steps)
 
 
-def lr_factor(schedule: ScheduleSpec, total_steps: int, step: int) -> float:
-    """Linear warmup, then cosine or linear decay to `min_lr_ratio` at the last step."""
-    warmup = schedule.warmup_steps or round(schedule.warmup_fraction * total_steps)
+def warmup_steps(schedule: ScheduleSpec, total_steps: int) -> int:
+    return schedule.warmup_steps or round(schedule.warmup_fraction * total_steps)
+
+
+def build_schedule(
+    optimizer: torch.optim.Optimizer, schedule: ScheduleSpec, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning-rate schedule of `schedule` over `total_steps` optimizer steps (a LambdaLR,
+    whose state_dict is its step: a resumed run continues it exactly)."""
+    warmup = warmup_steps(schedule, total_steps)
+    if schedule.decay == "cosine":
+        return get_scheduler(
+            "cosine_warmup_with_min_lr",
+            optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=total_steps,
+            scheduler_specific_kwargs={"min_lr_rate": schedule.min_lr_ratio},
+        )
+    # transformers' linear and constant schedules warm up from lr 0 (a step that trains nothing), and
+    # its linear decay has no floor (its warmup_stable_decay warms up from the floor instead): the
+    # same warmup and floor as the cosine's, by hand.
+    factor = functools.partial(_lr_factor, schedule.decay, schedule.min_lr_ratio, warmup, total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _lr_factor(decay: str, min_lr_ratio: float, warmup: int, total_steps: int, step: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
-    if schedule.decay == "constant":
+    if decay == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule.decay == "cosine" else 1 - progress
-    return schedule.min_lr_ratio + (1 - schedule.min_lr_ratio) * shape
+    progress = min(1.0, (step - warmup + 1) / max(1, total_steps - warmup))
+    return min_lr_ratio + (1 - min_lr_ratio) * (1 - progress)
 
 
-__all__ = ["build_optimizer", "lr_factor"]
+__all__ = ["build_optimizer", "build_schedule"]

@@ -17,7 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import scipy.stats
 from lm_eval.api.registry import AGGREGATION_REGISTRY
+from tabulate import tabulate
 
 from .models import ModelResults
 
@@ -53,18 +55,49 @@ def _number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def _bootstrap(aggregate, items_a: list, items_b: list | None) -> float:
-    """Bootstrap standard error of aggregate(a), or of aggregate(a) - aggregate(b) on the same draws."""
-    rng = np.random.default_rng(0)
-    n = len(items_a)
-    draws = []
-    for _ in range(BOOTSTRAP_DRAWS):
-        index = rng.integers(0, n, n)
-        value = aggregate([items_a[i] for i in index])
-        if items_b is not None:
-            value -= aggregate([items_b[i] for i in index])
-        draws.append(value)
-    return float(np.std(draws, ddof=1))
+# lm-eval's aggregations that are functions of per-item sums, as numpy statistics over a resample
+# axis, so that scipy draws all resamples at once. Others (f1, bleu, ... over items of any type) run
+# lm-eval's own function once per resample.
+_VECTORISED = {
+    "mean": lambda values, axis: np.mean(values, axis=axis),
+    "perplexity": lambda loglikelihoods, axis: np.exp(-np.mean(loglikelihoods, axis=axis)),
+    "weighted_perplexity": lambda ll, count, axis: np.exp(-np.sum(ll, axis=axis) / np.sum(count, axis=axis)),
+    "bits_per_byte": lambda ll, count, axis: -np.sum(ll, axis=axis) / np.sum(count, axis=axis) / math.log(2),
+}
+
+
+def _bootstrap(name: str, aggregate, items_a: list, items_b: list | None) -> float:
+    """Bootstrap standard error of aggregate(a), or of aggregate(a) - aggregate(b) over the same
+    resampled items (scipy's paired bootstrap), for lm-eval's aggregation `name`."""
+    vectorised = _VECTORISED.get(name)
+    if vectorised is not None:
+        # Each model's items as columns: one (values) or two (log-likelihood, words or bytes).
+        columns = [np.asarray(items, dtype=float).T.reshape(-1, len(items_a)) for items in (items_a, items_b or [])]
+        width = len(columns[0])
+
+        def statistic(*samples, axis=-1):
+            value = vectorised(*samples[:width], axis=axis)
+            return value - vectorised(*samples[width:], axis=axis) if items_b is not None else value
+
+        data = (*columns[0], *columns[1])
+    else:
+
+        def statistic(index):
+            value = aggregate([items_a[i] for i in index])
+            return value - aggregate([items_b[i] for i in index]) if items_b is not None else value
+
+        data = (np.arange(len(items_a)),)
+    result = scipy.stats.bootstrap(
+        data,
+        statistic,
+        n_resamples=BOOTSTRAP_DRAWS,
+        batch=100,  # memory: 100 x items per sample at a time
+        vectorized=vectorised is not None,
+        paired=True,
+        method="percentile",  # only the standard error is used: no BCa jackknife (n statistics)
+        rng=np.random.default_rng(0),
+    )
+    return float(result.standard_error)
 
 
 def _items(record: dict, task: str, key: str) -> dict | None:
@@ -83,9 +116,9 @@ def _score(record: dict, task: str, key: str) -> Estimate:
     value = _number(results.get(key))
     stderr = _number(results.get(f"{metric}_stderr,{filter_name}"))
     items = _items(record, task, key)
-    _, aggregate = _aggregation(record, task, metric)
+    name, aggregate = _aggregation(record, task, metric)
     if value is not None and stderr is None and items and aggregate and len(items["value"]) > 1:
-        stderr = _bootstrap(aggregate, items["value"], None)
+        stderr = _bootstrap(name, aggregate, items["value"], None)
     return Estimate(value, stderr)
 
 
@@ -101,7 +134,7 @@ def _difference(reference: dict, other: dict, task: str, key: str, ref: Estimate
             per_item = np.asarray(items_other["value"], dtype=float) - np.asarray(items_ref["value"], dtype=float)
             return Estimate(value, float(per_item.std(ddof=1) / math.sqrt(len(per_item))), "paired")
         if aggregate is not None:
-            return Estimate(value, _bootstrap(aggregate, items_other["value"], items_ref["value"]), "paired")
+            return Estimate(value, _bootstrap(name, aggregate, items_other["value"], items_ref["value"]), "paired")
     if ref.stderr is not None and score.stderr is not None:
         return Estimate(value, math.hypot(ref.stderr, score.stderr), "independent")
     return Estimate(value, None)
@@ -161,18 +194,20 @@ def _arrow(row: Row) -> str:
 
 
 def markdown_table(labels: list[str], rows: list[Row]) -> str:
+    """The side-by-side table as aligned markdown (readable printed, and rendered)."""
     header = ["task", "metric", "n", labels[0]]
     for label in labels[1:]:
         header += [label, f"Δ {label}"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    cells = []
     for row in rows:
         like = row.scores[0].value
-        cells = [row.task, row.metric + _arrow(row), "" if row.n is None else str(row.n), _format(row.scores[0], like)]
+        line = [row.task, row.metric + _arrow(row), "" if row.n is None else str(row.n), _format(row.scores[0], like)]
         for score, difference in zip(row.scores[1:], row.differences):
             method = f" ({difference.method})" if difference.method == "independent" else ""
-            cells += [_format(score, like), _format(difference, like, signed=True) + method]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            line += [_format(score, like), _format(difference, like, signed=True) + method]
+        cells.append(line)
+    align = ["left", "left"] + ["right"] * (len(header) - 2)
+    return tabulate(cells, header, tablefmt="pipe", colalign=align, disable_numparse=True)
 
 
 def report_dict(models: list[ModelResults], rows: list[Row], header: dict) -> dict:
@@ -215,9 +250,19 @@ def markdown_report(models: list[ModelResults], rows: list[Row], header: dict) -
     return "\n".join(lines)
 
 
-def plot(models: list[ModelResults], rows: list[Row], path: Path) -> None:
+def _bar_label(row: Row, series: int, compare: bool) -> str:
+    """What a bar says beside it: the difference with the two absolute scores, or the score."""
+    like = row.scores[0].value
+    if not compare:
+        return _format(row.scores[0], like)
+    reference, score = (_format(Estimate(e.value, None), like) for e in (row.scores[0], row.scores[series + 1]))
+    return f"{_format(row.differences[series], like, signed=True)}  ({reference} → {score})"
+
+
+def figure(models: list[ModelResults], rows: list[Row]):
     """Per-metric panels of horizontal bars: each model's difference from the reference per task,
-    with 95% error bars (1.96 standard errors); the scores themselves when there is one model."""
+    with 95% error bars (1.96 standard errors), labelled with the difference and both absolute
+    scores; the scores themselves when there is one model. Each task's label gives its n."""
     from matplotlib.figure import Figure  # the Agg canvas, without pyplot's global state
 
     compare = len(models) > 1
@@ -226,8 +271,8 @@ def plot(models: list[ModelResults], rows: list[Row], path: Path) -> None:
     for row in rows:
         panels.setdefault(row.metric, []).append(row)
     heights = [max(1.0, 0.45 * len(panel_rows) * len(series) + 0.8) for panel_rows in panels.values()]
-    figure = Figure(figsize=(9, sum(heights) + 0.6), layout="constrained")
-    axes = figure.subplots(len(panels), 1, squeeze=False, height_ratios=heights)[:, 0]
+    canvas = Figure(figsize=(11, sum(heights) + 0.6), layout="constrained")
+    axes = canvas.subplots(len(panels), 1, squeeze=False, height_ratios=heights)[:, 0]
     bar = 0.8 / len(series)
     for ax, (metric, panel_rows) in zip(axes, panels.items()):
         for s, model in enumerate(series):
@@ -235,15 +280,24 @@ def plot(models: list[ModelResults], rows: list[Row], path: Path) -> None:
             positions = np.arange(len(panel_rows)) + (s - (len(series) - 1) / 2) * bar
             values = [e.value if e.value is not None else np.nan for e in estimates]
             errors = [1.96 * e.stderr if e.stderr is not None else 0.0 for e in estimates]
-            ax.barh(positions, values, height=bar, xerr=errors, capsize=3, label=model.model.label)
-        ax.set_yticks(np.arange(len(panel_rows)), [row.task for row in panel_rows])
+            bars = ax.barh(positions, values, height=bar, xerr=errors, capsize=3, label=model.model.label)
+            labels = [_bar_label(row, s, compare) for row in panel_rows]
+            ax.bar_label(bars, labels, padding=4, fontsize=7)
+        ax.set_yticks(
+            np.arange(len(panel_rows)), [f"{row.task}\nn={'?' if row.n is None else row.n}" for row in panel_rows]
+        )
         ax.invert_yaxis()
+        ax.margins(x=0.35)  # room for the labels beside the bars
         ax.axvline(0, color="black", linewidth=0.8)
         direction = _arrow(panel_rows[0]).strip()
-        what = f"difference from {models[0].model.label}" if compare else "score"
+        what = f"difference from {models[0].model.label} ({models[0].model.label} → model)" if compare else "score"
         ax.set_title(f"{metric} {direction} — {what} (±1.96 se)", fontsize=10)
     axes[0].legend(fontsize=8, loc="best")
-    figure.savefig(path, dpi=110)
+    return canvas
+
+
+def plot(models: list[ModelResults], rows: list[Row], path: Path) -> None:
+    figure(models, rows).savefig(path, dpi=110)
 
 
 def write_report(models: list[ModelResults], header: dict, directory: Path) -> str:

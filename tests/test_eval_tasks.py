@@ -224,3 +224,64 @@ def test_paired_bootstrap_of_two_models_matches_the_delta_method():
     delta_method = math.sqrt((influence**2).sum())
     assert difference.stderr == pytest.approx(delta_method, rel=0.1)
     assert difference.stderr < 0.5 * math.hypot(score_ref.stderr, score.stderr)  # pairing matters here
+
+
+def test_vectorised_bootstrap_is_lm_evals_aggregation_resampled():
+    # The numpy forms of lm-eval's aggregations give the standard errors that resampling lm-eval's
+    # own functions gives (the same draws), single and paired.
+    from lm_eval.api.registry import AGGREGATION_REGISTRY
+
+    rng = np.random.default_rng(3)
+    pairs_a = [[float(-rng.uniform(100, 300)), int(rng.integers(50, 150))] for _ in range(80)]
+    pairs_b = [[ll - float(rng.uniform(0, 20)), words] for ll, words in pairs_a]
+    values_a, values_b = rng.normal(-2, 1, 80).tolist(), rng.normal(-2.2, 1, 80).tolist()
+    for name, a, b in [
+        ("weighted_perplexity", pairs_a, pairs_b),
+        ("bits_per_byte", pairs_a, pairs_b),
+        ("perplexity", values_a, values_b),
+        ("mean", values_a, values_b),
+    ]:
+        aggregate = AGGREGATION_REGISTRY[name]
+        for other in (None, b):
+            vectorised = report._bootstrap(name, aggregate, a, other)
+            by_hand = report._bootstrap("lm-eval's function", aggregate, a, other)
+            assert vectorised > 0 and vectorised == pytest.approx(by_hand, rel=1e-9), name
+
+
+def _two_model_rows() -> tuple[list, list]:
+    from ladder.eval.models import ModelRef, ModelResults
+
+    rng = np.random.default_rng(4)
+    models = []
+    for label, accuracy in (("original", 0.6), ("ladder", 0.5)):
+        items = (rng.random(40) < accuracy).astype(float)
+        record = _record("ladder_piqa", "acc,none", range(40), items, "mean", items.mean(), 0.05)
+        record |= {"n-samples": {"ladder_piqa": {"effective": 40}}, "higher_is_better": {"ladder_piqa": {"acc": True}}}
+        models.append(ModelResults(ModelRef(label, Path(label), label), "", {"ladder_piqa": record}))
+    return models, report.build_rows(models)
+
+
+def test_report_chart_gives_n_and_the_absolute_scores_beside_each_difference():
+    models, rows = _two_model_rows()
+    (row,) = rows
+    axes = report.figure(models, rows).axes[0]
+    assert [label.get_text() for label in axes.get_yticklabels()] == ["ladder_piqa\nn=40"]
+    (text,) = [t.get_text() for t in axes.texts]
+    original, ladder = row.scores[0].value, row.scores[1].value
+    assert text.startswith(f"{ladder - original:+.4f} ± ") and text.endswith(f"({original:.4f} → {ladder:.4f})")
+
+
+def test_markdown_table_is_aligned():
+    models, rows = _two_model_rows()
+    lines = report.markdown_table(["original", "ladder"], rows).splitlines()
+    assert len(lines) == 3 and len({len(line) for line in lines}) == 1  # padded columns
+    assert [cell.strip() for cell in lines[0].split("|")[1:-1]] == [
+        "task",
+        "metric",
+        "n",
+        "original",
+        "ladder",
+        "Δ ladder",
+    ]
+    assert lines[1].startswith("|:---") and lines[1].endswith(":|")  # text left, numbers right
+    assert lines[2].startswith("| ladder_piqa | acc ↑    |  40 | 0.5250 ± 0.0500 |")
