@@ -9,6 +9,9 @@ in one run, and prints them side by side; exits 1 when a row misses its bound.
 (b) published (arXiv 2501.06589, gpt-fast on H100, prompt 1024, 512 new tokens): the paper's 70B and
     405B rows predicted from the H100 and interconnect profiles (devices.tsv, links.tsv), each within
     15%; the no-communication bound beside the published 1.43x.
+(c) published memory (torchtitan's Llama-3.1-8B FSDP runs on H100s of 96 GB, 500 W, end of 2024):
+    adapt/plan.py's peak per GPU set to torchtitan's program and setting, against its peak reserve
+    (the caching allocator's, which leaves out the CUDA context and NCCL), each within 15%.
 
     python -m benchmarks.plan_check                        # as root (the links are shaped namespaces)
     python -m benchmarks.plan_check --links loopback,400mbit,100mbit --batch 1,4
@@ -30,6 +33,8 @@ from transformers import LlamaConfig
 
 from benchmarks.common import PUBLISHED_SHAPES
 from benchmarks.tp_speed import BOUND, STANDARD, Plan, Variant, launch, positive_ints
+from ladder.adapt.plan import TORCHTITAN, TORCHTITAN_OP_POLICY, make_plan
+from ladder.adapt.plan import Setting as TrainingSetting
 from ladder.errors import UsageError
 from ladder.io.files import atomic_write
 from ladder.plan.calibrate import measure_link
@@ -59,6 +64,12 @@ PUBLISHED = [
 ]
 PUBLISHED_BOUND = ("70B TP=8 NVLink batch 1, no-communication bound", 110.6 / 77.4)
 
+# torchtitan's published peak memory per GPU (its benchmarks/llama3_h100_202412_torchtitan.md, commit
+# 9dec370 of 2024-12-26): Llama-3.1-8B, FSDP2 over N GPUs, local batch 2 x 8192 tokens, selective "op"
+# recompute, bf16 parameters; H100s of 96 GB HBM2e at the default 500 W. `max_reserved` of
+# torch.cuda.memory_stats, in GiB: (name, GPUs, eager, compiled). Tables 1 (8 GPUs) and 3 (128 GPUs).
+PUBLISHED_MEMORY = [("torchtitan 8B, 8 GPUs", 8, 82.4, 77.0), ("torchtitan 8B, 128 GPUs", 128, 67.0, 62.0)]
+
 
 @dataclass
 class Row:
@@ -69,6 +80,7 @@ class Row:
     tolerance: float | None  # None: shown for reference, not checked
     bound: float | None = None  # predicted no-communication bound, for reference
     spread: float | None = None  # measured: (max - min) / median of the per-round ratios
+    unit: str = "x"  # "x": a speed-up; "G": memory in GiB
 
     @property
     def error(self) -> float:
@@ -183,6 +195,28 @@ def check_published() -> list[Row]:
     return rows
 
 
+def torchtitan_reserved_bytes(gpus: int) -> float:
+    """adapt/plan.py's peak per GPU for torchtitan's published Llama-3.1-8B runs, less what the plan
+    holds outside the caching allocator (torchtitan reports the allocator's peak reserve)."""
+    shape = ModelShape.from_config(PUBLISHED_SHAPES["llama-3.1-8b"])
+    layers = list(range(shape.num_layers))
+    setting = TrainingSetting(
+        micro_batch=2, seq_len=8192, devices=gpus, fsdp=True, bf16=True, trained=layers, grads_from=0,
+        head_trained=True, accelerator=True, tokens=1.0, program=TORCHTITAN,
+    )  # fmt: skip
+    plan = make_plan(shape, setting, device_memory=96e9, device_flops=989e12, policy=TORCHTITAN_OP_POLICY)
+    return plan.peak_bytes_per_device - plan.memory["runtime"]
+
+
+def check_memory_published() -> list[Row]:
+    rows = []
+    for name, gpus, eager, compiled in PUBLISHED_MEMORY:
+        predicted = torchtitan_reserved_bytes(gpus) / 2**30
+        for mode, measured in (("eager", eager), ("compiled", compiled)):
+            rows.append(Row("tt", f"{name}, {mode}, peak reserve", predicted, measured, PUBLISHED_TOLERANCE, unit="G"))
+    return rows
+
+
 def table(rows: list[Row]) -> str:
     header = (
         f"{'check':<6} {'setting':<50} {'predicted':>9} {'observed':>9} {'error':>7} {'bound':>6} {'spread':>6}  result"
@@ -198,13 +232,14 @@ def table(rows: list[Row]) -> str:
                 "ok" if row.passed else f"MISS (by {abs(row.error) - row.tolerance:.0%} beyond ±{row.tolerance:.0%})"
             )
         lines.append(
-            f"{row.check:<6} {row.setting:<50} {row.predicted:>8.2f}x {row.observed:>8.2f}x {row.error:>+7.1%} "
+            f"{row.check:<6} {row.setting:<50} {row.predicted:>8.2f}{row.unit} {row.observed:>8.2f}{row.unit} {row.error:>+7.1%} "
             f"{bound:>6} {spread:>6}  {verdict}"
         )
     lines.append(
         "predicted/observed: ladder's decode speed-up over standard (the bound row: the no-communication bound's); "
         "observed = measured here (median over rounds of the per-round ratio) or published; bound: the model's "
-        "no-communication bound; spread: (max - min) / median of the measured per-round ratios."
+        "no-communication bound; spread: (max - min) / median of the measured per-round ratios; "
+        "tt rows (G): adapt/plan.py's peak memory per GPU in GiB against torchtitan's published peak reserve."
     )
     return "\n".join(lines)
 
@@ -237,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = (
             [] if args.published_only else check_here(args, LlamaConfig(**CPU_SHAPE, tie_word_embeddings=False), report)
         )
-        rows += check_published()
+        rows += check_published() + check_memory_published()
         print(table(rows))
         print(
             f"{time.time() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at the end (started at {load:.2f})"
