@@ -5,7 +5,9 @@ Memory per device, by part: the parameters (fp32 master weights), the trained pa
 and AdamW's two moments (all three sharded over the devices under FSDP), the activations each
 decoder layer saves for its backward pass at the recipe's micro-batch and seq_len under each
 recompute policy, the head's logits chunks and gradients, and buffers (FSDP's gathered bf16 units,
-one layer's backward). FLOPs per token: the model FLOPs (forward, backward; MFU counts these) and
+one layer's backward); on a GPU the caching allocator's reserve above what is allocated, and what
+the process holds outside it (the CUDA context, NCCL's buffers; on a CPU the runtime: Python,
+torch, the tokenizer and the data). FLOPs per token: the model FLOPs (forward, backward; MFU counts these) and
 the hardware FLOPs (plus recompute; time is spent on these), with causal attention, and the backward
 only where gradients flow (below the lowest trained layer nothing flows). Tokens/s at a stated
 utilisation of the device's peak, device-hours for the budget.
@@ -16,6 +18,10 @@ stream inputs (kept for the recomputed norms), the normed inputs of the attentio
 (q/k/v and gate/up read them), q, k, v, the attention output (o_proj reads it), the attention's
 log-sum-exp (fp32, one per head), gate and up (SwiGLUDown). Under `full` recompute a layer keeps its
 two input streams; `selective` recomputes every other layer (transformers' every_n_layers=2).
+
+The memory model is checked against the one published measurement of an 8B FSDP run, torchtitan's
+(benchmarks/plan_check.py, docs/retraining.md): `TORCHTITAN` describes how that program holds memory
+where it differs from adapt (one residual stream, its `op` recompute policy, an unchunked fp32 loss).
 """
 
 from __future__ import annotations
@@ -35,9 +41,25 @@ from ladder.plan.speed import Device
 from .recipe import Recipe
 
 POLICIES = ("none", "selective", "full")
-# Share of a device's memory a plan may fill: the allocator's fragmentation, NCCL's buffers and the
-# CUDA context take the rest (torchtitan's 8B runs peak at about 85-90% of 80 GB).
-MEMORY_MARGIN = 0.85
+# torchtitan's selective "op" policy (not one adapt runs; priced for its published check, see Program).
+TORCHTITAN_OP_POLICY = "op"
+# Share of a device's memory a plan may fill. The plan counts the allocator's reserve, the CUDA context
+# and NCCL; the rest is for what it does not (the spread of the reserve, a transient it misses).
+MEMORY_MARGIN = 0.95
+# The CUDA caching allocator's peak reserve above its peak allocation, as a share of the allocation.
+# From torchtitan's own tables (benchmarks/llama3_h100_202412_torchtitan.md): going from 8 to 128 GPUs
+# shrinks only the sharded fp32 parameters, gradients and AdamW moments, by 14.0 GiB per GPU, and the
+# measured peak reserve falls by 15.4 GiB eager and 15.0 GiB compiled: 1.10 and 1.07 per allocated byte.
+ALLOCATOR_RESERVE = 0.10
+# Held outside the caching allocator on a GPU (torchtitan's figures leave it out): the CUDA context,
+# about 0.4 GB with lazy module loading (CUDA >= 11.7; pytorch/pytorch#109888) and cuBLAS's workspace;
+# NCCL's buffers for one communicator over 8 H100s: NVLink SHARP's 288 MiB per rank (the log in
+# vllm-project/vllm#9699) and the ring and tree channels' (NCCL_BUFFSIZE, 4 MiB per channel and peer).
+CUDA_CONTEXT_BYTES = 0.5 * 2**30
+NCCL_BYTES = 0.75 * 2**30
+# The process's own memory on a CPU, whatever the batch: Python, torch and transformers, the tokenizer
+# and the run's tokenized data (benchmarks/plan_memory.py measures it: 541-555 MiB, 2026-12-05).
+CPU_RUNTIME_BYTES = 550 * 2**20
 # Share of the device's peak FLOP/s spent on the plan's hardware FLOPs, assumed on accelerators.
 # torchtitan publishes 5,762 tokens/s per H100 for Llama-3.1-8B (8 GPUs, FSDP2, seq_len 8192) in eager
 # mode and 6,667 compiled: by this module's count 0.30 and 0.35 MFU, and 0.35-0.39 and 0.40-0.46 of
@@ -69,17 +91,49 @@ def read_model_config(path: Path):
         raise UsageError(f"cannot read the config of {path}: {error}") from None
 
 
-def saved_bytes_per_token(shape: ModelShape, compute_bytes: int, stream_bytes: int) -> int:
+@dataclass(frozen=True)
+class Program:
+    """How a training program's own code holds memory, where programs differ."""
+
+    name: str
+    streams: int  # residual streams a decoder layer takes, kept for its backward (a ladder layer: two)
+    # The loss: "chunked" (adapt/losses.py: float32 logits a chunk at a time, the head's gradient built
+    # in the forward) or "unchunked" (the micro-batch's logits at once, upcast to float32).
+    loss: str
+
+
+ADAPT = Program("ladder adapt", streams=2, loss="chunked")
+# torchtitan at the commit of its published Llama-3.1-8B figures (9dec370, 2024-12-26): a plain Llama
+# block (one stream), FSDP2 with bf16 parameters and fp32 gradient reduction, the loss
+# `cross_entropy(pred.flatten(0, 1).float(), labels)` on the whole micro-batch's bf16 logits.
+TORCHTITAN = Program("torchtitan", streams=1, loss="unchunked")
+
+
+def saved_bytes_per_token(shape: ModelShape, compute_bytes: int, stream_bytes: int, streams: int = 2) -> int:
     """Bytes one trained decoder layer keeps for backward per token, with no recompute (see above)."""
     hidden, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
     computed = 4 * hidden + 2 * kv + 2 * shape.intermediate_size  # normed x2, q, out, k, v, gate, up
-    return 2 * hidden * stream_bytes + computed * compute_bytes + 4 * shape.num_heads
+    return streams * hidden * stream_bytes + computed * compute_bytes + 4 * shape.num_heads
 
 
-def layer_saved_bytes(shape: ModelShape, tokens: int, policy: str, compute_bytes: int, stream_bytes: int) -> float:
+def op_policy_bytes_per_token(shape: ModelShape, compute_bytes: int, stream_bytes: int, streams: int) -> int:
+    """Bytes a layer keeps per token under torchtitan's selective "op" policy (its parallelize_llama.py,
+    `_save_list`): the outputs of the flash/efficient attention (the output and its fp32 log-sum-exp)
+    and of every other matmul in call order (q of q, k, v, o; gate of gate, up, down; and down), all
+    else recomputed from the layer's input, which the checkpoint keeps."""
+    hidden, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
+    matmuls = hidden + kv + shape.intermediate_size + hidden  # q, v, gate, down: 1st, 3rd, 5th, 7th
+    return streams * hidden * stream_bytes + (matmuls + hidden) * compute_bytes + 4 * shape.num_heads
+
+
+def layer_saved_bytes(
+    shape: ModelShape, tokens: int, policy: str, compute_bytes: int, stream_bytes: int, streams: int = 2
+) -> float:
     """Average bytes one layer keeps for backward at `tokens` per micro-batch under `policy`."""
-    kept = saved_bytes_per_token(shape, compute_bytes, stream_bytes) * tokens
-    inputs = 2 * shape.hidden_size * stream_bytes * tokens  # a recomputed layer keeps its two streams
+    if policy == TORCHTITAN_OP_POLICY:
+        return op_policy_bytes_per_token(shape, compute_bytes, stream_bytes, streams) * tokens
+    kept = saved_bytes_per_token(shape, compute_bytes, stream_bytes, streams) * tokens
+    inputs = streams * shape.hidden_size * stream_bytes * tokens  # a recomputed layer keeps its streams
     return {"none": kept, "full": inputs, "selective": (kept + inputs) / 2}[policy]
 
 
@@ -97,6 +151,7 @@ class Setting:
     head_trained: bool
     accelerator: bool
     tokens: float  # the budget
+    program: Program = ADAPT
 
 
 def setting_of(
@@ -137,8 +192,9 @@ def setting_of(
 
 
 def memory_parts(shape: ModelShape, setting: Setting, policy: str, chunk_positions: int) -> dict[str, float]:
-    """Bytes per device by part, at the peak (the last layer's backward of a micro-batch)."""
-    n = setting.devices
+    """Bytes per device by part, at the peak (the last layer's backward of a micro-batch), each part
+    at its own largest: the sum errs high where two do not coincide."""
+    n, program = setting.devices, setting.program
     tokens = setting.micro_batch * setting.seq_len
     counts = parameter_counts(shape)
     total = counts.total(shape.num_layers)
@@ -148,22 +204,31 @@ def memory_parts(shape: ModelShape, setting: Setting, policy: str, chunk_positio
     stream_bytes = 2 if setting.bf16 and setting.fsdp else 4
     # Autograd keeps activations for every layer from the lowest trained one up.
     saving = shape.num_layers - setting.grads_from
-    per_layer = layer_saved_bytes(shape, tokens, policy, compute_bytes, stream_bytes)
+    per_layer = layer_saved_bytes(shape, tokens, policy, compute_bytes, stream_bytes, program.streams)
     # One layer's backward: its recomputed activations (when recomputed) and the gradients flowing through it.
     backward = (
-        layer_saved_bytes(shape, tokens, "none", compute_bytes, stream_bytes) * (policy != "none")
+        layer_saved_bytes(shape, tokens, "none", compute_bytes, stream_bytes, program.streams) * (policy != "none")
         + tokens * (2 * shape.hidden_size + 2 * shape.intermediate_size) * 4
     )
     head_weight = counts.lm_head or counts.embedding
-    # The chunk's logits and their gradient; the hidden states and theirs.
-    head = chunk_positions * shape.vocab_size * 4 * 2 + tokens * shape.hidden_size * 4 * 2
-    if setting.head_trained:
-        # The head's gradient, built in the forward: a float32 sum; in bf16 also each chunk's float32
-        # product and the sum's cast to the weight's dtype (adapt/losses.py).
-        head += head_weight * (4 + 4 + compute_bytes if setting.bf16 else 4)
-    unit = max(counts.per_layer, head_weight)
-    buffers = 2 * unit * compute_bytes if setting.fsdp else 0  # the gathered unit and the prefetched one
-    return {
+    if program.loss == "unchunked":
+        # Largest in the loss's backward: log-softmax's float32 output (kept for backward), its gradient
+        # and the logits' gradient, all float32 over every position (in the forward: the bf16 logits,
+        # their float32 copy and the output, fewer bytes); then the hidden states and their gradient.
+        head = tokens * shape.vocab_size * 4 * 3 + tokens * shape.hidden_size * compute_bytes * 2
+    else:
+        # The chunk's logits and their gradient; the hidden states and theirs.
+        head = chunk_positions * shape.vocab_size * 4 * 2 + tokens * shape.hidden_size * 4 * 2
+        if setting.head_trained:
+            # The head's gradient, built in the forward: a float32 sum; in bf16 also each chunk's float32
+            # product and the sum's cast to the weight's dtype (adapt/losses.py).
+            head += head_weight * (4 + 4 + compute_bytes if setting.bf16 else 4)
+    # FSDP2 leaves the root unit (the embedding and the head) gathered from its forward to its backward;
+    # a layer's unit is gathered, the next one prefetched, and a layer's gradients reduce-scattered in
+    # float32.
+    root = counts.embedding + counts.lm_head
+    buffers = ((root + 2 * counts.per_layer) * compute_bytes + counts.per_layer * 4) if setting.fsdp else 0
+    allocated = {
         "parameters": total * 4 / n,
         "gradients": trained * 4 / n,
         "optimizer_state": trained * 8 / n,
@@ -172,6 +237,13 @@ def memory_parts(shape: ModelShape, setting: Setting, policy: str, chunk_positio
         "head_loss": head,
         "buffers": buffers,
     }
+    if setting.accelerator:
+        # The caching allocator reserves more than it allocates; the CUDA context and NCCL sit outside it.
+        reserve = ALLOCATOR_RESERVE * sum(allocated.values())
+        runtime = CUDA_CONTEXT_BYTES + NCCL_BYTES * (n > 1)
+    else:
+        reserve, runtime = 0.0, CPU_RUNTIME_BYTES
+    return allocated | {"allocator_reserve": reserve, "runtime": runtime}
 
 
 def flops_per_token(shape: ModelShape, setting: Setting, policy: str) -> tuple[float, float]:
@@ -186,6 +258,10 @@ def flops_per_token(shape: ModelShape, setting: Setting, policy: str) -> tuple[f
     backward = flowing * (matmul + 2 * attention) + trained * matmul  # input grads, weight grads
     backward += head_forward * ((flowing > 0) + setting.head_trained)
     model = shape.num_layers * layer_forward + head_forward + backward
+    if policy == TORCHTITAN_OP_POLICY:  # k, o and up recomputed (op_policy_bytes_per_token)
+        kv = shape.num_kv_heads * shape.head_dim
+        matmuls = 2 * shape.hidden_size * (kv + shape.hidden_size + shape.intermediate_size)
+        return model, model + flowing * matmuls
     recomputed = {"none": 0, "selective": math.ceil(flowing / 2), "full": flowing}[policy]
     return model, model + recomputed * layer_forward
 
@@ -231,8 +307,9 @@ def make_plan(
     from .losses import chunk_positions as positions_for
 
     chunk = chunk_positions or positions_for(shape.vocab_size, "cuda" if setting.accelerator else "cpu")
-    parts = {p: memory_parts(shape, setting, p, chunk) for p in POLICIES}
-    peaks = {p: sum(parts[p].values()) for p in POLICIES}
+    priced = POLICIES if policy in ("auto", *POLICIES) else (*POLICIES, policy)
+    parts = {p: memory_parts(shape, setting, p, chunk) for p in priced}
+    peaks = {p: sum(parts[p].values()) for p in priced}
     chosen = choose_policy(peaks, device_memory) if policy == "auto" else policy
     model, hardware = flops_per_token(shape, setting, chosen)
     per_device = utilisation * device_flops / hardware
@@ -253,6 +330,7 @@ def make_plan(
             chosen,
             2 if setting.bf16 else 4,
             2 if setting.bf16 and setting.fsdp else 4,
+            setting.program.streams,
         ),
         model_flops_per_token=model,
         flops_per_token=hardware,

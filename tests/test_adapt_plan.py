@@ -14,6 +14,7 @@ import ladder
 from benchmarks.common import PUBLISHED_SHAPES
 from ladder.adapt.memory import keep_fewer_activations
 from ladder.adapt.plan import (
+    MEMORY_MARGIN,
     layer_saved_bytes,
     make_plan,
     measured_saved_bytes,
@@ -53,7 +54,7 @@ def test_auto_recomputes_the_least_that_fits_the_device():
     assert peaks["none"] > peaks["selective"] > peaks["full"]
     assert roomy.activation_checkpointing == "none"
     between = make_plan(
-        shape, setting, device_memory=(peaks["selective"] + peaks["none"]) / 2 / 0.85, device_flops=1e12
+        shape, setting, device_memory=(peaks["selective"] + peaks["none"]) / 2 / MEMORY_MARGIN, device_flops=1e12
     )
     assert between.activation_checkpointing == "selective"
     # Recompute costs FLOPs: the same device, forced to recompute everything, is slower.
@@ -225,3 +226,36 @@ def test_plan_of_a_recipe_naming_a_published_llama_downloads_nothing(hub_cache, 
     per_layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096
     assert plan["memory"]["parameters"] == pytest.approx((32 * per_layer + 2 * 128256 * 4096 + 4096) * 4)
     assert not any(hub_cache.rglob("*"))
+
+
+# --- Memory: the plan against torchtitan's published 8B peaks; the 8B recipes' recompute and margin ---
+
+
+def test_plan_lands_within_15_percent_of_torchtitan_s_published_8b_memory():
+    """Issue 36 item 8: set to torchtitan's published Llama-3.1-8B runs (FSDP on 8 and 128 H100s of
+    96 GB, 2 x 8192 tokens, selective op recompute), the plan said 58.3 GiB where torchtitan measured
+    82.4 (eager) and 77.0 (compiled): it left out the unchunked fp32 loss, the allocator's reserve
+    and the root FSDP unit."""
+    from benchmarks.plan_check import check_memory_published
+
+    rows = check_memory_published()
+    assert {row.observed for row in rows} == {82.4, 77.0, 67.0, 62.0}
+    assert all(row.passed for row in rows), [(row.setting, round(row.error, 3)) for row in rows]
+
+
+@pytest.mark.parametrize("name", ["llama31-8b-instruct-ladder16.yaml", "llama31-8b-instruct-ladder20.yaml"])
+def test_8b_recipes_state_the_plan_s_recompute_and_its_margin(name):
+    from ladder.adapt.plan import shape_plan
+    from ladder.plan.costs import ModelShape
+    from ladder.plan.models import published_config
+
+    recipe = load_recipe(f"recipes/{name}")
+    shape = ModelShape.from_config(published_config("meta-llama/Llama-3.1-8B-Instruct"))
+    plan = shape_plan(recipe, shape, 8, 80e9, 989e12, accelerator=True)
+    header = " ".join(
+        line.lstrip("#").strip() for line in open(f"recipes/{name}").read().split("\nname:")[0].splitlines()
+    )
+    gib, limit = 2**30, MEMORY_MARGIN * 80e9
+    assert f"model.activation_checkpointing: auto -> {plan.activation_checkpointing}." in header
+    assert f"peak per 80 GB GPU is about {plan.peak_bytes_per_device / gib:.0f} GiB" in header
+    assert f"Margin: {(limit - plan.peak_bytes_per_device) / gib:.0f} GiB below the {MEMORY_MARGIN:.0%}" in header
