@@ -310,7 +310,7 @@ def render(result: dict) -> str:
         "TP degrees each engine runs (ladder/tp/degrees.py):",
         *(_degree(entry) for entry in result["tp_degrees"]),
         "",
-        f"{'batch':>5}  {'ladder layers':<22} {'hidden':>9} {'standard':>10} {'ladder':>10} {'speed-up':>8} "
+        f"{'batch':>5}  {'ladder layers':<30} {'hidden':>9} {'standard':>10} {'ladder':>10} {'speed-up':>8} "
         f"{'bound':>6}  {'retraining   ' if result['recipe'] else ''}damage (measured)",
     ]
     unit = "CPU" if result["device"]["name"].startswith("cpu") else "GPU"
@@ -319,7 +319,7 @@ def render(result: dict) -> str:
         cost = row["retraining"]
         retraining = f"{cost['device_hours']:>7,.1f} {unit}-h  " if cost else ""
         lines.append(
-            f"{row['batch']:>5}  {name:<22} {row['hidden_all_reduces']:>4}/{row['all_reduces']:<4} "
+            f"{row['batch']:>5}  {name:<30} {row['hidden_all_reduces']:>4}/{row['all_reduces']:<4} "
             f"{row['standard_ms_per_token']:>7.2f} ms {row['ladder_ms_per_token']:>7.2f} ms {row['speedup']:>7.2f}x "
             f"{row['bound_speedup']:>5.2f}x  {retraining}{row['damage'] or '-'}"
         )

@@ -5,11 +5,11 @@ place for the rules, which the TP runtime (shard.py), `ladder serve` (ladder/ser
 - The TP runtime (ladder/tp) gives each rank whole KV heads with their groups of query heads, so
   attention needs no communication: it needs at least one KV head per rank, and KV heads that do
   not divide evenly give ranks unequal groups (it runs, unevenly: SmolLM2's 3 KV heads at TP=2).
-- vLLM (`ladder serve`, `ladder eval --backend vllm`) splits query heads evenly
-  (`ModelConfig.verify_with_parallel_config`: heads divisible by TP) and splits KV heads evenly or
-  replicates each over TP / KV ranks (`LlamaAttention`, `QKVParallelLinear`: KV heads divisible by
-  TP, or TP divisible by KV heads). vLLM checks the heads when it builds its configuration and the
-  KV heads only when it builds the model.
+- vLLM (`ladder serve`, `ladder eval --backend vllm`) splits query heads evenly and splits KV heads
+  evenly or replicates each over TP / KV ranks. In vLLM 0.32: `ModelConfig.verify_with_parallel_config`
+  (vllm/config/model.py, heads divisible by TP) when it builds its configuration, and `LlamaAttention`
+  (vllm/model_executor/models/llama.py, KV heads divisible by TP, or TP by KV heads) only when it
+  builds the model, after the weights are read.
 """
 
 from __future__ import annotations
