@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 import ladder
 from ladder.errors import UsageError
 from ladder.io.files import atomic_directory, atomic_write, write_failure
+from ladder.io.yaml_files import load_yaml_file
 
 from .recipe import RECIPE_FILE, RESUME_FREE_KEYS, Recipe, dump_recipe, recipe_from_dict
 
@@ -102,7 +102,7 @@ def check_same_recipe(path: Path, recipe: Recipe) -> None:
             f"resume: {path} has no {RECIPE_FILE}, so which recipe made it is unknown; "
             "start a new output_dir (or delete that folder)"
         )
-    saved = recipe_from_dict(yaml.safe_load((path / RECIPE_FILE).read_text()))
+    saved = recipe_from_dict(load_yaml_file(path / RECIPE_FILE, "the saved recipe"))
     if differences := differing_keys(saved.to_dict(), recipe.to_dict()):
         raise UsageError(
             f"resume: the recipe differs from the one {path} was trained with at {', '.join(differences)}; "

@@ -8,7 +8,8 @@ from typing import Any
 
 import yaml
 
-from ladder.errors import UsageError
+from ladder.errors import UsageError, excerpt
+from ladder.io.yaml_files import UnboundedYAML, parse_yaml
 
 
 def parse_overrides(overrides: list[str] | dict | None) -> list[tuple[str, Any]]:
@@ -20,9 +21,11 @@ def parse_overrides(overrides: list[str] | dict | None) -> list[tuple[str, Any]]
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise UsageError(f"override {item!r} is not key=value (e.g. optimizer.lr=1e-4)")
+            raise UsageError(f"override {excerpt(item)} is not key=value (e.g. optimizer.lr=1e-4)")
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = parse_yaml(text) if text.strip() else ""
+        except UnboundedYAML as error:
+            raise UsageError(f"override {key.strip()}: {error}") from None
         except yaml.YAMLError:
             value = text
         pairs.append((key.strip(), value))

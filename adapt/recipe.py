@@ -23,8 +23,9 @@ from typing import Any, Literal
 
 import yaml
 
-from ladder.errors import UsageError, first_line
-from ladder.io.files import ladder_data_dir
+from ladder.errors import UsageError, excerpt
+from ladder.io.files import ladder_cache_dir, ladder_data_dir
+from ladder.io.yaml_files import load_yaml_file
 
 from .overrides import parse_overrides, set_dotted
 
@@ -97,12 +98,17 @@ class DataSpec:
     # Packed documents do not attend to each other: position ids restart at each document and attention
     # is block-diagonal (transformers builds that mask from the position ids, with sdpa and eager).
     isolate_documents: bool = False
-    cache_dir: str = "runs/adapt/cache"
+    # The tokenized blocks' cache; null = adapt/ under the cache root every run shares
+    # ($LADDER_CACHE, else ~/.cache/ladder), so that a run from any folder reuses them.
+    cache_dir: str | None = None
     # Read each source's documents in an order shuffled with this seed before max_tokens cuts it (a Hub
     # dataset: a record from each of its files in turn, the files in a seeded order); null = file order.
     sample_seed: int | None = None
     # Tokens of data.train when its sources have weights.
     mix_tokens: int = 0
+
+    def cache_folder(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else ladder_cache_dir() / "adapt"
 
 
 @dataclass
@@ -239,10 +245,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | dict | No
         path = Path(path)
         if not path.is_file():
             raise UsageError(f"recipe {path} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as error:
-            raise UsageError(f"recipe {path} is not valid YAML: {first_line(error)}") from None
+        raw = load_yaml_file(path, "recipe") or {}
         if not isinstance(raw, dict):
             raise UsageError(f"recipe {path} must be a mapping of keys to values")
         raw.setdefault("name", path.stem)
@@ -267,13 +270,13 @@ def dump_recipe(recipe: Recipe) -> str:
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     """Construct dataclass `cls` from `raw`, checking every key and type; errors name the dotted key."""
     if not isinstance(raw, dict):
-        raise UsageError(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping, got {raw!r}")
+        raise UsageError(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping, got {excerpt(raw)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
         key = f"{prefix}{unknown[0]}"
-        raise UsageError(f"unknown recipe key {key!r}; known keys here: {', '.join(sorted(names))}")
+        raise UsageError(f"unknown recipe key {excerpt(key)}; known keys here: {', '.join(sorted(names))}")
     values = {name: _coerce(hints[name], raw[name], f"{prefix}{name}") for name in raw}
     return cls(**values)
 
@@ -292,10 +295,10 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
                 return _coerce(option, value, key)
             except UsageError:
                 pass  # try the next type of the union
-        raise UsageError(f"{key}: {value!r} does not fit {_type_name(hint)}")
+        raise UsageError(f"{key}: {excerpt(value)} does not fit {_type_name(hint)}")
     if origin is Literal:
         if value not in args:
-            raise UsageError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
+            raise UsageError(f"{key}: {excerpt(value)} is not one of {', '.join(map(str, args))}")
         return value
     if origin is list:
         if not isinstance(value, list):
@@ -303,7 +306,7 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         return [_coerce(args[0], item, f"{key}[{i}]") for i, item in enumerate(value)]
     if hint is bool:
         if not isinstance(value, bool):
-            raise UsageError(f"{key}: expected true or false, got {value!r}")
+            raise UsageError(f"{key}: expected true or false, got {excerpt(value)}")
         return value
     if hint in (int, float):
         number = value
@@ -311,17 +314,17 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             try:
                 number = float(value)
             except ValueError:
-                raise UsageError(f"{key}: expected a number, got {value!r}") from None
+                raise UsageError(f"{key}: expected a number, got {excerpt(value)}") from None
         if isinstance(number, bool) or not isinstance(number, (int, float)):
-            raise UsageError(f"{key}: expected a number, got {value!r}")
+            raise UsageError(f"{key}: expected a number, got {excerpt(value)}")
         if hint is int:
             if not float(number).is_integer():
-                raise UsageError(f"{key}: expected a whole number, got {value!r}")
+                raise UsageError(f"{key}: expected a whole number, got {excerpt(value)}")
             return int(number)
         return float(number)
     if hint is str:
         if not isinstance(value, str):
-            raise UsageError(f"{key}: expected a string, got {value!r}")
+            raise UsageError(f"{key}: expected a string, got {excerpt(value)}")
         return value
     raise AssertionError(f"recipe type {hint} of {key} is not handled")
 
@@ -346,6 +349,7 @@ def validate(recipe: Recipe) -> None:
             "must be two numbers in [0, 1)",
         ),
         (recipe.optimizer.weight_decay >= 0, "optimizer.weight_decay", "must be 0 or more"),
+        (recipe.optimizer.eps > 0, "optimizer.eps", "must be positive (it keeps Adam's division finite)"),
         (recipe.schedule.warmup_steps >= 0, "schedule.warmup_steps", "must be 0 or more"),
         (0 <= recipe.schedule.warmup_fraction < 1, "schedule.warmup_fraction", "must be in [0, 1)"),
         (0 <= recipe.schedule.min_lr_ratio <= 1, "schedule.min_lr_ratio", "must be in [0, 1]"),
@@ -418,7 +422,7 @@ def expand_path(text: str, key: str) -> str:
         if name == "LADDER_DATA":
             return str(ladder_data_dir())
         if name not in os.environ:
-            raise UsageError(f"{key}: environment variable {name} in {text!r} is not set")
+            raise UsageError(f"{key}: environment variable {name} in {excerpt(text)} is not set")
         return os.environ[name]
 
     return os.path.expanduser(re.sub(r"\$\{(\w+)\}", substitute, text))

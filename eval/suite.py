@@ -18,14 +18,15 @@ The shipped suites live in eval/suites/; `--suite` takes one of their names or a
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import yaml
-
-from ladder.errors import UsageError, first_line
+from ladder.errors import UsageError, excerpt
+from ladder.io.yaml_files import load_yaml_file
 
 SUITES_DIR = Path(__file__).parent / "suites"
+TASKS_DIR = Path(__file__).parent / "tasks"  # our task YAMLs, each named as its task
 
 _SUITE_KEYS = {"description", "offline", "tasks"}
 _CHAT_KEYS = {"apply_chat_template", "fewshot_as_multiturn", "system_instruction", "gen_kwargs"}
@@ -38,6 +39,8 @@ class SuiteTask:
     num_fewshot: int | None = None
     limit: int | None = None
     every: int = 1
+    # A share of the items (lm-eval's --limit below 1): ceil(fraction x the items `every` picks).
+    fraction: float | None = None
     # lm-eval's chat options (simple_evaluate's arguments of the same names).
     apply_chat_template: bool | str = False
     fewshot_as_multiturn: bool = False
@@ -59,6 +62,14 @@ class SuiteTask:
     def as_dict(self) -> dict:
         return {**asdict(self), "gen_kwargs": self.gen_kwargs_dict()}
 
+    def item_indices(self, size: int) -> list[int]:
+        """The items scored of a leaf task of `size` items: every `every`-th, the `fraction` of
+        those (rounded up, as lm-eval rounds its fractional limit), then at most `limit`."""
+        picked = list(range(0, size, self.every))
+        if self.fraction is not None:
+            picked = picked[: math.ceil(self.fraction * len(picked))]
+        return picked[: self.limit]
+
 
 @dataclass(frozen=True)
 class Suite:
@@ -67,11 +78,17 @@ class Suite:
     offline: bool
     tasks: tuple[SuiteTask, ...]
 
-    def with_limit(self, limit: int | None) -> Suite:
-        """The suite with every task capped at `limit` items (a task's own smaller limit stays)."""
+    def with_limit(self, limit: int | float | None) -> Suite:
+        """The suite with every task capped at `limit` items, or at that share of them for a
+        fraction below 1 (as lm-eval's --limit); a task's own smaller limit stays."""
         if limit is None:
             return self
-        capped = tuple(replace(t, limit=limit if t.limit is None else min(t.limit, limit)) for t in self.tasks)
+        if isinstance(limit, float):
+            capped = tuple(
+                replace(t, fraction=limit if t.fraction is None else min(t.fraction, limit)) for t in self.tasks
+            )
+        else:
+            capped = tuple(replace(t, limit=limit if t.limit is None else min(t.limit, limit)) for t in self.tasks)
         return replace(self, tasks=capped)
 
     def with_chat(
@@ -108,7 +125,7 @@ def _natural(value, key: str, where: str, minimum: int) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = "a positive integer" if minimum == 1 else "a non-negative integer"
-        raise UsageError(f"{where}: {key} must be {kind}, got {value!r}")
+        raise UsageError(f"{where}: {key} must be {kind}, got {excerpt(value)}")
     return value
 
 
@@ -122,21 +139,23 @@ def _chat_options(entry: dict, where: str) -> dict:
     options = {}
     template = entry.get("apply_chat_template", False)
     if not isinstance(template, (bool, str)) or template == "":
-        raise UsageError(f"{where}: apply_chat_template must be true, false or a template name, got {template!r}")
+        raise UsageError(
+            f"{where}: apply_chat_template must be true, false or a template name, got {excerpt(template)}"
+        )
     options["apply_chat_template"] = template
     multiturn = entry.get("fewshot_as_multiturn", False)
     if not isinstance(multiturn, bool):
-        raise UsageError(f"{where}: fewshot_as_multiturn must be true or false, got {multiturn!r}")
+        raise UsageError(f"{where}: fewshot_as_multiturn must be true or false, got {excerpt(multiturn)}")
     options["fewshot_as_multiturn"] = multiturn
     system = entry.get("system_instruction")
     if system is not None and not isinstance(system, str):
-        raise UsageError(f"{where}: system_instruction must be a string, got {system!r}")
+        raise UsageError(f"{where}: system_instruction must be a string, got {excerpt(system)}")
     options["system_instruction"] = system
     gen_kwargs = entry.get("gen_kwargs") or {}
     if not isinstance(gen_kwargs, dict) or not all(
         isinstance(key, str) and isinstance(value, (str, int, float, bool, list)) for key, value in gen_kwargs.items()
     ):
-        raise UsageError(f"{where}: gen_kwargs must be a mapping of generation settings, got {gen_kwargs!r}")
+        raise UsageError(f"{where}: gen_kwargs must be a mapping of generation settings, got {excerpt(gen_kwargs)}")
     options["gen_kwargs"] = _gen_kwargs_pairs(gen_kwargs)
     return options
 
@@ -150,13 +169,15 @@ def parse_suite(data, name: str) -> Suite:
     if not isinstance(data, dict):
         raise UsageError(f"suite {name}: expected a mapping with keys {sorted(_SUITE_KEYS)}")
     if unknown := set(data) - _SUITE_KEYS:
-        raise UsageError(f"suite {name}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_SUITE_KEYS)}")
+        raise UsageError(
+            f"suite {name}: unknown key(s) {excerpt(sorted(map(str, unknown)))}; allowed: {sorted(_SUITE_KEYS)}"
+        )
     entries = data.get("tasks")
     if not isinstance(entries, list) or not entries:
         raise UsageError(f"suite {name}: `tasks` must be a non-empty list")
     offline = data.get("offline", False)
     if not isinstance(offline, bool):
-        raise UsageError(f"suite {name}: offline must be true or false, got {offline!r}")
+        raise UsageError(f"suite {name}: offline must be true or false, got {excerpt(offline)}")
     tasks = []
     for position, entry in enumerate(entries, 1):
         where = f"suite {name}, task {position}"
@@ -166,7 +187,7 @@ def parse_suite(data, name: str) -> Suite:
             raise UsageError(f"{where}: expected a task name or a mapping with a `task` name")
         if unknown := set(entry) - _TASK_KEYS:
             raise UsageError(
-                f"{where} ({entry['task']}): unknown key(s) {sorted(unknown)}; allowed: {sorted(_TASK_KEYS)}"
+                f"{where} ({entry['task']}): unknown key(s) {excerpt(sorted(map(str, unknown)))}; allowed: {sorted(_TASK_KEYS)}"
             )
         where = f"{where} ({entry['task']})"
         task = SuiteTask(
@@ -180,7 +201,7 @@ def parse_suite(data, name: str) -> Suite:
         tasks.append(task)
     names = [t.task for t in tasks]
     if duplicates := sorted({n for n in names if names.count(n) > 1}):
-        raise UsageError(f"suite {name}: task(s) listed twice: {duplicates}")
+        raise UsageError(f"suite {name}: task(s) listed twice: {excerpt(duplicates)}")
     return Suite(name=name, description=str(data.get("description", "")), offline=offline, tasks=tuple(tasks))
 
 
@@ -195,8 +216,21 @@ def load_suite(name_or_path: str) -> Suite:
             )
     elif not path.is_file():
         raise UsageError(f"suite file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise UsageError(f"suite file {path} is not valid YAML: {first_line(error)}") from None
-    return parse_suite(data, path.stem)
+    return parse_suite(load_yaml_file(path, "suite file"), path.stem)
+
+
+def tasks_suite(names: str) -> Suite:
+    """A suite of the comma-separated task names `names` (as `lm_eval --tasks` takes them: ours,
+    stock lm-eval tasks, groups or tags), each with its own settings; offline when all are ours."""
+    tasks = [name.strip() for name in names.split(",")]
+    if not all(tasks):
+        raise UsageError(f"--tasks {excerpt(names)}: expected task names separated by commas")
+    if duplicates := sorted({t for t in tasks if tasks.count(t) > 1}):
+        raise UsageError(f"--tasks: task(s) listed twice: {excerpt(duplicates)}")
+    offline = all((TASKS_DIR / f"{task}.yaml").is_file() for task in tasks)
+    return Suite(
+        name=tasks[0] if len(tasks) == 1 else "tasks",
+        description=f"--tasks {','.join(tasks)}",
+        offline=offline,
+        tasks=tuple(SuiteTask(task) for task in tasks),
+    )

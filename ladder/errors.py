@@ -4,8 +4,11 @@ raises it, and `run_command`, which turns it into one line on stderr and exit st
 from __future__ import annotations
 
 import argparse
+import reprlib
 import sys
 from collections.abc import Callable
+
+from ladder import log
 
 
 class UsageError(Exception):
@@ -19,9 +22,35 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def excerpt(value: object, limit: int = 80) -> str:
+    """`repr(value)` for an error message, at most about `limit` characters however large or deeply
+    nested the value (an input's value may be huge: it is never expanded whole)."""
+    shown = _EXCERPT.repr(value)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+_EXCERPT = reprlib.Repr()  # keyword arguments need Python 3.12
+_EXCERPT.maxlevel, _EXCERPT.maxstring, _EXCERPT.maxother, _EXCERPT.maxlong = 3, 60, 60, 40
+_EXCERPT.maxlist = _EXCERPT.maxtuple = _EXCERPT.maxdict = _EXCERPT.maxset = 4
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports bad arguments as a UsageError (one line, exit 2) instead of printing
-    the usage and exiting itself: every command's parser."""
+    the usage and exiting itself: every command's parser. Each gets `-q` and `-v`, which set what
+    the command says while it runs (`ladder.log`) as soon as its arguments are parsed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        volume = self.add_mutually_exclusive_group()
+        volume.add_argument("-q", "--quiet", action="store_true", help="say only warnings and errors")
+        volume.add_argument(
+            "-v", "--verbose", action="count", default=0, help="say more: debug detail and the libraries' messages"
+        )
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        log.configure(-1 if parsed.quiet else parsed.verbose)
+        return parsed, rest
 
     def error(self, message: str):
         raise UsageError(message)

@@ -1,0 +1,86 @@
+"""YAML the way every command reads it (recipes, suites, `key=value` overrides, the recipe saved
+beside a checkpoint): safe types only, and bounded. PyYAML builds an alias as a reference to its
+anchor, so a small file can describe an enormous value (a "billion laughs": 12 levels of 9 aliases
+each is 9^12 leaves in a few hundred bytes). Anything that walks it (a `repr` in an error message,
+a copy, a type check of each item) then fills memory. `BoundedLoader` counts each node as often
+as aliases repeat it while it composes the document and refuses one that expands past
+`MAX_EXPANDED_NODES`; files past `MAX_FILE_BYTES` are refused before they are read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ladder.errors import UsageError, first_line
+
+# Far above any recipe or suite (a few hundred nodes), far below what fills memory.
+MAX_EXPANDED_NODES = 100_000
+MAX_FILE_BYTES = 16 << 20
+
+
+class UnboundedYAML(yaml.YAMLError):
+    """The document expands past MAX_EXPANDED_NODES through its aliases, an alias refers to a value
+    that contains it, or values nest deeper than Python's recursion limit."""
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that knows each node's size with its aliases expanded, and refuses a
+    document whose expansion exceeds MAX_EXPANDED_NODES as soon as composing reaches that size."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._expanded: dict[int, int] = {}  # id(node) -> nodes it stands for, aliases expanded
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):  # its anchor's node, counted already (unless it is open)
+            node = super().compose_node(parent, index)
+            self._size_of(node)
+            return node
+        node = super().compose_node(parent, index)
+        self._expanded[id(node)] = size = 1 + sum(self._size_of(child) for child in _children(node))
+        if size > MAX_EXPANDED_NODES:
+            raise UnboundedYAML(
+                f"its aliases expand it past {MAX_EXPANDED_NODES:,} values (line {node.start_mark.line + 1}); "
+                "write the values out, or use fewer aliases"
+            )
+        return node
+
+    def _size_of(self, node) -> int:
+        if id(node) not in self._expanded:  # still being composed: an alias inside its own anchor
+            raise UnboundedYAML(f"an alias refers to a value that contains it (line {node.start_mark.line + 1})")
+        return self._expanded[id(node)]
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def parse_yaml(text: str) -> Any:
+    """`text` as YAML, safe types only, within the alias budget; yaml.YAMLError when it is not."""
+    try:
+        return yaml.load(text, Loader=BoundedLoader)  # a SafeLoader: safe types only
+    except RecursionError:  # PyYAML composes and builds nested values recursively
+        raise UnboundedYAML("it nests values too deeply") from None
+
+
+def load_yaml_file(path: Path, what: str) -> Any:
+    """The YAML file at `path`; a file that is too large, unreadable, or not bounded YAML is one
+    UsageError line that names it as `what` (e.g. "recipe")."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise UsageError(f"{what} {path} is {size:,} bytes; a YAML file here holds at most {MAX_FILE_BYTES:,}")
+        return parse_yaml(path.read_text())
+    except yaml.YAMLError as error:
+        raise UsageError(f"{what} {path} is not valid YAML: {first_line(error)}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read {what} {path}: {first_line(error)}") from None
+
+
+__all__ = ["MAX_EXPANDED_NODES", "BoundedLoader", "UnboundedYAML", "load_yaml_file", "parse_yaml"]
