@@ -160,14 +160,19 @@ def test_eager_operator_counts_are_the_runtimes():
 # --- The command line ------------------------------------------------------------------------------
 
 
+def conversion_folder(folder: Path, config: dict, layers: list[int], kl: float, top1: float) -> Path:
+    """A folder holding `config` as config.json alone (no weights: the planner reads none), and a
+    conversion's record of the damage of `layers`."""
+    (folder / "config.json").write_text(json.dumps(config))
+    damage = dict(mean_kl=kl, top1_agreement=top1)
+    (folder / "conversion.json").write_text(json.dumps(dict(ladder_layers=layers, damage=damage)))
+    return folder
+
+
 @pytest.fixture
 def llama_8b_folder(tmp_path):
-    """Llama-3.1-8B's config.json alone (no weights: the planner reads none), and a conversion's record
-    of the damage of its upper 16 layers."""
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
-    damage = dict(mean_kl=0.1234, top1_agreement=0.8)
-    (tmp_path / "conversion.json").write_text(json.dumps(dict(ladder_layers=list(range(16, 32)), damage=damage)))
-    return tmp_path
+    """Llama-3.1-8B's config.json, and the damage of its upper 16 layers."""
+    return conversion_folder(tmp_path, LLAMA_8B, list(range(16, 32)), kl=0.1234, top1=0.8)
 
 
 @pytest.mark.parametrize(
@@ -297,12 +302,9 @@ SMOLLM2 = dict(
 @pytest.fixture
 def smollm2_ladder8_folder(tmp_path):
     """SmolLM2-135M's shape (9 heads, 3 KV heads) as a conversion with its upper 8 layers ladder wrote it:
-    config.json with ladder_layers, and the damage it measured (no weights: the planner reads none)."""
+    config.json with ladder_layers, and the damage it measured."""
     config = SMOLLM2 | dict(model_type=LADDER_MODEL_TYPE, ladder_layers=list(range(22, 30)))
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    damage = dict(mean_kl=0.4321, top1_agreement=0.7)
-    (tmp_path / "conversion.json").write_text(json.dumps(dict(ladder_layers=list(range(22, 30)), damage=damage)))
-    return tmp_path
+    return conversion_folder(tmp_path, config, list(range(22, 30)), kl=0.4321, top1=0.7)
 
 
 @pytest.mark.parametrize(
