@@ -11,6 +11,7 @@ from accelerate import Accelerator
 from ladder.errors import UsageError
 from ladder.io.files import sha256_file
 from ladder.io.loading import check_llama_checkpoint, load_tokenizer, read_config_dict, resolve_model_path
+from ladder.io.outputs import check_output
 from ladder.layers import LADDER_MODEL_TYPE, parse_layer_choice
 
 from .checkpoint import METRICS_FILE, check_same_recipe, latest_checkpoint
@@ -48,6 +49,25 @@ def check_model(recipe: Recipe) -> ModelSources:
         )
     teacher = source_path(recipe.model.teacher) if recipe.model.teacher else None
     return ModelSources(path, teacher)
+
+
+def local_data_files(recipe: Recipe) -> list[Path]:
+    """Every local file the recipe's data sources name (Hub sources are checked when they stream)."""
+    return [
+        path
+        for i, source in enumerate(recipe.data.train + recipe.data.eval)
+        if not source.path.startswith("hf:")
+        for path in local_files(source, f"data source {i} ({source.path})")
+    ]
+
+
+def check_outputs(recipe: Recipe, sources: ModelSources) -> None:
+    """output_dir and data.cache_dir under the output rule (`ladder.io.outputs.check_output`): never
+    a model or data file the run reads, inside one or above one, never `/` or a home folder, never
+    another command's output, writable; before any weight loads."""
+    inputs = [sources.student, sources.teacher, *local_data_files(recipe)]
+    check_output(recipe.run_dir(), "adapt", inputs, existing="add", what="output_dir")
+    check_output(recipe.data.cache_dir, "adapt", inputs, existing="add", what="data.cache_dir")
 
 
 @dataclass(frozen=True)
@@ -91,12 +111,7 @@ def resume_point(recipe: Recipe) -> Path | None:
 def check_data_files(recipe: Recipe) -> dict[str, str]:
     """Every local data source matches files (Hub sources are checked when they stream); returns the
     SHA-256 of each file, which a checkpoint records so that a resumed run trains on the same data."""
-    return {
-        str(path): sha256_file(path)
-        for i, source in enumerate(recipe.data.train + recipe.data.eval)
-        if not source.path.startswith("hf:")
-        for path in local_files(source, f"data source {i} ({source.path})")
-    }
+    return {str(path): sha256_file(path) for path in local_data_files(recipe)}
 
 
 def check_data_prepared(recipe: Recipe, accelerator: Accelerator) -> None:
@@ -119,6 +134,8 @@ __all__ = [
     "check_data_files",
     "check_data_prepared",
     "check_model",
+    "check_outputs",
+    "local_data_files",
     "resume_point",
     "source_path",
     "step_budget",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from ladder.errors import ArgumentParser, UsageError
 from ladder.io.files import atomic_write
+from ladder.io.outputs import check_output
 
 if TYPE_CHECKING:  # transformers loads only once the arguments are checked
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -94,14 +95,13 @@ def main(argv: list[str]) -> int:
     for name in ("tokens", "length", "batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.out.exists() and not args.force:
-        raise UsageError(f"output {args.out} already exists; pass --force to replace it")
-    if args.out.parent.exists() and not args.out.parent.is_dir():
-        raise UsageError(f"the folder of {args.out} is a file")
+
+    from ladder.io.loading import load_model, resolve_model_path
+
+    # The output rule before the model loads: never the weights it reads, nor a folder (ladder/io/outputs.py).
+    out = check_output(args.out, "sample", [resolve_model_path(args.model)], kind="file", force=args.force)
 
     import torch
-
-    from ladder.io.loading import load_model
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, device_map={"": device} if device != "cpu" else None)
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
 
     sampled = sample_documents(model, tokenizer, documents, args.length, args.batch_size, args.seed, progress)
     lines = [json.dumps({"text": tokenizer.decode(ids)}) + "\n" for ids in sampled]
-    args.out.parent.mkdir(parents=True, exist_ok=True)  # as every output folder of ladder's commands
-    atomic_write(args.out, "".join(lines), replace=args.force)
-    print(f"{args.out}: {documents} documents of {args.length} sampled tokens ({time.perf_counter() - started:.0f} s)")
+    out.parent.mkdir(parents=True, exist_ok=True)  # as every output folder of ladder's commands
+    atomic_write(out, "".join(lines), replace=args.force)
+    print(f"{out}: {documents} documents of {args.length} sampled tokens ({time.perf_counter() - started:.0f} s)")
     return 0

@@ -68,7 +68,16 @@ from .models import (
 from .optimizer import build_optimizer
 from .plan import checkpointing_policy, flops_per_token, model_shape, peak_flops, setting_of
 from .preemption import Preempted, StopSignals
-from .preflight import check_data_files, check_data_prepared, check_model, resume_point, source_path, step_budget
+from .preflight import (
+    ModelSources,
+    check_data_files,
+    check_data_prepared,
+    check_model,
+    check_outputs,
+    resume_point,
+    source_path,
+    step_budget,
+)
 from .recipe import RECIPE_FILE, Recipe, dump_recipe
 from .step import TrainingStep, step_metrics
 
@@ -85,7 +94,9 @@ class ProcessesLost(RuntimeError):
 def prepare(recipe: Recipe) -> Splits:
     """Tokenize and cache a recipe's data in this one process, loading no weights: run it before a
     multi-GPU launch, so that no GPU waits on the tokenizer."""
-    return prepare_data(recipe.data, load_tokenizer(source_path(recipe.model.path)))
+    model = source_path(recipe.model.path)
+    check_outputs(recipe, ModelSources(model, None))
+    return prepare_data(recipe.data, load_tokenizer(model))
 
 
 def train(recipe: Recipe) -> Path:
@@ -124,8 +135,9 @@ class AdaptRun:
     def setup(self) -> Path | None:
         """Everything `train` needs, step by step; returns the final model instead when the run is
         already complete."""
-        self.setup_accelerator()
         self.sources = check_model(self.recipe)
+        check_outputs(self.recipe, self.sources)  # before the accelerator, which may make the run folder
+        self.setup_accelerator()
         self.setup_budget()
         resume_from = resume_point(self.recipe)
         if resume_from == self.final_dir:

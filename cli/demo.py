@@ -5,6 +5,8 @@ original, the ladder model before retraining and the ladder model after it side 
 `demo` eval suite. Each step is one a user could type: it calls the stages' library functions and prints the equivalent `ladder` command of each.
 Everything lands under runs/demo; a rerun reuses what is finished (the conversion, the
 tokenized data, the retrained model, every score in the demo's eval cache) unless `--redo` names it.
+Each folder under --out is replaced or deleted only when it carries the output marker of the command
+that made it (ladder/io/outputs.py): a folder of the user's there is refused before any stage runs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import contextlib
 import json
 import os
 import shlex
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from ladder.errors import ArgumentParser, UsageError
 from ladder.io.files import atomic_write
+from ladder.io.outputs import check_output, check_removable, make_output_folder, remove_output
 
 # Every file the demo reads is local: switch the Hub off before transformers or datasets load.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -114,7 +116,11 @@ def plan_demo(args: argparse.Namespace) -> Demo:
         raise UsageError(
             f"recipe {args.recipe}: the demo converts model.path, so model.ladder_layers must name the layers"
         )
-    out = args.out
+    from ladder.io.loading import resolve_model_path
+
+    original = recipe.model.path or "embedded"
+    suite_file = [Path(args.suite)] if Path(args.suite).is_file() else []
+    out = check_output(args.out, "demo", [args.recipe, resolve_model_path(original), *suite_file], existing="add")
     ladder_dir, adapt_dir, data_cache = out / "ladder", out / "adapt", out / "data"
     adapt_overrides = [
         f"model.path={ladder_dir}",
@@ -131,7 +137,7 @@ def plan_demo(args: argparse.Namespace) -> Demo:
         adapt_recipe,
         adapt_overrides,
         redo,
-        original=recipe.model.path or "embedded",
+        original=original,
         suite=load_suite(args.suite),
         ladder_dir=ladder_dir,
         adapt_dir=adapt_dir,
@@ -158,11 +164,29 @@ def check_reuse(demo: Demo) -> None:
     if not reuse_conversion:
         demo.redo.add("convert")
         demo.redo.add("adapt")
+    check_folders(demo)
     if "adapt" not in demo.redo:
         try:
             resume_point(demo.adapt_recipe)
         except UsageError as error:
             raise UsageError(f"{error}; for the demo: --redo adapt retrains") from None
+
+
+def check_folders(demo: Demo) -> None:
+    """Before any stage: each folder a stage replaces or deletes is an earlier output of the command
+    that writes it (convert's model, adapt's run and data cache, eval's report and cache), and adapt's
+    run folder is not another command's output."""
+    check_output(demo.ladder_dir, "convert", [demo.original], force=True)
+    check_output(demo.adapt_dir, "adapt", existing="add", what="output_dir")
+    check_output(demo.report_dir, "eval", force=True)
+    removed = {
+        "adapt": (demo.adapt_dir, "adapt"),
+        "data": (demo.data_cache, "adapt"),
+        "eval": (demo.eval_cache, "eval"),
+    }
+    for stage, (folder, command) in removed.items():
+        if stage in demo.redo:
+            check_removable(folder, command)
 
 
 def convert_stage(demo: Demo) -> None:
@@ -189,7 +213,8 @@ def data_stage(demo: Demo) -> None:
 
     with _stage(2, "data", f"tokenize the recipe's books into {demo.data_cache}", demo.seconds):
         if "data" in demo.redo:
-            shutil.rmtree(demo.data_cache, ignore_errors=True)
+            remove_output(demo.data_cache, "adapt")
+        make_output_folder(demo.data_cache, "adapt")  # adapt's data cache, which a later --redo data may delete
         _command("adapt", demo.args.recipe, *demo.adapt_overrides, "--prepare-data")
         splits = prepare(demo.adapt_recipe)
         print(f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks")
@@ -200,7 +225,7 @@ def adapt_stage(demo: Demo) -> None:
 
     with _stage(3, "adapt", f"retrain with {demo.args.recipe} -> {demo.adapt_dir}/model", demo.seconds):
         if "adapt" in demo.redo:
-            shutil.rmtree(demo.adapt_dir, ignore_errors=True)
+            remove_output(demo.adapt_dir, "adapt")
         elif (demo.adapt_dir / "model" / "config.json").is_file():
             demo.reused.append("adapt")
         _command("adapt", demo.args.recipe, *demo.adapt_overrides)
@@ -216,7 +241,8 @@ def eval_stage(demo: Demo) -> None:
     report_dir, eval_cache = demo.report_dir, demo.eval_cache
     with _stage(4, "eval", f"score {', '.join(LABELS)} on the {demo.args.suite} suite -> {report_dir}", demo.seconds):
         if "eval" in demo.redo:
-            shutil.rmtree(eval_cache, ignore_errors=True)
+            remove_output(eval_cache, "eval")
+        make_output_folder(eval_cache, "eval")  # eval's cache, which a later --redo eval may delete
         models = [
             f"{LABELS[0]}={demo.original}",
             f"{LABELS[1]}={demo.ladder_dir}",

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 import psutil  # a dependency of accelerate
 
 from ladder.errors import UsageError, first_line
-from ladder.io.files import check_force_target, check_outside_inputs, resolves_inside
+from ladder.io.files import resolves_inside
 from ladder.io.loading import DTYPE_NAMES, input_root, load_model, model_name, read_config_dict
+from ladder.io.outputs import check_output
 from ladder.io.tensors import (
     INDEX_NAME,
     OutputShard,
@@ -318,11 +319,11 @@ def check_calibration(calibration: list[Path] | None, choice: LayerChoice) -> No
 
 def output_dir(source: Path, out: str | Path | None, choice: LayerChoice, force: bool) -> Path:
     """`out`, or the default named after the source and the layer count; refused where it is, is
-    inside or holds the source, or exists (with `force`: unless it is an earlier conversion)."""
+    inside or holds the source, or exists (with `force`: unless it is an earlier conversion), or that
+    the output rule refuses otherwise (`ladder.io.outputs.check_output`)."""
     count = choice.count if isinstance(choice, AutoLayers) else len(choice)
     out = Path(out) if out is not None else default_output_dir(source, count)
-    check_outside_inputs(out, [source])
-    check_force_target(out, "convert", force)
+    check_output(out, "convert", [source], force=force)
     return out
 
 

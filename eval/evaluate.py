@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ladder.io.files import atomic_directory, atomic_write, check_force_target, check_outside_inputs
+from ladder.io.files import atomic_directory, atomic_write
+from ladder.io.outputs import check_output
 
 from .suite import Suite, SuiteTask
 
@@ -64,8 +65,11 @@ def evaluate_models(
 
     refs = resolve_models(models)
     out = out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
-    check_force_target(out, "eval", force)  # before any work (atomic_directory checks again at the end)
-    check_outside_inputs(out, [ref.path for ref in refs])
+    # Before any work (atomic_directory checks a replaced folder again at the end); the cache is written too.
+    inputs = [ref.path for ref in refs] + [data_dir]
+    check_output(out, "eval", inputs, force=force)
+    if cache_dir is not None:
+        check_output(cache_dir, "eval", inputs, existing="add", what="--cache")
     check_chat_templates(refs, suite)
     runtime = resolve_runtime(device, dtype, batch_size, parallelize, backend, tensor_parallel, data_parallel)
     get_backend(runtime.backend).check(runtime, refs)

@@ -92,13 +92,14 @@ def test_a_second_run_fetches_only_what_is_missing_or_wrong(served, tmp_path):
     assert sha256_file(damaged) == good[0].sha256
 
 
-def test_a_wrong_local_file_is_not_kept_when_the_source_is_wrong_too(served, tmp_path):
+def test_a_wrong_local_file_stays_as_it_was_when_the_source_is_wrong_too(served, tmp_path):
+    """A file is replaced only by a verified download, never deleted first (issue 37)."""
     server, entries = served
     destination = tmp_path / "data"
     (destination / ALTERED).parent.mkdir(parents=True)
     (destination / ALTERED).write_text("not the file\n")
     assert fetch_data(destination, entries[-1:]).refused == [ALTERED]
-    assert files_under(destination) == set()
+    assert files_under(destination) == {ALTERED} and (destination / ALTERED).read_text() == "not the file\n"
 
 
 def test_the_command_line(served, tmp_path, capsys):

@@ -1,0 +1,153 @@
+"""Where a command may write: the one rule that every command that writes (convert, adapt, eval,
+sample, demo, data) checks before any work, each refusal one line (`UsageError`, exit 2).
+
+- An output is never an input, inside an input or above one (writing it, or replacing it, would
+  change or destroy what the command reads), symlinks followed.
+- An output is never `/` or a home folder, nor a folder that holds one.
+- An output is on a file system this process can write: a read-only one (EROFS) or a folder the
+  user cannot write is refused before the work, not after it.
+- An output that is already there is of the kind the command writes (a folder or a file), and:
+  `replace` (convert, eval, sample): refused unless `--force` and, for a folder, it carries this
+  command's output marker (`ladder.io.files.check_force_target`); `add` (adapt's run folder, the
+  demo's working folder, caches, the data folder): files are added to it, so it is refused only
+  when another command's marker says it belongs to that command.
+- A folder is deleted only through `remove_output`, which needs the deleting command's marker;
+  files are replaced only by `atomic_write`/`atomic_directory` once the replacement is whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+from ladder.errors import UsageError
+from ladder.io.files import OUTPUT_MARKER, check_force_target, output_command
+
+Kind = Literal["folder", "file"]
+Existing = Literal["replace", "add"]
+
+
+def check_output(
+    out: str | Path,
+    command: str,
+    inputs: Iterable[str | Path | None] = (),
+    *,
+    kind: Kind = "folder",
+    existing: Existing = "replace",
+    force: bool = False,
+    what: str = "--out",
+) -> Path:
+    """`out` as an absolute path, once it passes every part of the rule (the module docstring);
+    `inputs` are the folders and files the command reads (None entries are skipped); `what` names
+    the option in the message."""
+    path = Path(out).expanduser().absolute()
+    resolved = path.resolve()
+    _refuse_system_folder(resolved, what)
+    _refuse_overlap(resolved, inputs, what)
+    _refuse_wrong_kind(path, kind, what)
+    if os.path.lexists(path):
+        if existing == "replace":
+            check_force_target(path, command if kind == "folder" else None, force)
+        elif (owner := output_command(path)) not in (None, command):
+            raise UsageError(
+                f"{what} {path} is an output of `ladder {owner}` (its {OUTPUT_MARKER} says so): choose another folder"
+            )
+    _refuse_unwritable(path, what)
+    return path
+
+
+def check_removable(folder: str | Path, command: str) -> None:
+    """Refuse, in one line, to delete `folder` unless it carries `command`'s output marker (or is
+    not there): a folder the user made, or another command's output, is never deleted."""
+    folder = Path(folder).absolute()
+    if os.path.lexists(folder) and (folder.is_symlink() or output_command(folder) != command):
+        raise UsageError(
+            f"{folder} is not an output of `ladder {command}` (no {OUTPUT_MARKER} naming it), so it is not "
+            "deleted: delete it yourself or choose another folder"
+        )
+
+
+def remove_output(folder: str | Path, command: str) -> None:
+    """Delete an earlier output folder of `command` (`check_removable` first); nothing when absent."""
+    check_removable(folder, command)
+    if os.path.lexists(folder):
+        shutil.rmtree(folder)
+
+
+def make_output_folder(folder: str | Path, command: str) -> Path:
+    """`folder`, created with `command`'s output marker when it is not there yet (an existing folder
+    keeps what it carries): what `remove_output` may delete later."""
+    folder = Path(folder).absolute()
+    try:
+        folder.mkdir(parents=True)
+    except FileExistsError:
+        return folder
+    (folder / OUTPUT_MARKER).write_text(json.dumps({"command": command}) + "\n")
+    return folder
+
+
+def home_folders() -> set[Path]:
+    """Every user's home folder (the password database and $HOME), symlinks resolved."""
+    homes = {Path.home(), *(Path(entry.pw_dir) for entry in pwd.getpwall() if entry.pw_dir)}
+    return {home.resolve() for home in homes}
+
+
+def _refuse_system_folder(resolved: Path, what: str) -> None:
+    if resolved == Path(resolved.anchor):
+        raise UsageError(f"{what} {resolved} is the root folder: choose a folder of its own")
+    for home in home_folders():
+        if home.is_relative_to(resolved):
+            holds = "is" if home == resolved else "holds"
+            raise UsageError(f"{what} {resolved} {holds} the home folder {home}: choose a folder of its own")
+
+
+def _refuse_overlap(resolved: Path, inputs: Iterable[str | Path | None], what: str) -> None:
+    for source in inputs:
+        if source is None:
+            continue
+        source = Path(source).expanduser().resolve()
+        if resolved == source:
+            relation = "it is that input"
+        elif resolved.is_relative_to(source):
+            relation = "it lies inside it"
+        elif source.is_relative_to(resolved):
+            relation = "it holds it"
+        else:
+            continue
+        raise UsageError(f"{what} {resolved} overlaps the input {source} ({relation}): choose a place outside it")
+
+
+def _nearest_existing(path: Path) -> Path:
+    return next(p for p in (path, *path.parents) if os.path.lexists(p))
+
+
+def _refuse_wrong_kind(path: Path, kind: Kind, what: str) -> None:
+    if os.path.lexists(path):
+        if kind == "folder" and not path.is_dir():
+            raise UsageError(f"{what} {path} is a file, not a folder")
+        if kind == "file" and path.is_dir():
+            raise UsageError(f"{what} {path} is a folder: name the file to write")
+    above = _nearest_existing(path.parent)
+    if not above.is_dir():
+        raise UsageError(f"{what} {path}: {above} is a file, not a folder")
+
+
+def _refuse_unwritable(path: Path, what: str) -> None:
+    """The folder the output (or its temporary sibling) is made in, and the output folder itself
+    when it is there, must be writable: checked now rather than found out after the work."""
+    places = [_nearest_existing(path.parent)]
+    if path.is_dir():
+        places.append(path)
+    for place in places:
+        if os.statvfs(place).f_flag & os.ST_RDONLY:
+            raise UsageError(f"{what} {path}: {place} is on a read-only file system")
+        if not os.access(place, os.W_OK | os.X_OK):
+            raise UsageError(f"{what} {path}: {place} is not writable by this user")
+
+
+__all__ = ["check_output", "check_removable", "home_folders", "make_output_folder", "remove_output"]
