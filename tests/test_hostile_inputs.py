@@ -11,7 +11,12 @@ import resource
 import subprocess
 import sys
 
+import pytest
+
 from adapt_runs import REPO, write_recipe
+from file_server import write_manifest
+from ladder.io.data_fetch import DataFile
+from ladder.io.files import sha256_file
 
 # Far more than any of these commands needs to refuse its input, far less than the machine has.
 MEMORY_CAP = 3 << 30
@@ -90,3 +95,16 @@ def test_adam_eps_below_zero_is_refused_with_the_recipe(tmp_path, tiny_checkpoin
     result = ladder_capped("adapt", recipe, "optimizer.eps=-1")
     assert_one_line_refusal(result, "optimizer.eps")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("scheme", ["file", "ftp"])
+def test_a_data_manifest_url_that_is_not_http_is_refused(tmp_path, scheme):
+    """pooch took `file://` (a traceback: 'Unrecognized URL protocol') and `ftp://` as they came."""
+    source = tmp_path / "secret.txt"
+    source.write_text("a file of this machine")
+    url = source.as_uri() if scheme == "file" else "ftp://127.0.0.1:9/secret.txt"
+    entry = DataFile("books/secret.txt", source.stat().st_size, sha256_file(source), url)
+    manifest = write_manifest(tmp_path / "manifest.tsv", [entry])
+    result = ladder_capped("data", "--dest", tmp_path / "data", "--manifest", manifest, timeout=120)
+    assert_one_line_refusal(result, f"{scheme}://", "books/secret.txt")
+    assert not (tmp_path / "data" / "books").exists()
