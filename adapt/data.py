@@ -13,7 +13,8 @@ stays inside each document: position ids restart there).
 source's documents spread evenly through the stream. The work (adapt/pack.py) runs on every core
 and keeps each chunk's tokens as a shard, so that a killed prepare continues where it stopped.
 
-The blocks of a group of sources are written once to `cache_dir/<group>-<key>/`: blocks.bin (token
+The blocks of a group of sources are written once to `data.cache_folder()/<group>-<key>/` (the
+recipe's `data.cache_dir`, else `$LADDER_CACHE/adapt`, shared by runs from any folder): blocks.bin (token
 ids, uint16 when the vocabulary fits, else uint32), targets.bits and starts.bits (the flags, one bit
 per token, each row padded to whole bytes: `np.packbits(axis=1)`) and `meta.json`. The key hashes the
 source and sampling settings, the bytes of every local file, the tokenizer and `seq_len`, so a rerun
@@ -101,7 +102,7 @@ def prepare_data(data: DataSpec, tokenizer: PreTrainedTokenizerBase) -> Splits:
     With no `data.eval` sources, the last `heldout_fraction` of the training blocks is held out
     (and never trained on); evaluation uses at most `eval_blocks` blocks, spread evenly.
     """
-    cache = Path(data.cache_dir)
+    cache = data.cache_folder()
     train = load_blocks(data.train, tokenizer, data.seq_len, cache, "train", sampling(data, "train"))
     if data.eval:
         heldout = load_blocks(data.eval, tokenizer, data.seq_len, cache, "eval", sampling(data, "eval"))
@@ -122,7 +123,7 @@ def data_prepared(data: DataSpec, tokenizer: PreTrainedTokenizerBase) -> bool:
     groups = [("train", data.train)] + ([("eval", data.eval)] if data.eval else [])
     return all(
         (
-            cache_entry(sources, tokenizer, data.seq_len, Path(data.cache_dir), group, sampling(data, group))
+            cache_entry(sources, tokenizer, data.seq_len, data.cache_folder(), group, sampling(data, group))
             / "meta.json"
         ).is_file()
         for group, sources in groups

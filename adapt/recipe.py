@@ -24,7 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from ladder.errors import UsageError, excerpt
-from ladder.io.files import ladder_data_dir
+from ladder.io.files import ladder_cache_dir, ladder_data_dir
 from ladder.io.yaml_files import load_yaml_file
 
 from .overrides import parse_overrides, set_dotted
@@ -98,12 +98,17 @@ class DataSpec:
     # Packed documents do not attend to each other: position ids restart at each document and attention
     # is block-diagonal (transformers builds that mask from the position ids, with sdpa and eager).
     isolate_documents: bool = False
-    cache_dir: str = "runs/adapt/cache"
+    # The tokenized blocks' cache; null = adapt/ under the cache root every run shares
+    # ($LADDER_CACHE, else ~/.cache/ladder), so that a run from any folder reuses them.
+    cache_dir: str | None = None
     # Read each source's documents in an order shuffled with this seed before max_tokens cuts it (a Hub
     # dataset: a record from each of its files in turn, the files in a seeded order); null = file order.
     sample_seed: int | None = None
     # Tokens of data.train when its sources have weights.
     mix_tokens: int = 0
+
+    def cache_folder(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else ladder_cache_dir() / "adapt"
 
 
 @dataclass

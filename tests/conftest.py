@@ -1,4 +1,4 @@
-"""Test session setup: no network, a private HF cache, and shared tiny checkpoints and corpus.
+"""Test session setup: no network, a private HF cache and ladder cache, and shared tiny checkpoints and corpus.
 
 The environment is set before transformers is imported anywhere, so no test can reach the Hub
 or write into the user's cache.
@@ -11,7 +11,11 @@ import tempfile
 from pathlib import Path
 
 _HF_HOME = tempfile.mkdtemp(prefix="ladder-tests-hf-")
-os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=_HF_HOME)
+# The cache root of tokenized data and eval scores (LADDER_CACHE): the session's own, never the user's.
+_LADDER_CACHE = tempfile.mkdtemp(prefix="ladder-tests-cache-")
+os.environ.update(
+    HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=_HF_HOME, LADDER_CACHE=_LADDER_CACHE
+)
 
 import pytest  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402

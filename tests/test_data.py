@@ -601,3 +601,16 @@ def test_each_step_reads_the_same_blocks_with_any_number_of_processes():
         assert sorted(alone) == sorted(shared)
     first_epoch = np.concatenate([one.indices(0, a, 0) for a in range(2)] + [one.indices(1, 0, 0)[:2]])
     assert sorted(first_epoch) == list(range(10))  # each block once per epoch
+
+
+def test_the_tokenized_data_cache_is_the_shared_cache_root_unless_the_recipe_names_one(tmp_path, monkeypatch):
+    # One cache root for runs from any folder, as HF_HOME: $LADDER_CACHE, else the user's cache folder.
+    monkeypatch.setenv("LADDER_CACHE", str(tmp_path / "root"))
+    monkeypatch.chdir(tmp_path)
+    assert DataSpec().cache_folder() == tmp_path / "root" / "adapt"
+    assert DataSpec(cache_dir="here/cache").cache_folder() == Path("here/cache")
+    monkeypatch.delenv("LADDER_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert DataSpec().cache_folder() == tmp_path / "xdg" / "ladder" / "adapt"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert DataSpec().cache_folder() == Path.home() / ".cache" / "ladder" / "adapt"

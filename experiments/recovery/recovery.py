@@ -71,7 +71,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def heldout_sets(recipe, tokenizer) -> dict[str, np.ndarray]:
-    cache, seq_len = Path(recipe.data.cache_dir), recipe.data.seq_len
+    cache, seq_len = recipe.data.cache_folder(), recipe.data.seq_len
     return {
         "books": np.asarray(load_blocks(recipe.data.eval, tokenizer, seq_len, cache, "eval").ids),
         "wikitext": np.asarray(load_blocks([WIKITEXT], tokenizer, seq_len, cache, "eval").ids),
@@ -107,7 +107,7 @@ def resolve_shape(shape: str, recipe, out: Path) -> dict:
 
     def search(auto: AutoLayers) -> list[int]:
         train_blocks = load_blocks(
-            recipe.data.train, tokenizer, recipe.data.seq_len, Path(recipe.data.cache_dir), "train"
+            recipe.data.train, tokenizer, recipe.data.seq_len, recipe.data.cache_folder(), "train"
         )
         found = choose_ladder_layers(model, calibration_from_blocks(train_blocks.ids), auto)
         print(found.summary(), flush=True)

@@ -189,6 +189,16 @@ def check_force_target(path: str | Path, command: str | None, force: bool) -> No
         )
 
 
+def check_outside_inputs(out: str | Path, inputs: list[str | Path], what: str = "--out") -> None:
+    """Refuse an output that is, is inside, or holds one of the input folders or files (writing
+    it, or replacing it with --force, would destroy an input)."""
+    out = Path(out).resolve()
+    for source in inputs:
+        source = Path(source).resolve()
+        if out == source or out.is_relative_to(source) or source.is_relative_to(out):
+            raise UsageError(f"{what} {out} overlaps the input {source}: choose a folder outside it")
+
+
 class OutputLock:
     """An exclusive lock on an output folder for a run's life (`lock_output`); released by `close`,
     or by the process's end, however it ends."""
@@ -424,6 +434,16 @@ def ladder_data_dir() -> Path:
     raise UsageError("no data folder: set LADDER_DATA to the folder that holds the benchmark and training files")
 
 
+def ladder_cache_dir() -> Path:
+    """The cache root that every run shares, from whatever folder it starts (tokenized training
+    data in `adapt/`, eval scores in `eval/`): `$LADDER_CACHE`, else `ladder/` in the user's cache
+    folder (`$XDG_CACHE_HOME`, else ~/.cache), as huggingface_hub places `HF_HOME`."""
+    configured = os.environ.get("LADDER_CACHE")
+    if configured:
+        return Path(configured).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "ladder"
+
+
 __all__ = [
     "OUTPUT_MARKER",
     "OutputLock",
@@ -431,6 +451,8 @@ __all__ = [
     "atomic_directory",
     "atomic_write",
     "check_force_target",
+    "check_outside_inputs",
+    "ladder_cache_dir",
     "ladder_data_dir",
     "lock_output",
     "output_command",
