@@ -6,8 +6,8 @@ what each is) is a byte-for-byte copy of a file in a public GitHub repository at
 `data_manifest.tsv` lists each file's place in the folder, size, SHA-256 and the raw URL at that
 commit. pooch downloads a file to a temporary name beside its place, checks the SHA-256 and only
 then renames it into place: a file that fails the check is deleted, never kept. Files already
-present with the right checksum are not fetched again; one with a wrong checksum is deleted
-and fetched again.
+present with the right checksum are not fetched again; one with a wrong checksum is replaced only
+by its verified download (it stays as it was when the download fails).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import requests  # pooch's HTTP client: its errors are what a failed download ra
 
 from ladder.errors import UsageError, excerpt, first_line
 from ladder.io.files import path_inside, sha256_file
+from ladder.io.outputs import check_output
 
 MANIFEST = Path(__file__).with_name("data_manifest.tsv")
 TIMEOUT_SECONDS = 60
@@ -89,14 +90,16 @@ def fetch_data(
 ) -> FetchReport:
     """Fetch every file of `files` (default: the manifest's) missing or wrong in `destination`.
 
-    A listed path that leaves `destination` (absolute, `..`, a symlink out) is refused in one line
-    before any file is touched. Afterwards each listed file in `destination` is either verified or absent: a present file with
-    a wrong checksum is deleted before its download, and a download that fails its checksum is
-    deleted and reported in `refused` (the other files are still fetched). The first network
-    failure raises a one-line `UsageError` that says what to fetch and where to put it; files
-    verified before it stay.
+    `destination` passes the output rule (`ladder.io.outputs.check_output`: not the manifest or
+    above it, not `/` or a home folder, writable) and a listed path that leaves it (absolute, `..`,
+    a symlink out) is refused in one line, before any file is touched. A present file with a wrong
+    checksum is replaced only once its download is verified (pooch downloads beside it and renames);
+    a download that fails its checksum is deleted and reported in `refused` (the other files are
+    still fetched). The first network failure raises a one-line `UsageError` that says what to
+    fetch and where to put it; files verified before it stay, and so does every file it did not
+    replace.
     """
-    destination = Path(destination).expanduser().absolute()
+    destination = check_output(destination, "data", [manifest], existing="add", what="--dest")
     files = read_manifest(manifest) if files is None else files
     downloader = pooch.HTTPDownloader(timeout=TIMEOUT_SECONDS, progressbar=False)
     pooch.get_logger().setLevel(logging.WARNING)  # pooch logs every file; the caller prints a summary
@@ -106,11 +109,9 @@ def fetch_data(
     check_urls(files, manifest)
     for item, target in zip(files, targets, strict=True):
         try:
-            if target.is_file():
-                if sha256_file(target) == item.sha256:
-                    report.present.append(item.path)
-                    continue
-                target.unlink()
+            if target.is_file() and sha256_file(target) == item.sha256:
+                report.present.append(item.path)
+                continue
             pooch.retrieve(
                 item.url,
                 known_hash=f"sha256:{item.sha256}",
