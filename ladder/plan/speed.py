@@ -10,7 +10,9 @@ Three parts, each a plain function of published (or calibrated) figures:
 - overlap: the layer loop of Algorithm 1, replayed exactly as ladder/tp/shard.py runs it, with the
   compute stream and the link as two serial resources: a ladder layer's all-reduce runs behind the
   next branch's compute, a standard layer waits for its own. A contiguous block of k ladder layers
-  hides 2k - 1 of its 2k all-reduces (`ladder.layers.overlapped_all_reduces` counts the same).
+  hides 2k - 1 of its 2k all-reduces (`ladder.layers.overlapped_all_reduces` counts the same). That is
+  the TP runtime; an engine that hides fewer (vLLM: only the attention output's, `OVERLAPPED`) runs the
+  others as a standard layer does.
 
 Device and link figures are data: devices.tsv and links.tsv beside this file, each row with its source.
 """
