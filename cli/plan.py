@@ -211,7 +211,11 @@ def plan(args: argparse.Namespace, model: ModelConfig, own_layers: list[int]) ->
     if problem := degrees[args.tp][args.engine]:
         runs = [engine for engine, refused in degrees[args.tp].items() if refused is None]
         other = f"; {ENGINES[runs[0]]} runs it (--engine {runs[0]})" if runs else ""
-        raise UsageError(f"--tp {args.tp}: {ENGINES[args.engine]} refuses this model: {problem}{other}")
+        fits = ", ".join(str(tp) for tp, refused in degrees.items() if refused[args.engine] is None)
+        raise UsageError(
+            f"--tp {args.tp}: {ENGINES[args.engine]} refuses this model: {problem}{other}; "
+            f"{ENGINES[args.engine]} runs it at TP={fits}"
+        )
     if args.interconnect is None and args.hardware == "cpu":  # nvlink, the default, joins GPUs, not CPUs
         raise UsageError(
             "--hardware cpu needs --interconnect (BANDWIDTH,LATENCY_US), or plan from this machine's calibration: "

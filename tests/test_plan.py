@@ -183,6 +183,7 @@ def llama_8b_folder(tmp_path):
         (["--layers", "40"], "the model has 32 layers"),
         (["--layers", "auto:0"], "needs 1 <= N <= 32"),
         (["--hardware", "tpu9"], "--hardware 'tpu9' is not one of"),
+        (["--device", "tpu9"], "--hardware 'tpu9' is not one of"),  # its old name
         (["--hardware", "cpu"], "--hardware cpu needs --interconnect"),
         (["--hardware", "989e12,3.35e12,80GX"], "--hardware MEMORY '80GX' is not a size like"),
         (["--engine", "trt"], "argument --engine: invalid choice"),
@@ -313,6 +314,10 @@ def smollm2_ladder8_folder(tmp_path):
         (["--tp", "16"], "--tp 16: vLLM refuses this model: its 9 attention heads are not divisible by TP=16"),
         (["--tp", "16", "--engine", "tp-runtime"], "the TP runtime refuses this model: TP=16 needs at least one KV"),
         (["--tp", "1000000000"], "vLLM refuses this model"),
+        (
+            [],
+            "--tp 8: vLLM refuses this model: its 9 attention heads are not divisible by TP=8; vLLM runs it at TP=1, 3, 9",
+        ),
         (["--tp", "2"], "not divisible by TP=2; the TP runtime runs it (--engine tp-runtime)"),
         (["--tp", "9", "--engine", "tp-runtime"], "the model has 3; vLLM runs it (--engine vllm)"),
     ],
