@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
-import itertools
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-from ladder.errors import ArgumentParser, UsageError
+from ladder.errors import ArgumentParser, UsageError, first_line
 from ladder.io.loading import check_llama_checkpoint, read_config_dict, resolve_model_path
 from ladder.serving.engine import cpu_binding, vllm_error_message, vllm_version_problem
 from ladder.tp.degrees import vllm_refusal
@@ -92,26 +92,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def passthrough_values(passthrough: list[str], option: str) -> list[str]:
-    """The values given to `option` among the arguments for `vllm serve` (`--opt V` or `--opt=V`)."""
-    values = [arg.split("=", 1)[1] for arg in passthrough if arg.startswith(option + "=")]
-    return values + [value for arg, value in itertools.pairwise(passthrough) if arg == option]
+def vllm_serve_arguments(model: Path, args: argparse.Namespace, passthrough: list[str]) -> list[str]:
+    """The arguments of `vllm serve`: ours first, so that any option the passthrough repeats, in any
+    spelling vLLM takes, overrides ours as it would on vLLM's own command line (argparse keeps the last)."""
+    ours = ["--host", args.host, "--port", str(args.port), "--tensor-parallel-size", str(args.tp)]
+    return [str(model), *ours, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *passthrough]
 
 
-def check_host(host: str, api_key: str | None, passthrough: list[str]) -> None:
-    """Refuse to listen beyond this machine (any address but loopback) without an API key: vLLM's
-    server otherwise answers anyone who can reach the port."""
-    if api_key or any(arg.split("=")[0] == "--api-key" for arg in passthrough):
-        return
+def parse_vllm_serve(arguments: list[str]) -> argparse.Namespace:
+    """`arguments` as `vllm serve ARGUMENTS` reads them, with the parser of vLLM's own `serve`
+    command: it takes any unambiguous prefix of an option, `_` for `-`, the last of a repeated
+    option and `--config FILE`, so no other reading can tell where the server will listen."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class Parser(FlexibleArgumentParser):  # the `serve` subparser is of the same class
+        def error(self, message: str):
+            raise UsageError(f"the arguments for vllm serve: {message}")
+
+    parser = Parser(prog="vllm")
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.CRITICAL)  # it logs a bad --config file too: the UsageError is the one line
     try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to any interface
-        loopback = False
-    if not loopback:
-        raise UsageError(
-            f"--host {host} listens beyond this machine: give an API key that clients must send "
-            f"(--api-key KEY or ${API_KEY_VARIABLE}), or listen on {DEFAULT_HOST}"
-        )
+        return parser.parse_args(["serve", *arguments])
+    except UsageError:
+        raise
+    except Exception as error:  # --config: a missing file, not YAML, two of them (ValueError, OSError, ...)
+        raise UsageError(f"the arguments for vllm serve: {first_line(error)}") from None
+    finally:
+        vllm_logger.setLevel(level)
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether a listening address is reachable from this machine only. An empty host is every
+    interface (vLLM binds ""); a host name may resolve to any interface."""
+    if host == "localhost":
+        return True
+    try:
+        return bool(host) and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_access(serve: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Refuse to listen beyond this machine (any address but loopback) without an API key: vLLM's
+    server otherwise answers anyone who can reach the port. `serve` is what vLLM's parser read and
+    `environ` the environment vLLM will start in."""
+    if serve.uds:  # a Unix socket: vLLM ignores the host and the port
+        return
+    # vLLM's own rule (init_entrypoints_middleware): the non-empty --api-key values, or when none was
+    # given $VLLM_API_KEY; so an empty --api-key asks no key and hides the variable.
+    if [key for key in (serve.api_key or [environ.get(API_KEY_VARIABLE)]) if key] or is_loopback(serve.host):
+        return
+    host = serve.host or '"" (every interface)'
+    raise UsageError(
+        f"--host {host} listens beyond this machine: give an API key that clients must send "
+        f"(--api-key KEY or ${API_KEY_VARIABLE}; an empty key asks none), or listen on {DEFAULT_HOST}"
+    )
 
 
 def check_servable(model: Path, tp: int) -> None:
@@ -154,8 +193,6 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"--tp {args.tp}: the tensor-parallel degree must be at least 1")
     if not args.model:
         raise UsageError("name the checkpoint folder to serve: make serve MODEL=DIR")
-    for host in [args.host, *passthrough_values(passthrough, "--host")]:  # vLLM takes the last --host
-        check_host(host, args.api_key, passthrough)
     model = resolve_model_path(args.model)
     if not model.is_dir():
         raise UsageError(f"{model} is a GGUF file: vLLM serves checkpoint directories; `ladder convert` writes one")
@@ -175,6 +212,10 @@ def main(argv: list[str]) -> int:
 
     if problem := vllm_version_problem():
         raise UsageError(problem)
+    if args.api_key:
+        os.environ[API_KEY_VARIABLE] = args.api_key  # vLLM's --api-key default: kept off the printed command
+    arguments = vllm_serve_arguments(model, args, passthrough)
+    check_access(parse_vllm_serve(arguments), os.environ)
     if current_platform.is_cpu() and args.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(args.tp, sorted(os.sched_getaffinity(0)))
     check_servable(model, args.tp)
@@ -185,23 +226,8 @@ def main(argv: list[str]) -> int:
         del os.environ["VLLM_LOGGING_LEVEL"]
     else:
         os.environ["VLLM_LOGGING_LEVEL"] = logging_level
-    command = [
-        str(Path(sys.executable).parent / "vllm"),
-        "serve",
-        str(model),
-        "--host",
-        args.host,
-        "--port",
-        str(args.port),
-        "--tensor-parallel-size",
-        str(args.tp),
-        *passthrough,
-    ]
-    if not any(arg.split("=")[0] == "--shutdown-timeout" for arg in passthrough):
-        command += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+    command = [str(Path(sys.executable).parent / "vllm"), "serve", *arguments]
     print(" ".join(command), file=sys.stderr, flush=True)
-    if args.api_key:
-        os.environ[API_KEY_VARIABLE] = args.api_key  # vLLM's --api-key default: kept off the printed command
     os.environ[SERVE_ENV_FLAG] = "1"
     os.execv(command[0], command)
     return 0  # not reached
