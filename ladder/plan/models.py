@@ -70,9 +70,7 @@ def model_config(model: str) -> ModelConfig:
             f"shapes ({PUBLISHED.name}); `hf download {match['repo']} config.json` fetches just that file, and "
             "planning downloads nothing"
         )
-    raise UsageError(
-        f"{model} is not a folder with config.json, a config.json, a .gguf file, 'embedded' or a Hub ID"
-    )
+    raise UsageError(f"{model} is not a folder with config.json, a config.json, a .gguf file, 'embedded' or a Hub ID")
 
 
 def _json_config(path: Path) -> dict:
