@@ -21,8 +21,7 @@ def serve_python() -> Path:
 
 def serve_env_vars() -> dict[str, str]:
     """The test session's environment (offline, private HF cache) for a subprocess in .venv-serve,
-    with vLLM's compile cache in the session's private cache too: every engine compiles, and the
-    code inductor wrote can be read back (test_compiled_ladder_overlap_order)."""
+    with vLLM's compile cache in the session's private cache too: every engine compiles there."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
     env["VLLM_CACHE_ROOT"] = str(Path(os.environ["HF_HOME"]) / "vllm")
     env.pop("VIRTUAL_ENV", None)

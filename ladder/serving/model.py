@@ -19,19 +19,22 @@ added only where the wiring needs it: the attention output before the next atten
 output before the next MLP. This is Algorithm 1 of the paper.
 
 The ladder all-reduces are custom ops (below): fences for torch.compile at every TP size and, at
-TP > 1, a start and a wait around the MLP for each attention output, on vLLM's auxiliary CUDA stream
-where there is one. `ladder/tp/runtime.py` is this package's own runtime, which overlaps both
-reductions (gloo or NCCL, asynchronously).
+TP > 1, a start and a wait on vLLM's auxiliary CUDA stream where there is one: around the MLP for
+each attention output, and around the next ladder layer's attention for an MLP output where vLLM
+runs the step as one full CUDA graph. `ladder/tp/runtime.py` is this package's own runtime, which
+overlaps both reductions (gloo or NCCL, asynchronously).
 
 Imported only inside the serving environment (vLLM installed); `ladder.serving.plugin` registers it.
 """
 
 from itertools import islice
+from typing import NamedTuple
 
 import torch
 from torch.library import Library
-from vllm.config import VllmConfig
+from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.distributed import get_pp_group, get_tp_group
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.sequence import IntermediateTensors
@@ -49,20 +52,63 @@ from ladder.model.configuration_ladder_llama import resolve_ladder_layers
 # between the linear and the late read. An extern op is neither fused nor moved, and its output is
 # a buffer of its own, so every reader follows the write.
 #
-# Overlap (tensor parallelism on CUDA): the attention output's all-reduce starts on vLLM's
-# auxiliary stream (`all_reduce_start`) and joins the compute stream after the MLP
-# (`all_reduce_wait`, which takes the MLP output as an argument: a data dependency, so no compiler
-# pass can move the join before the MLP). Stream fork and join happen inside the ops, unseen by
-# torch.compile and recorded by CUDA-graph capture. The MLP output's all-reduce stays synchronous:
-# the module it would overlap is the next attention, and vLLM's piecewise CUDA graphs are split at
-# attention, so a fork there could not be joined inside one graph. On CPU there is no stream:
-# start is the synchronous all-reduce of vLLM's communicator (shared memory, spinning until every
-# rank has arrived) and wait a copy.
+# Overlap (tensor parallelism on CUDA): `all_reduce_start` runs vLLM's all-reduce on vLLM's
+# auxiliary stream after an event from the compute stream, and `all_reduce_wait` joins it to the
+# compute stream after the module it overlaps. Stream fork and join happen inside the ops, unseen
+# by torch.compile and recorded by CUDA-graph capture. What keeps that right under inductor is data
+# flow, the only thing its scheduler and buffer reuse respect:
+# - the wait takes the start's input and output, so neither buffer is freed or reused while the
+#   auxiliary stream may still read or write it (inductor reused the input at once otherwise);
+# - the wait takes the overlapped module's output, so no pass moves the join before that module;
+# - every reduction op takes the result of the reduction before it (`after`), so they run one at
+#   a time in program order: vLLM's custom all-reduce has one staging buffer and assumes one call
+#   at a time, and a single pair of events serves the one reduction in flight.
+# An attention output's reduction always overlaps the MLP. An MLP output's reduction overlaps the
+# next (ladder) layer's attention only where vLLM runs the step as one full CUDA graph: piecewise
+# graphs are split at attention, and a fork in one piece cannot be joined in the next. The start
+# asks vLLM's forward context at run time (`_may_span_attention`) and is synchronous otherwise.
+# On CPU there is no stream: start is the synchronous all-reduce of vLLM's communicator (shared
+# memory, spinning until every rank has arrived) and wait a copy.
 _LIBRARY = Library("ladder", "FRAGMENT")
-_EVENTS: list = []  # [input ready, reduction done], CUDA events made on first use
 
 
-def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+# The one ladder reduction that may be in flight on the auxiliary stream (each reduction op waits for
+# the previous one's result): whether there is one, and its CUDA events (input ready, reduction
+# done), made on first use.
+_AUX_REDUCTION: dict = {"in_flight": False, "events": None}
+
+
+def _start_on_aux_stream(tensor: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
+    assert not _AUX_REDUCTION["in_flight"], "a ladder all-reduce started before the previous one was joined"
+    if _AUX_REDUCTION["events"] is None:
+        _AUX_REDUCTION["events"] = (torch.cuda.Event(), torch.cuda.Event())
+    ready, done = _AUX_REDUCTION["events"]
+    main = current_stream()
+    ready.record(main)
+    with torch.cuda.stream(stream):
+        ready.wait(stream)
+        reduced = get_tp_group()._all_reduce_out_place(tensor)
+        done.record(stream)
+    # The caching allocator must not hand either buffer to the other stream while it is in use.
+    tensor.record_stream(stream)
+    reduced.record_stream(main)
+    _AUX_REDUCTION["in_flight"] = True
+    return reduced
+
+
+def _join_aux_stream() -> None:
+    if _AUX_REDUCTION["in_flight"]:
+        _AUX_REDUCTION["events"][1].wait(current_stream())
+        _AUX_REDUCTION["in_flight"] = False
+
+
+def _may_span_attention() -> bool:
+    """Whether vLLM runs this step as one full CUDA graph (`FULL`, or a uniform decode batch under
+    `FULL_AND_PIECEWISE`), so a reduction forked before an attention can be joined after it."""
+    return is_forward_context_available() and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
+
+
+def _all_reduce(tensor: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
     # A custom op may neither change an input it does not declare nor return it (inductor reuses
     # the input's buffer once the op has read it): at TP=1 the fence costs one copy of the output,
     # and vLLM's CPU communicator, which reduces in place and returns its input, gets a copy.
@@ -72,28 +118,15 @@ def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return group._all_reduce_out_place(tensor.clone() if tensor.is_cpu else tensor)
 
 
-def _all_reduce_start(tensor: torch.Tensor) -> torch.Tensor:
-    group, stream = get_tp_group(), aux_stream()
-    if stream is None:
-        return _all_reduce(tensor)
-    if not _EVENTS:
-        _EVENTS.extend([torch.cuda.Event(), torch.cuda.Event()])
-    ready, done = _EVENTS
-    main = current_stream()
-    ready.record(main)
-    with torch.cuda.stream(stream):
-        ready.wait(stream)
-        reduced = group._all_reduce_out_place(tensor)
-        done.record(stream)
-    # The caching allocator must not hand either buffer to the other stream while it is in use.
-    tensor.record_stream(stream)
-    reduced.record_stream(main)
-    return reduced
+def _all_reduce_start(tensor: torch.Tensor, after: torch.Tensor | None, spans_attention: bool) -> torch.Tensor:
+    stream = aux_stream()
+    if stream is None or (spans_attention and not _may_span_attention()):
+        return _all_reduce(tensor, after)
+    return _start_on_aux_stream(tensor, stream)
 
 
-def _all_reduce_wait(reduced: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    if aux_stream() is not None:
-        _EVENTS[1].wait(current_stream())
+def _all_reduce_wait(reduced: torch.Tensor, tensor: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    _join_aux_stream()
     return reduced.clone()  # its own buffer (see _all_reduce)
 
 
@@ -101,7 +134,7 @@ def _fence(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone()
 
 
-def _like(tensor: torch.Tensor, after: torch.Tensor | None = None) -> torch.Tensor:
+def _like(tensor: torch.Tensor, *dependencies: object, **named: object) -> torch.Tensor:
     return torch.empty_like(tensor)
 
 
@@ -113,6 +146,21 @@ for _name, _op in [
     ("fence", _fence),
 ]:
     direct_register_custom_op(_name, _op, fake_impl=_like, target_lib=_LIBRARY)
+
+
+class InFlight(NamedTuple):
+    """A ladder module's output whose all-reduce was started and not yet joined."""
+
+    reduced: torch.Tensor  # all_reduce_start's output: the sum, once joined
+    partial: torch.Tensor  # its input: it must outlive the reduction, so the wait takes it too
+
+    @classmethod
+    def start(cls, partial: torch.Tensor, after: torch.Tensor | None, spans_attention: bool = False) -> "InFlight":
+        return cls(torch.ops.ladder.all_reduce_start(partial, after, spans_attention), partial)
+
+    def wait(self, after: torch.Tensor) -> torch.Tensor:
+        """The sum, joined after `after` (the output of the module the reduction overlaps)."""
+        return torch.ops.ladder.all_reduce_wait(self.reduced, self.partial, after)
 
 
 class LadderLlamaDecoderLayer(LlamaDecoderLayer):
@@ -130,9 +178,13 @@ class LadderLlamaDecoderLayer(LlamaDecoderLayer):
         super().__init__(vllm_config, prefix=prefix, config=config, attn_layer_type=attn_layer_type)
         config = config or vllm_config.model_config.hf_config
         ladder_layers = resolve_ladder_layers(config.ladder_layers, config.num_hidden_layers)
-        self.is_ladder = extract_layer_index(prefix) in ladder_layers
-        # Overlap only where there is something to reduce.
-        self.overlap = get_tp_group().world_size > 1
+        index = extract_layer_index(prefix)
+        self.is_ladder = index in ladder_layers
+        # Overlap only where there is something to reduce. The MLP output's reduction overlaps the next
+        # layer's attention, so only when that layer is a ladder one: a standard layer reads the whole
+        # stream at once.
+        self.overlap_attention = self.is_ladder and get_tp_group().world_size > 1
+        self.overlap_mlp = self.overlap_attention and index + 1 in ladder_layers
         if self.is_ladder:
             # The sum is added later than Llama adds it, so the layer loop owns the all-reduce.
             self.self_attn.o_proj.reduce_results = False
@@ -141,11 +193,13 @@ class LadderLlamaDecoderLayer(LlamaDecoderLayer):
     def ladder_forward(
         self,
         positions: torch.Tensor,
-        hidden_states: torch.Tensor,
+        hidden_states: torch.Tensor | InFlight,
         residual: torch.Tensor | None,
         pending_attention: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(hidden_states, residual, pending_attention) in, the same out (see the module doc)."""
+    ) -> tuple[torch.Tensor | InFlight, torch.Tensor, torch.Tensor]:
+        """(hidden_states, residual, pending_attention) in, the same out (see the module doc).
+        hidden_states, the previous MLP's output, is `InFlight` where its reduction overlaps this
+        layer's attention; this layer's is where the next layer is a ladder one too."""
         if residual is None:  # first layer: both streams are the embeddings
             residual, hidden_states = hidden_states, None
         # Attention reads attn_stream = residual + pending_attention (the previous MLP output is not in it).
@@ -154,19 +208,26 @@ class LadderLlamaDecoderLayer(LlamaDecoderLayer):
         else:
             attention_input, residual = self.input_layernorm(pending_attention, residual)
         attention_partial = self.self_attn(positions=positions, hidden_states=attention_input)
-        if self.overlap:  # reduced while the MLP computes
-            attention_sum = torch.ops.ladder.all_reduce_start(attention_partial)
+        if isinstance(hidden_states, InFlight):
+            hidden_states = hidden_states.wait(after=attention_partial)
+        # This layer's reductions follow the last one (`after`; see the ops): the previous MLP's,
+        # or at the first layer the embeddings' (vLLM's vocabulary-parallel embedding reduces them).
+        previous_sum = residual if hidden_states is None else hidden_states
+        if self.overlap_attention:  # reduced while the MLP computes
+            attention = InFlight.start(attention_partial, after=previous_sum)
         else:
-            attention_output = torch.ops.ladder.all_reduce(attention_partial)
+            attention_output = torch.ops.ladder.all_reduce(attention_partial, previous_sum)
         # The MLP reads mlp_stream = attn_stream + previous MLP output (this attention output is not in it).
         if hidden_states is None:
             mlp_input = self.post_attention_layernorm(residual)
         else:
             mlp_input, residual = self.post_attention_layernorm(hidden_states, residual)
         mlp_partial = self.mlp(mlp_input)
-        if self.overlap:
-            attention_output = torch.ops.ladder.all_reduce_wait(attention_sum, mlp_partial)
-        return torch.ops.ladder.all_reduce(mlp_partial), residual, attention_output
+        if self.overlap_attention:
+            attention_output = attention.wait(after=mlp_partial)
+        if self.overlap_mlp:  # reduced while the next layer's attention computes, in a full CUDA graph
+            return InFlight.start(mlp_partial, after=attention_output, spans_attention=True), residual, attention_output
+        return torch.ops.ladder.all_reduce(mlp_partial, attention_output), residual, attention_output
 
 
 class LadderLlamaModel(LlamaModel):
@@ -221,7 +282,7 @@ class LadderLlamaForCausalLM(LlamaForCausalLM):
         if get_tp_group().world_size > 1:
             # Inductor's locality reordering sinks a node towards its first consumer: it moved each
             # o_proj and its all_reduce_start after the MLP, next to the wait, and nothing could
-            # overlap (seen in the code it built; test_compiled_ladder_overlap_order).
+            # overlap (seen in the code it built; tests/test_serving_compiled.py).
             vllm_config.compilation_config.inductor_compile_config["reorder_for_locality"] = False
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
 

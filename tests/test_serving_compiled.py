@@ -1,0 +1,276 @@
+"""The code inductor builds for a ladder model in vLLM's default (compiled) mode at TP=2, read back
+from vLLM's compile cache: the ladder all-reduces keep their buffers alive until they are joined,
+run one at a time in program order, and each hides behind the module it is meant to overlap.
+
+On a GPU, `all_reduce_start` forks vLLM's all-reduce onto a second stream and `all_reduce_wait`
+joins it; only data flow keeps inductor from freeing, reusing or reordering around them, so these
+checks read what inductor wrote. The CPU build compiles the same graph (one Dynamo trace, inductor);
+a GPU build splits it into pieces at each attention, which run back to back, each as a CUDA graph
+(piecewise) or all inside one (a full graph).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from serving import serve_env_vars, serve_python
+from tiny import save_tiny_checkpoint
+
+# Needs vLLM's environment (.venv-serve), which `make test` builds: `make test-fast` skips it.
+pytestmark = pytest.mark.envs
+
+REPO = Path(__file__).resolve().parents[1]
+# Of 4 layers: ladder first, ladder -> standard, standard -> ladder, ladder -> ladder, ladder last.
+LADDER_LAYERS = [0, 2, 3]
+NUM_LAYERS = 4
+# What the model issues at TP > 1: every ladder attention output's reduction starts and is joined
+# after the MLP; an MLP output's does where the next layer is a ladder one too (layer 2 here), and is
+# joined after that layer's attention; the other MLP outputs are reduced at once.
+ATTENTION_STARTS = len(LADDER_LAYERS)
+MLP_STARTS = sum(layer + 1 in LADDER_LAYERS for layer in LADDER_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def compiled_calls(tmp_path_factory, smollm2_tokenizer_dir) -> list[str]:
+    """The `call` function of each graph inductor built for the tiny ladder model at TP=2 (4 heads
+    of 32: the smallest head vLLM's CPU attention takes), with a compile cache of its own."""
+    from convert.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("serving-compiled")
+    plain = save_tiny_checkpoint(
+        root / "plain", smollm2_tokenizer_dir, hidden_size=128, intermediate_size=256, num_hidden_layers=NUM_LAYERS
+    )
+    convert_checkpoint(plain, root / "ladder", ladder_layers=LADDER_LAYERS, verify=False)
+    run = dict(name="tp2", model=str(root / "ladder"), tp=2, eager=False, prompts=[[1, 2, 3, 4, 5]], max_tokens=2)
+    (root / "job.json").write_text(json.dumps({"runs": [run]}))
+    env = dict(serve_env_vars(), VLLM_CACHE_ROOT=str(root / "vllm-cache"))
+    completed = subprocess.run(
+        [str(serve_python()), str(REPO / "tests" / "vllm_runner.py"), str(root / "job.json"), str(root / "out.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
+    assert json.loads((root / "out.json").read_text())["tp2"]["compilation_mode"] != "NONE"
+    codes = [path.read_text() for path in (root / "vllm-cache").rglob("*.py")]
+    calls = [code[code.index("def call(") :] for code in codes if "torch.ops.ladder.all_reduce_start" in code]
+    assert calls, "no compiled code with the ladder's all-reduce start"
+    return calls
+
+
+# --- Reading inductor's wrapper code ----------------------------------------------------------------
+
+NAME = r"\b(?:buf\d+|arg\d+_\d+)\b"
+LADDER_OP = re.compile(r"^(\w+) = torch\.ops\.ladder\.(\w+)\.default\((.*)\)$")
+# vLLM's own all-reduce: the CPU build's in-place shared-memory one, the GPU build's custom op.
+VLLM_REDUCTION = re.compile(
+    r"^torch\.ops\._C\.shm_allreduce\.default\(\d+, (\w+)\)$|^(\w+) = torch\.ops\.vllm\.all_reduce\."
+)
+ATTENTION = re.compile(r"torch\.ops\.vllm\.unified_attention\w*\.default\(")
+MATMUL = re.compile(r"onednn_mm\.default\((buf\d+)|extern_kernels\.a?d?d?mm\(.*out=(buf\d+)")
+ALLOCATION = re.compile(r"^(buf\d+) = empty_strided")
+ALIAS = re.compile(rf"^({NAME}) = ({NAME})$|^({NAME}) = reinterpret_tensor\(({NAME}),.*# alias$")
+REUSE = re.compile(rf"^({NAME}) = (?:reinterpret_tensor\()?({NAME})\b.*; del \2\s+# reuse$")
+DELETE = re.compile(rf"^del ({NAME})$")
+
+
+@dataclass
+class Step:
+    """One statement of inductor's `call`: its kind, and the tensors (numbered as they come to exist,
+    an alias sharing its source's number) it makes and reads."""
+
+    line: int
+    kind: str  # a ladder op's name, "vllm_reduction", "attention", "matmul", "reuse" or "free"
+    out: int | None = None
+    args: tuple[int, ...] = ()
+    flag: bool = False  # all_reduce_start's spans_attention
+
+
+def read_steps(call: str) -> list[Step]:
+    tensors: dict[str, int] = {}  # name -> tensor
+    names: dict[int, set[str]] = {}  # tensor -> its live names
+
+    def tensor(name: str) -> int:
+        if name not in tensors:  # a graph input, or a buffer inductor made
+            tensors[name] = len(names)
+            names[len(names)] = {name}
+        return tensors[name]
+
+    def new(name: str) -> int:
+        tensors.pop(name, None)
+        return tensor(name)
+
+    steps = []
+    for line, text in enumerate(call.splitlines()):
+        text = text.strip()
+        if match := LADDER_OP.match(text):
+            args = tuple(tensor(name) for name in re.findall(NAME, match[3]))
+            flag = match[3].rstrip().endswith("True")
+            steps.append(Step(line, match[2], new(match[1]), args, flag))
+        elif match := VLLM_REDUCTION.match(text):
+            out = tensor(match[1]) if match[1] else new(match[2])
+            steps.append(Step(line, "vllm_reduction", out))
+        elif ATTENTION.search(text):
+            steps.append(Step(line, "attention"))
+        elif match := MATMUL.search(text):
+            steps.append(Step(line, "matmul", tensor(match[1] or match[2])))
+        elif match := REUSE.match(text):
+            steps.append(Step(line, "reuse", args=(tensor(match[2]),)))
+            names[tensors.pop(match[2])].discard(match[2])
+            new(match[1])
+        elif match := ALIAS.match(text):
+            alias, source = (match[1], match[2]) if match[1] else (match[3], match[4])
+            tensors[alias] = tensor(source)
+            names[tensors[alias]].add(alias)
+        elif match := DELETE.match(text):
+            freed = tensor(match[1])
+            names[tensors.pop(match[1])].discard(match[1])
+            if not names[freed]:
+                steps.append(Step(line, "free", args=(freed,)))
+        elif match := ALLOCATION.match(text):
+            new(match[1])
+    return steps
+
+
+def started_and_joined(steps: list[Step]) -> list[tuple[int, int | None]]:
+    """(index of each all_reduce_start, index of the wait that takes its output, or None)."""
+    pairs = []
+    for index, step in enumerate(steps):
+        if step.kind == "all_reduce_start":
+            waits = (i for i in range(index + 1, len(steps)) if steps[i].kind == "all_reduce_wait")
+            pairs.append((index, next((i for i in waits if steps[i].args[0] == step.out), None)))
+    return pairs
+
+
+def lifetime_problems(call: str) -> list[str]:
+    """Where a start's input or output is freed or its memory reused before the wait that joins it:
+    on a GPU the side stream may still read the input and write the output then."""
+    steps = read_steps(call)
+    problems = []
+    for start, wait in started_and_joined(steps):
+        if wait is None:
+            problems.append(f"line {steps[start].line}: a start that no wait joins")
+            continue
+        for role, tensor in (("input", steps[start].args[0]), ("output", steps[start].out)):
+            for step in steps[start + 1 : wait]:
+                if step.kind in ("reuse", "free") and step.args == (tensor,):
+                    problems.append(
+                        f"line {steps[start].line}: the start's {role} is {'reused' if step.kind == 'reuse' else 'freed'} "
+                        f"at line {step.line}, before its wait at line {steps[wait].line}"
+                    )
+        if not {steps[start].args[0], steps[start].out} <= set(steps[wait].args):
+            problems.append(f"line {steps[wait].line}: the wait does not take its start's input and output")
+    return problems
+
+
+def ordering_problems(call: str) -> list[str]:
+    """Where two reductions may run at once: one issued while a start is in flight, or a ladder
+    reduction that does not take the previous reduction's result (nothing then keeps a compiler
+    from moving it before that reduction, or the previous one after it)."""
+    problems = []
+    in_flight: Step | None = None
+    last_sum: int | None = None  # the result of the last reduction, joined
+    for step in read_steps(call):
+        if step.kind in ("all_reduce_start", "all_reduce", "vllm_reduction"):
+            if in_flight is not None:
+                problems.append(f"line {step.line}: a reduction issued while the start at line {in_flight.line} runs")
+            if step.kind != "vllm_reduction" and last_sum is not None and last_sum not in step.args[1:]:
+                problems.append(f"line {step.line}: ladder.{step.kind} does not take the previous reduction's result")
+            if step.kind == "all_reduce_start":
+                in_flight = step
+            else:
+                last_sum = step.out
+        elif step.kind == "all_reduce_wait":
+            if in_flight is None or step.args[0] != in_flight.out:
+                problems.append(f"line {step.line}: a wait for no start in flight")
+            in_flight, last_sum = None, step.out
+        elif step.kind == "fence" and step.args == (last_sum,):  # the same sum, copied
+            last_sum = step.out
+    return problems
+
+
+def overlap_problems(call: str) -> list[str]:
+    """Where a started reduction does not overlap the module it is for: an attention output's, the
+    MLP's two projections, joined after the down projection; an MLP output's, the next layer's
+    attention, joined after its o_proj. Compiled for every step: at run time the MLP output's start
+    forks only in a full CUDA graph (test_mlp_reduction_forks_only_in_a_full_cuda_graph)."""
+    steps = read_steps(call)
+    problems = []
+    counts = {False: 0, True: 0}
+    for start, wait in started_and_joined(steps):
+        if wait is None:
+            continue
+        spans_attention = steps[start].flag
+        counts[spans_attention] += 1
+        between = steps[start + 1 : wait]
+        matmuls = [step.out for step in between if step.kind == "matmul"]
+        attentions = sum(step.kind == "attention" for step in between)
+        what = "an MLP output's" if spans_attention else "an attention output's"
+        if attentions != spans_attention or len(matmuls) < 2:
+            problems.append(
+                f"line {steps[start].line}: {what} reduction spans {attentions} attention(s) and {len(matmuls)} matmuls"
+            )
+        elif steps[wait].args[-1] != matmuls[-1]:
+            problems.append(f"line {steps[wait].line}: {what} wait does not take the last projection's output")
+    if counts != {False: ATTENTION_STARTS, True: MLP_STARTS}:
+        problems.append(f"starts (attention, MLP): {counts[False]}, {counts[True]}")
+    return problems
+
+
+# --- The tests --------------------------------------------------------------------------------------
+
+
+def test_started_reductions_keep_their_buffers_until_joined(compiled_calls):
+    """Issue 36 item 1: inductor reused the start's input (`buf30 = buf19; del buf19  # reuse`) for
+    the MLP's activations while the side stream still read it: wrong tokens at TP > 1, compiled."""
+    assert [problem for call in compiled_calls for problem in lifetime_problems(call)] == []
+
+
+def test_reductions_run_one_at_a_time_in_program_order(compiled_calls):
+    """Issue 36 item 2: vLLM's custom all-reduce has one staging buffer and assumes one call at a
+    time; nothing ordered the MLP output's reduction after the wait, or a layer's start after the
+    previous layer's reduction."""
+    assert [problem for call in compiled_calls for problem in ordering_problems(call)] == []
+
+
+def test_each_started_reduction_overlaps_its_module(compiled_calls):
+    """Issue 36 item 3: an MLP output's reduction between two ladder layers starts before the next
+    attention and is joined after it; an attention output's is joined after the MLP. Every ladder
+    reduction is still its own op (no compile pass merged or dropped one)."""
+    assert [problem for call in compiled_calls for problem in overlap_problems(call)] == []
+    for call in compiled_calls:  # one per rank
+        ops = [step.kind for step in read_steps(call)]
+        assert ops.count("all_reduce") == len(LADDER_LAYERS) - MLP_STARTS  # the MLP outputs reduced at once
+
+
+def test_mlp_reduction_forks_only_in_a_full_cuda_graph():
+    """What the MLP output's start asks vLLM about the step, run in vLLM's environment: only a full
+    CUDA graph (a uniform decode batch under FULL_AND_PIECEWISE) holds the next attention, so only
+    there may the reduction run beside it; piecewise graphs split at attention, and eager steps
+    outside a forward context (profiling) stay synchronous as well."""
+    script = """
+import json
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import ForwardContext, override_forward_context
+from ladder.serving.model import _may_span_attention
+
+answers = {"no forward context": _may_span_attention()}
+for mode in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
+    context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}, cudagraph_runtime_mode=mode)
+    with override_forward_context(context):
+        answers[mode.name] = _may_span_attention()
+print(json.dumps(answers))
+"""
+    completed = subprocess.run(
+        [str(serve_python()), "-c", script], env=serve_env_vars(), capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    answers = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert answers == {"no forward context": False, "NONE": False, "PIECEWISE": False, "FULL": True}
