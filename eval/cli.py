@@ -27,8 +27,8 @@ from ladder.io.yaml_files import parse_yaml
 from ladder.launch import multi_process_launcher
 
 from .backends import BACKENDS
-from .evaluate import DEFAULT_RUNS, evaluate_models
-from .suite import load_suite, suite_names
+from .evaluate import DEFAULT_RUNS, check_tasks, default_cache_dir, evaluate_models
+from .suite import Suite, load_suite, suite_names, tasks_suite
 
 
 def _positive_int(text: str) -> int:
@@ -39,6 +39,19 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return value
+
+
+def _limit(text: str) -> int | float:
+    """lm-eval's --limit: N items of each task, or a fraction below 1 of them."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if 0 < value < 1:
+        return value
+    if value < 1 or not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or a fraction between 0 and 1")
+    return int(value)
 
 
 def _batch_size(text: str) -> int | str:
@@ -86,13 +99,24 @@ def _add_models_and_suite(parser: argparse.ArgumentParser) -> None:
         "its column (e.g. original=embedded)",
     )
     parser.add_argument("--baseline", metavar="B", help="the reference model (first column); default: the first MODEL")
-    parser.add_argument(
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument(
         "--suite",
-        default="smoke",
         metavar="S",
         help=f"a suite name ({', '.join(suite_names())}) or a suite .yaml file (default: smoke)",
     )
-    parser.add_argument("--limit", type=_positive_int, metavar="N", help="score at most N items of each task")
+    what.add_argument(
+        "--tasks",
+        metavar="T1,T2,...",
+        help="lm-eval task, group or tag names, comma-separated as lm_eval takes them: stock ones (from the Hub) "
+        "and ours (ladder_piqa, ...), each with its own settings",
+    )
+    parser.add_argument(
+        "--limit",
+        type=_limit,
+        metavar="N",
+        help="score at most N items of each task, or a fraction of them when below 1 (as lm_eval's --limit)",
+    )
 
 
 def _add_folders(parser: argparse.ArgumentParser) -> None:
@@ -201,9 +225,9 @@ def _add_cache_and_logging(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache",
         type=Path,
-        default=DEFAULT_RUNS / "cache",
         metavar="DIR",
-        help="results cache, keyed by model hash and task config (default: runs/eval/cache)",
+        help="results cache, keyed by model hash and task config (default: $LADDER_CACHE/eval, else "
+        "~/.cache/ladder/eval: shared by runs from any folder)",
     )
     parser.add_argument("--no-cache", action="store_true", help="score everything again, and cache nothing")
     parser.add_argument("-v", "--verbose", action="store_true", help="show lm-eval's log messages")
@@ -212,7 +236,7 @@ def _add_cache_and_logging(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     suite = (
-        load_suite(args.suite)
+        (tasks_suite(args.tasks) if args.tasks else load_suite(args.suite or "smoke"))
         .with_limit(args.limit)
         .with_chat(args.apply_chat_template, args.fewshot_as_multiturn, args.system_instruction, args.gen_kwargs)
     )
@@ -222,7 +246,7 @@ def main(argv: list[str]) -> int:
     data_dir = args.data or (ladder_data_dir() if suite.offline else None)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if args.processes > 1 and launched == 1:
-        return _launch(argv, args)
+        return _launch(argv, args, suite, data_dir)
     if args.processes > 1 and args.processes != launched:
         raise UsageError(f"--processes {args.processes} under a launcher that started {launched}")
 
@@ -233,7 +257,7 @@ def main(argv: list[str]) -> int:
         force=args.force,
         data_dir=data_dir,
         batch_size=args.batch_size,
-        cache_dir=None if args.no_cache else args.cache,
+        cache_dir=None if args.no_cache else args.cache or default_cache_dir(),
         verbose=args.verbose,
         device=args.device,
         dtype=args.dtype,
@@ -245,17 +269,20 @@ def main(argv: list[str]) -> int:
     )
     if evaluation is not None:  # process 0 of several prints for all
         print(evaluation.table)
-        print(f"\nresults in {evaluation.out} ({evaluation.wall_seconds:.0f} s)")
+        print(f"\nresults in {evaluation.out} ({evaluation.wall_seconds:.0f} s):")
+        for report in sorted(evaluation.out.glob("report.*")):
+            print(f"  {report}")
     return 0
 
 
-def _launch(argv: list[str], args: argparse.Namespace) -> int:
+def _launch(argv: list[str], args: argparse.Namespace, suite: Suite, data_dir: Path | None) -> int:
     """Run this command again in `args.processes` processes under `accelerate launch`. `--multi_gpu`
     is what makes accelerate start several processes (through torchrun); with no GPU they score on
-    the CPU over gloo (`--cpu --num_processes N` starts only one: accelerate issue #2741)."""
+    the CPU over gloo (`--cpu --num_processes N` starts only one: accelerate issue #2741). The
+    tasks are checked here first: a fault is one line, not one per process."""
     import torch
 
-    out = args.out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(args.suite).stem}-{os.urandom(3).hex()}"
+    out = args.out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
     if out.exists() and not args.force:
         raise UsageError(f"output {out.absolute()} already exists; pass --force to replace it")
     if args.parallelize:
@@ -265,6 +292,7 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     if gpus and args.processes > gpus:
         raise UsageError(f"--processes {args.processes}: only {gpus} GPU(s) are visible (one process per GPU)")
+    check_tasks(suite, data_dir, args.processes)
     command = [
         *multi_process_launcher(args.processes),
         "-m",

@@ -16,8 +16,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ladder.io.files import atomic_directory, atomic_write
-from ladder.io.outputs import check_output
+from ladder.errors import UsageError, first_line
+from ladder.io.files import (
+    atomic_directory,
+    atomic_write,
+    check_force_target,
+    check_outside_inputs,
+    ladder_cache_dir,
+)
 
 from .suite import Suite, SuiteTask
 
@@ -38,7 +44,7 @@ def evaluate_models(
     force: bool = False,
     data_dir: Path | None = None,
     batch_size: int | str = 8,
-    cache_dir: Path | None = DEFAULT_RUNS / "cache",
+    cache_dir: Path | None = None,
     verbose: bool = False,
     device: str = "auto",
     dtype: str = "auto",
@@ -50,7 +56,8 @@ def evaluate_models(
 ) -> Evaluation | None:
     """Score `models` (checkpoint folders, .gguf files or `embedded`, each optionally `LABEL=MODEL`;
     the first is the reference column) on `suite` into `out` (default runs/eval/<time>-<suite>-<random>).
-    `data_dir`: the folder our offline tasks read; `cache_dir` None scores everything again;
+    `data_dir`: the folder our offline tasks read; `cache_dir`: where scores are kept and reused
+    (`default_cache_dir()` is the one every run shares), None scores everything again;
     `device`, `dtype`, `batch_size`, `parallelize`, `backend`, `tensor_parallel`, `data_parallel`: see
     `runtime.resolve_runtime`; `log_samples`: keep lm-eval's per-item records in
     out/samples/<model>/<task>.jsonl. Returns None on the
@@ -65,11 +72,8 @@ def evaluate_models(
 
     refs = resolve_models(models)
     out = out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
-    # Before any work (atomic_directory checks a replaced folder again at the end); the cache is written too.
-    inputs = [ref.path for ref in refs] + [data_dir]
-    check_output(out, "eval", inputs, force=force)
-    if cache_dir is not None:
-        check_output(cache_dir, "eval", inputs, existing="add", what="--cache")
+    check_force_target(out, "eval", force)  # before any work (atomic_directory checks again at the end)
+    check_outside_inputs(out, [ref.path for ref in refs])
     check_chat_templates(refs, suite)
     runtime = resolve_runtime(device, dtype, batch_size, parallelize, backend, tensor_parallel, data_parallel)
     get_backend(runtime.backend).check(runtime, refs)
@@ -103,15 +107,83 @@ def evaluate_models(
     return Evaluation(out, table, header["wall_seconds"])
 
 
+def default_cache_dir() -> Path:
+    """The scores' cache that runs from any folder share: eval/ under `ladder_cache_dir()`."""
+    return ladder_cache_dir() / "eval"
+
+
 def _score(refs, suite: Suite, data_dir, runtime, cache_dir, samples_dir, datasets_cache: Path) -> list:
     from .harness import run_suite
-    from .lm_tasks import hub_offline, task_configs, task_manager
+    from .lm_tasks import hub_offline
 
     offline = hub_offline(datasets_cache) if suite.offline else contextlib.nullcontext()
     with offline:
-        manager = task_manager(suite, data_dir)
-        prepared = task_configs(suite, manager)
+        manager, prepared = _prepare_tasks(suite, data_dir, runtime.processes)
         return run_suite(refs, suite, manager, prepared, runtime, cache_dir=cache_dir, samples_dir=samples_dir)
+
+
+def check_tasks(suite: Suite, data_dir: Path | None, processes: int) -> None:
+    """Everything about the tasks that can fail, in one line each, before any process or model
+    starts: what `_prepare_tasks` checks (a launcher runs it before starting `processes`)."""
+    from .lm_tasks import hub_offline
+
+    with tempfile.TemporaryDirectory(prefix="ladder-eval-") as scratch:
+        offline = hub_offline(Path(scratch)) if suite.offline else contextlib.nullcontext()
+        with offline:
+            _prepare_tasks(suite, data_dir, processes)
+
+
+def _prepare_tasks(suite: Suite, data_dir: Path | None, processes: int):
+    """lm-eval's task manager and each suite task built once (`lm_tasks.task_configs`), after
+    checking what fails late otherwise: the Hub reachable for stock tasks, their datasets readable,
+    and an item of every task for each of `processes` (lm-eval gives each process a share of every
+    task, and one with none fails only after the models load)."""
+    from .lm_tasks import task_configs, task_manager
+
+    if not suite.offline:
+        _check_hub()
+    manager = task_manager(suite, data_dir)
+    try:
+        prepared = task_configs(suite, manager)
+    except ConnectionError as error:  # datasets' own: a Hub dataset neither reachable nor cached
+        raise UsageError(
+            f"{first_line(error)}: a stock lm-eval task reads its dataset from the Hub (or, offline, "
+            "from the datasets cache); our offline tasks are the ladder_* ones"
+        ) from None
+    for suite_task in suite.tasks:
+        for leaf, size in prepared[suite_task.task]["sizes"].items():
+            items = len(suite_task.item_indices(size))
+            if items < processes:
+                raise UsageError(
+                    f"--processes {processes}: {leaf} scores {items} item(s), fewer than one per process; "
+                    f"use at most {items} process(es) or more items (--limit, the suite's limit)"
+                )
+    return manager, prepared
+
+
+def _check_hub(timeout: float = 10.0) -> None:
+    """The Hugging Face Hub answers (a stock task downloads its dataset), unless the Hub is
+    switched off (HF_HUB_OFFLINE: datasets then reads its cache). Probed once, with a short
+    timeout, instead of failing after datasets' own retries (about 40 s) with a long traceback."""
+    import urllib.error
+    import urllib.request
+
+    import huggingface_hub.constants
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return
+    endpoint = huggingface_hub.constants.ENDPOINT
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return  # it answered
+    except OSError as error:  # URLError, timeouts
+        reason = getattr(error, "reason", error)
+        raise UsageError(
+            f"the Hugging Face Hub ({endpoint}) is not reachable ({reason}): stock lm-eval tasks read their "
+            "data from it; score our offline tasks (--suite offline, ladder_* tasks), or set HF_HUB_OFFLINE=1 "
+            "to read datasets already in the cache"
+        ) from None
 
 
 def _describe(task: SuiteTask) -> str:
@@ -136,4 +208,4 @@ def _json(data: object) -> str:
     return json.dumps(data, indent=2, default=str, ensure_ascii=False) + "\n"
 
 
-__all__ = ["DEFAULT_RUNS", "Evaluation", "evaluate_models"]
+__all__ = ["DEFAULT_RUNS", "Evaluation", "check_tasks", "default_cache_dir", "evaluate_models"]

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import ModuleType
 
 from lm_eval.tasks import TaskManager
+from tqdm import tqdm
 
 from .backends import get_backend
 from .cache import (
@@ -57,10 +58,11 @@ def run_suite(
     *,
     cache_dir: Path | None = None,
     samples_dir: Path | None = None,
-    log: Callable[[str], None] = lambda message: print(message, file=sys.stderr),
+    log: Callable[[str], None] = lambda message: tqdm.write(message, file=sys.stderr),
 ) -> list[ModelResults]:
     """Score every model on every suite task; a model whose tasks are all cached is not loaded.
     `samples_dir`: write each model's per-item samples to samples_dir/<label>/<task>.jsonl.
+    A progress bar on stderr counts the items to score (model i of N, task j of M, time left).
     On the processes other than 0 of a multi-process run, returns an empty list."""
     main = runtime.rank == 0
     if not main:
@@ -70,25 +72,38 @@ def run_suite(
     identities = _task_identities(suite, prepared, cache) if cache is not None else {}
     scoring_code = scoring_digest() if cache is not None else ""  # hashed once per run
     batch_sizes = _task_batch_sizes(suite, prepared, runtime)
+    items = {
+        task.task: sum(len(task.item_indices(n)) for n in prepared[task.task]["sizes"].values()) for task in suite.tasks
+    }
     everything = []
-    for ref in models:
-        results = ModelResults(ref, "")
-        keys: dict[str, str] = {}
-        if main:
-            log(f"hashing {ref.path}")
-            results.fingerprint = fingerprint(ref.path)
-        if cache is not None:
-            keys = _model_cache_keys(ref, results.fingerprint, scoring_code, backend, identities, runtime, batch_sizes)
-        found = _read_cached(cache, keys, log)
-        results.cached = list(found)
-        cached = share(runtime, list(found))
-        missing = [task for task in suite.tasks if task.task not in cached]
-        for task, scored in _score_tasks(ref, missing, backend, manager, prepared, runtime, batch_sizes, log):
-            found[task] = scored
-            if cache is not None:  # as each task is scored: a failure later keeps it
-                write_cache(cache / f"{keys[task]}.json", *scored)
-        if main:
-            everything.append(_collect(results, found, suite, prepared, samples_dir, log))
+    progress = tqdm(total=len(models) * sum(items.values()), unit="item", file=sys.stderr, disable=not main)
+    with progress:
+        for number, ref in enumerate(models, 1):
+            progress.set_description(f"model {number}/{len(models)} {ref.label}")
+            results = ModelResults(ref, "")
+            keys: dict[str, str] = {}
+            if main:
+                log(f"hashing {ref.path}")
+                results.fingerprint = fingerprint(ref.path)
+            if cache is not None:
+                keys = _model_cache_keys(
+                    ref, results.fingerprint, scoring_code, backend, identities, runtime, batch_sizes
+                )
+            found = _read_cached(cache, keys, log)
+            results.cached = list(found)
+            cached = share(runtime, list(found))
+            progress.total -= sum(items[task] for task in cached)  # the time left counts what is scored
+            progress.refresh()
+            missing = [task for task in suite.tasks if task.task not in cached]
+            for task, scored in _score_tasks(
+                ref, missing, backend, manager, prepared, runtime, batch_sizes, log, progress
+            ):
+                found[task] = scored
+                progress.update(items[task])
+                if cache is not None:  # as each task is scored: a failure later keeps it
+                    write_cache(cache / f"{keys[task]}.json", *scored)
+            if main:
+                everything.append(_collect(results, found, suite, prepared, samples_dir, log))
     return everything
 
 
@@ -149,6 +164,7 @@ def _score_tasks(
     runtime: Runtime,
     batch_sizes: dict[str, int | str],
     log: Callable[[str], None],
+    progress: tqdm,
 ) -> Iterator[tuple[str, Scored]]:
     """Load the model once (not at all when `tasks` is empty) and score it on `tasks`, yielding
     each suite task's (record, samples) as it is scored; nothing on the processes other than 0."""
@@ -156,9 +172,11 @@ def _score_tasks(
         return
     log(f"loading {ref.label} ({runtime.dtype} on {runtime.describe()['device']}, {runtime.processes} process(es))")
     lm = backend.load_lm(ref, runtime)
-    for task in tasks:
+    for number, task in enumerate(tasks, 1):
+        progress.set_postfix_str(f"task {number}/{len(tasks)} {task.task}")
         items = "all items" if task.limit is None else f"at most {task.limit} items"
         items += f", one in {task.every}" if task.every > 1 else ""
+        items += f", a share of {task.fraction:g}" if task.fraction is not None else ""
         log(f"scoring {ref.label} on {task.task} ({items})")
         lm.batch_size_per_gpu = batch_sizes[task.task]
         started = time.monotonic()

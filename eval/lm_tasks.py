@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,10 +23,9 @@ from ladder.io.files import atomic_write
 
 from .models import file_name
 from .runtime import Runtime
-from .suite import Suite, SuiteTask
+from .suite import TASKS_DIR, Suite, SuiteTask
 from .tasks.utils import data_paths
 
-TASKS_DIR = Path(__file__).parent / "tasks"
 # lm-eval's default (100,000 bootstrap draws) takes minutes for LAMBADA's perplexity on a CPU;
 # 1,000 draws estimate a standard error to within a few percent.
 BOOTSTRAP_ITERS = 1000
@@ -163,11 +164,25 @@ def evaluate_task(
     `per_item` metric values, and the samples ({leaf task: [lm-eval sample records]}). None on
     the other processes of a multi-process run (lm-eval gathers the results on process 0).
     `sizes`: the number of items of each of the suite task's tasks."""
-    # `every` picks items by index (lm-eval's `samples`), which excludes `limit`: apply both here.
+    # `every` and `fraction` pick items by index (lm-eval's `samples`), which excludes `limit`: all here.
     samples = None
-    if suite_task.every > 1:
-        samples = {name: list(range(0, size, suite_task.every))[: suite_task.limit] for name, size in sizes.items()}
-    output = lm_eval.simple_evaluate(
+    if suite_task.every > 1 or suite_task.fraction is not None:
+        samples = {name: suite_task.item_indices(size) for name, size in sizes.items()}
+    # lm-eval prints some progress ("bootstrapping for stddev: perplexity"): to its log, not stdout.
+    with contextlib.redirect_stdout(_PrintsToLog(logging.getLogger("lm_eval"))):
+        output = _simple_evaluate(lm, suite_task, manager, samples, runtime)
+    if output is None:
+        return None
+    record = {key: value for key, value in output.items() if key != "samples"}
+    record["config"] = {**record.get("config", {}), **runtime.describe(), "chat": suite_task.chat_options()}
+    record["per_item"] = per_item_values(output)
+    # Round-trip through JSON so that a fresh record and a cached one are the same objects.
+    record = json.loads(json.dumps(record, default=str))
+    return record, json.loads(json.dumps(output["samples"], default=handle_non_serializable, ensure_ascii=False))
+
+
+def _simple_evaluate(lm, suite_task: SuiteTask, manager: TaskManager, samples: dict | None, runtime: Runtime):
+    return lm_eval.simple_evaluate(
         model=lm,
         tasks=[suite_task.task],
         num_fewshot=suite_task.num_fewshot,
@@ -181,14 +196,19 @@ def evaluate_task(
         batch_size=lm.batch_size_per_gpu,
         **suite_task.chat_options(),
     )
-    if output is None:
-        return None
-    record = {key: value for key, value in output.items() if key != "samples"}
-    record["config"] = {**record.get("config", {}), **runtime.describe(), "chat": suite_task.chat_options()}
-    record["per_item"] = per_item_values(output)
-    # Round-trip through JSON so that a fresh record and a cached one are the same objects.
-    record = json.loads(json.dumps(record, default=str))
-    return record, json.loads(json.dumps(output["samples"], default=handle_non_serializable, ensure_ascii=False))
+
+
+class _PrintsToLog(io.TextIOBase):
+    """A stdout whose lines go to `logger` (INFO): what a library prints, in its log."""
+
+    def __init__(self, logger: logging.Logger):
+        self.logger, self.pending = logger, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in filter(None, lines):
+            self.logger.info(line)
+        return len(text)
 
 
 def write_samples(directory: Path, samples: dict) -> None:

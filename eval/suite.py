@@ -18,6 +18,7 @@ The shipped suites live in eval/suites/; `--suite` takes one of their names or a
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from ladder.errors import UsageError, excerpt
 from ladder.io.yaml_files import load_yaml_file
 
 SUITES_DIR = Path(__file__).parent / "suites"
+TASKS_DIR = Path(__file__).parent / "tasks"  # our task YAMLs, each named as its task
 
 _SUITE_KEYS = {"description", "offline", "tasks"}
 _CHAT_KEYS = {"apply_chat_template", "fewshot_as_multiturn", "system_instruction", "gen_kwargs"}
@@ -37,6 +39,8 @@ class SuiteTask:
     num_fewshot: int | None = None
     limit: int | None = None
     every: int = 1
+    # A share of the items (lm-eval's --limit below 1): ceil(fraction x the items `every` picks).
+    fraction: float | None = None
     # lm-eval's chat options (simple_evaluate's arguments of the same names).
     apply_chat_template: bool | str = False
     fewshot_as_multiturn: bool = False
@@ -58,6 +62,14 @@ class SuiteTask:
     def as_dict(self) -> dict:
         return {**asdict(self), "gen_kwargs": self.gen_kwargs_dict()}
 
+    def item_indices(self, size: int) -> list[int]:
+        """The items scored of a leaf task of `size` items: every `every`-th, the `fraction` of
+        those (rounded up, as lm-eval rounds its fractional limit), then at most `limit`."""
+        picked = list(range(0, size, self.every))
+        if self.fraction is not None:
+            picked = picked[: math.ceil(self.fraction * len(picked))]
+        return picked[: self.limit]
+
 
 @dataclass(frozen=True)
 class Suite:
@@ -66,11 +78,17 @@ class Suite:
     offline: bool
     tasks: tuple[SuiteTask, ...]
 
-    def with_limit(self, limit: int | None) -> Suite:
-        """The suite with every task capped at `limit` items (a task's own smaller limit stays)."""
+    def with_limit(self, limit: int | float | None) -> Suite:
+        """The suite with every task capped at `limit` items, or at that share of them for a
+        fraction below 1 (as lm-eval's --limit); a task's own smaller limit stays."""
         if limit is None:
             return self
-        capped = tuple(replace(t, limit=limit if t.limit is None else min(t.limit, limit)) for t in self.tasks)
+        if isinstance(limit, float):
+            capped = tuple(
+                replace(t, fraction=limit if t.fraction is None else min(t.fraction, limit)) for t in self.tasks
+            )
+        else:
+            capped = tuple(replace(t, limit=limit if t.limit is None else min(t.limit, limit)) for t in self.tasks)
         return replace(self, tasks=capped)
 
     def with_chat(
@@ -199,3 +217,20 @@ def load_suite(name_or_path: str) -> Suite:
     elif not path.is_file():
         raise UsageError(f"suite file {path} does not exist")
     return parse_suite(load_yaml_file(path, "suite file"), path.stem)
+
+
+def tasks_suite(names: str) -> Suite:
+    """A suite of the comma-separated task names `names` (as `lm_eval --tasks` takes them: ours,
+    stock lm-eval tasks, groups or tags), each with its own settings; offline when all are ours."""
+    tasks = [name.strip() for name in names.split(",")]
+    if not all(tasks):
+        raise UsageError(f"--tasks {excerpt(names)}: expected task names separated by commas")
+    if duplicates := sorted({t for t in tasks if tasks.count(t) > 1}):
+        raise UsageError(f"--tasks: task(s) listed twice: {excerpt(duplicates)}")
+    offline = all((TASKS_DIR / f"{task}.yaml").is_file() for task in tasks)
+    return Suite(
+        name=tasks[0] if len(tasks) == 1 else "tasks",
+        description=f"--tasks {','.join(tasks)}",
+        offline=offline,
+        tasks=tuple(SuiteTask(task) for task in tasks),
+    )

@@ -639,6 +639,9 @@ def test_model_class_is_the_installed_one(tiny_checkpoint, ladder_checkpoints):
         (["--suite", "nightly"], "unknown suite 'nightly'"),
         (["--limit", "0"], "not a positive integer"),
         (["--limit", "ten"], "not a positive integer"),
+        (["--limit", "1.5"], "'1.5' is not a positive integer or a fraction between 0 and 1"),
+        (["--suite", "smoke", "--tasks", "ladder_piqa"], "argument --tasks: not allowed with argument --suite"),
+        (["--tasks", "ladder_piqa,,piqa"], "expected task names separated by commas"),
         (["--data", "/nonexistent/data"], "data folder /nonexistent/data does not exist"),
         (["--device", "tpu"], "--device 'tpu': choose auto, cpu, cuda or cuda:N"),
         (["--dtype", "int8"], "argument --dtype: invalid choice"),
@@ -700,3 +703,82 @@ def test_hub_switches_are_restored(tmp_path):
         assert huggingface_hub.constants.HF_HUB_OFFLINE and datasets.config.HF_DATASETS_OFFLINE
         assert datasets.config.HF_DATASETS_CACHE == tmp_path == Path(os.environ["HF_DATASETS_CACHE"])
     assert (os.environ.get("HF_DATASETS_CACHE"), datasets.config.HF_DATASETS_CACHE) == before
+
+
+# --- the command line a new user meets (issue 38) ---------------------------------------------
+
+
+def _ladder_eval(*arguments: str) -> int:
+    from ladder.cli import main as ladder_main
+
+    return ladder_main(["eval", *arguments])
+
+
+def test_tasks_and_a_fractional_limit_print_the_table_and_the_report_paths_only(
+    tiny_checkpoint, tmp_path, monkeypatch, capfd
+):
+    """`--tasks` takes lm-eval names, `--limit 0.002` a share of the items (rounded up, as lm_eval
+    does), stdout holds the table and the report paths (lm-eval's own prints go to its log), stderr
+    an overall progress bar; the scores land in $LADDER_CACHE/eval, which a run from another
+    folder reads back."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LADDER_CACHE", str(cache))
+    tasks = ["--tasks", "ladder_lambada_openai,ladder_piqa", "--limit", "0.002"]
+    first, second = tmp_path / "here", tmp_path / "elsewhere"
+    first.mkdir(), second.mkdir()
+    monkeypatch.chdir(first)
+    assert _ladder_eval(str(tiny_checkpoint), *tasks, "--out", str(tmp_path / "out")) == 0
+    output = capfd.readouterr()
+    assert "bootstrapping" not in output.out  # lm-eval's print for LAMBADA's perplexity
+    lines = output.out.strip().splitlines()
+    assert lines[-4] == f"results in {tmp_path / 'out'} " + lines[-4].split(" ", 3)[-1]
+    assert lines[-3:] == [f"  {tmp_path / 'out' / name}" for name in ("report.json", "report.md", "report.png")]
+    assert "model 1/1 tiny-llama" in output.err and "item" in output.err  # the overall progress bar
+    rows = {(r["task"], r["metric"]): r for r in json.loads((tmp_path / "out" / "report.json").read_text())["rows"]}
+    assert rows[("ladder_lambada_openai", "acc")]["n"] == 11  # ceil(0.002 x 5153)
+    assert rows[("ladder_piqa", "acc")]["n"] == 4  # ceil(0.002 x 1838)
+    assert (
+        len(list((cache / "eval").glob("*.samples.json.gz"))) == 2 and not (first / "runs" / "eval" / "cache").exists()
+    )
+
+    monkeypatch.chdir(second)
+    assert _ladder_eval(str(tiny_checkpoint), *tasks, "--out", str(tmp_path / "again")) == 0
+    again = json.loads((tmp_path / "again" / "report.json").read_text())
+    assert again["models"][0]["cached_tasks"] == ["ladder_lambada_openai", "ladder_piqa"]
+
+
+def test_more_processes_than_items_is_one_line_before_any_process_starts(tiny_checkpoint, tmp_path, capfd):
+    suite = _write_suite(
+        tmp_path / "few.yaml", [{"task": "ladder_piqa", "limit": 4}, {"task": "ladder_wikitext", "limit": 1}]
+    )
+    out = tmp_path / "out"
+    assert _ladder_eval(str(tiny_checkpoint), "--suite", str(suite), "--processes", "2", "--out", str(out)) == 2
+    error = capfd.readouterr().err.strip().splitlines()
+    assert error == [
+        "ladder eval: error: --processes 2: ladder_wikitext scores 1 item(s), fewer than one per process; "
+        "use at most 1 process(es) or more items (--limit, the suite's limit)"
+    ]
+    assert not out.exists()
+
+
+def test_a_hub_task_that_is_not_cached_offline_is_one_line_before_any_model_loads(tiny_checkpoint, tmp_path, capfd):
+    # The session is offline with an empty HF cache: piqa's dataset cannot be read.
+    assert _ladder_eval(str(tiny_checkpoint), "--tasks", "piqa", "--out", str(tmp_path / "out")) == 2
+    output = capfd.readouterr()
+    error = output.err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("ladder eval: error: Couldn't reach ") and "piqa" in error[0]
+    assert "reads its dataset from the Hub" in error[0] and "loading" not in output.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unreachable_hub_is_one_line_before_any_task_loads(tiny_checkpoint, tmp_path, monkeypatch, capfd):
+    import huggingface_hub.constants
+
+    # Hub access switched on, to an address where nothing listens (port 9: refused at once).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    assert _ladder_eval(str(tiny_checkpoint), "--suite", "paper", "--out", str(tmp_path / "out")) == 2
+    error = capfd.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(
+        "ladder eval: error: the Hugging Face Hub (http://127.0.0.1:9) is not reachable ("
+    )
