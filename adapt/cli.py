@@ -12,6 +12,7 @@ import shlex
 import sys
 
 from ladder.errors import ArgumentParser, UsageError, run_command
+from ladder.log import log
 from ladder.plan.speed import device_names, device_profile
 from ladder.units import parse_size
 
@@ -128,7 +129,7 @@ def prepare_data(recipe: Recipe) -> int:
     from .train import prepare
 
     splits = prepare(recipe)
-    print(
+    log.info(
         f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks of {recipe.data.seq_len} tokens "
         f"cached under {recipe.data.cache_folder()}; {splits.train.masked_share():.1%} of the training tokens are "
         "masked from the loss (not assistant turns)"
@@ -146,7 +147,7 @@ def train(recipe: Recipe, recipe_file: str, overrides: list[str]) -> int:
     try:
         run_recipe(recipe)
     except (TrainingDiverged, ProcessesLost) as error:
-        print(f"ladder adapt: {error}", file=sys.stderr)
+        log.error(f"ladder adapt: {error}")
         return 1
     except Preempted as stop:
         if stop.main_process:
@@ -158,7 +159,7 @@ def train(recipe: Recipe, recipe_file: str, overrides: list[str]) -> int:
                 "resume=true",
             ]
             launcher = " (under the same `accelerate launch`)" if stop.processes > 1 else ""
-            print(f"ladder adapt: {stop}; resume with: {shlex.join(again)}{launcher}")
+            log.warning(f"ladder adapt: {stop}; resume with: {shlex.join(again)}{launcher}")
     return 0
 
 

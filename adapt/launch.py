@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from accelerate.utils import (
 
 from ladder.errors import UsageError
 from ladder.io.files import atomic_write
+from ladder.log import log
 
 from .recipe import Recipe
 
@@ -155,11 +155,10 @@ def warn_single_cpu_launch() -> None:
         and "WORLD_SIZE" not in os.environ
         and "PMI_SIZE" not in os.environ
     ):
-        print(
+        log.warning(
             "ladder adapt: warning: `accelerate launch --cpu` started a single process; for several CPU "
             "processes use `accelerate launch --multi_gpu --num_processes N` (adapt trains on CPU over "
-            "gloo when no GPU is present)",
-            file=sys.stderr,
+            "gloo when no GPU is present)"
         )
 
 

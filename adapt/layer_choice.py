@@ -15,6 +15,7 @@ from accelerate import Accelerator
 from ladder.io.files import atomic_write
 from ladder.layer_search import calibration_from_blocks, choose_ladder_layers
 from ladder.layers import AutoLayers, parse_layer_choice, resolve_layer_choice
+from ladder.log import log
 
 from .recipe import Recipe
 
@@ -36,7 +37,7 @@ def resolve_ladder_layers(
                 found = choose_ladder_layers(model, calibration_from_blocks(train_ids), auto)
                 run_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write(record, json.dumps(dataclasses.asdict(found), indent=1) + "\n")
-                accelerator.print(found.summary())
+                log.info(found.summary())
             return json.loads(record.read_text())["chosen"]
 
     return resolve_layer_choice(choice, search)

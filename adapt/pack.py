@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ladder.errors import UsageError
 from ladder.io.files import atomic_write
+from ladder.log import log
 
 from .recipe import SourceSpec
 from .sources import HF_PREFIX, local_files, source_chunks
@@ -78,7 +79,7 @@ def write_blocks(
     dtype = id_dtype(tokenizer)
     quotas = source_quotas(sources, sampled)
     workers = worker_count()
-    print(estimate(sources, quotas, group, dtype, workers), flush=True)
+    log.info(estimate(sources, quotas, group, dtype, workers))
     started = time.perf_counter()
     shards.mkdir(parents=True, exist_ok=True)
     worker = Worker(
@@ -99,11 +100,10 @@ def write_blocks(
     )
     packing = time.perf_counter() - started - tokenizing
     tokens = sum(t.tokens for t in tokenized)
-    print(
+    log.info(
         f"data.{group}: {meta['blocks']:,} blocks of {seq_len} tokens ({meta['blocks'] * seq_len:,} tokens, "
         f"{meta['documents']:,} documents), {meta['bytes'] / 1e6:,.1f} MB; {tokens:,} tokens tokenized in "
-        f"{tokenizing:.1f} s ({tokens / tokenizing:,.0f} tokens/s, {workers} worker(s)), packed in {packing:.1f} s",
-        flush=True,
+        f"{tokenizing:.1f} s ({tokens / tokenizing:,.0f} tokens/s, {workers} worker(s)), packed in {packing:.1f} s"
     )
     return meta
 
@@ -145,7 +145,7 @@ def mixture_quotas(
     scale = min(1.0, *(t.tokens / quota for t, quota in zip(tokenized, quotas)))
     if scale < 1.0:
         short = min(range(len(quotas)), key=lambda i: tokenized[i].tokens / quotas[i])
-        print(
+        log.info(
             f"data.{group}[{short}] holds {tokenized[short].tokens:,} tokens, less than its share "
             f"{quotas[short]:,}: the mixture keeps its weights with {math.floor(sampled.mix_tokens * scale):,} tokens"
         )

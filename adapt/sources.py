@@ -13,7 +13,6 @@ import glob
 import itertools
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ladder.errors import UsageError
+from ladder.log import log
 
 from .recipe import SourceSpec, expand_path
 from .tokenize import Chunk
@@ -164,7 +164,7 @@ def resumable_batches(
             if not transient(error) or failures > retries:
                 raise UsageError(f"cannot read {what}: {first_words(error)}") from None
             pause = min(wait * 2 ** (failures - 1), 60)
-            print(f"reading {what} failed ({first_words(error)}); retrying in {pause:g} s", file=sys.stderr)
+            log.warning(f"reading {what} failed ({first_words(error)}); retrying in {pause:g} s")
             time.sleep(pause)
 
 

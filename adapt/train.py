@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
@@ -80,6 +81,9 @@ from .preflight import (
 )
 from .recipe import RECIPE_FILE, Recipe, dump_recipe
 from .step import TrainingStep, step_metrics
+
+# The ladder logger (ladder/log.py) through accelerate's adapter: it speaks on the main process only.
+log = get_logger("ladder")
 
 
 class TrainingDiverged(RuntimeError):
@@ -141,7 +145,7 @@ class AdaptRun:
         self.setup_budget()
         resume_from = resume_point(self.recipe)
         if resume_from == self.final_dir:
-            self.accelerator.print(f"{self.final_dir} is already complete: nothing to resume")
+            log.info(f"{self.final_dir} is already complete: nothing to resume")
             return self.final_dir
         set_seed(self.recipe.seed)
         self.data_files = check_data_files(self.recipe)
@@ -285,7 +289,7 @@ class AdaptRun:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
         repeats = self.total_steps * self.order.per_step / len(self.data.train)
-        self.accelerator.print(
+        log.info(
             f"adapt {recipe.name}: ladder layers {format_layers(self.ladder_layers)} of {model.config.num_hidden_layers}, "
             f"trainable {recipe.trainable.mode} {trainable / 1e6:.1f}M of {total / 1e6:.1f}M parameters, "
             f"objective {recipe.objective.name}, {self.accelerator.num_processes} process(es) on {self.accelerator.device}\n"
@@ -409,7 +413,7 @@ class AdaptRun:
         if self.progress is not None and not self.progress.disable:
             self.progress.write(message)
         else:
-            self.accelerator.print(message)
+            log.info(message)
         return eval_loss
 
     def log(self, record: dict) -> None:
@@ -461,7 +465,7 @@ class AdaptRun:
                 (temporary / "README.md").write_text(card)
                 if (self.run_dir / LAYER_SEARCH_FILE).is_file():
                     shutil.copyfile(self.run_dir / LAYER_SEARCH_FILE, temporary / LAYER_SEARCH_FILE)
-            accelerator.print(f"final model: {self.final_dir}")
+            log.info(f"final model: {self.final_dir}")
         accelerator.wait_for_everyone()
         return self.final_dir
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from ladder.errors import ArgumentParser, UsageError
 from ladder.io.data_fetch import MANIFEST, fetch_data
 from ladder.io.files import ladder_data_dir
+from ladder.log import log
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     destination = args.dest if args.dest is not None else ladder_data_dir()
     report = fetch_data(destination, manifest=args.manifest, progress=True)
-    print(report.summary(Path(destination).absolute()))
+    log.info(report.summary(Path(destination).absolute()))
     if report.refused:
         raise UsageError(
             f"{len(report.refused)} file(s) failed their SHA-256 check and were not kept; "

@@ -9,6 +9,7 @@ from pathlib import Path
 from ladder.errors import ArgumentParser
 from ladder.io.loading import DTYPE_NAMES
 from ladder.layers import format_layers
+from ladder.log import log
 from ladder.units import parse_size
 
 # Light on purpose (no torch, no transformers): `--help` and a copy-mode conversion start at once.
@@ -150,5 +151,5 @@ def main(argv: list[str]) -> int:
         weights=args.weights,
         calibration=args.calibration,
     )
-    print(format_summary(summary))
+    log.info(format_summary(summary))
     return 0

@@ -15,7 +15,6 @@ import dataclasses
 import math
 import pickle
 import re
-import sys
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -39,6 +38,7 @@ from ladder.io.tensors import (
     weight_files,
 )
 from ladder.layers import CONFIG_BOOKKEEPING, LADDER_MODEL_TYPE, AutoLayers, LayerChoice, resolve_layer_choice
+from ladder.log import log
 from ladder.model.config_rules import with_legacy_rope
 
 from .checks import check_config, check_weights, config_size
@@ -137,7 +137,7 @@ class Plan:
 
 def say(progress: bool, message: str) -> None:
     if progress:
-        print(message, file=sys.stderr, flush=True)
+        log.info(message)
 
 
 def default_output_dir(source: Path, num_ladder_layers: int) -> Path:

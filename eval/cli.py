@@ -230,7 +230,6 @@ def _add_cache_and_logging(parser: argparse.ArgumentParser) -> None:
         "~/.cache/ladder/eval: shared by runs from any folder)",
     )
     parser.add_argument("--no-cache", action="store_true", help="score everything again, and cache nothing")
-    parser.add_argument("-v", "--verbose", action="store_true", help="show lm-eval's log messages")
 
 
 def main(argv: list[str]) -> int:

@@ -8,6 +8,8 @@ import reprlib
 import sys
 from collections.abc import Callable
 
+from ladder import log
+
 
 class UsageError(Exception):
     """Bad input (a path, a flag, a recipe key): the message says what is wrong and how to fix it."""
@@ -34,7 +36,21 @@ _EXCERPT.maxlist = _EXCERPT.maxtuple = _EXCERPT.maxdict = _EXCERPT.maxset = 4
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports bad arguments as a UsageError (one line, exit 2) instead of printing
-    the usage and exiting itself: every command's parser."""
+    the usage and exiting itself: every command's parser. Each gets `-q` and `-v`, which set what
+    the command says while it runs (`ladder.log`) as soon as its arguments are parsed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        volume = self.add_mutually_exclusive_group()
+        volume.add_argument("-q", "--quiet", action="store_true", help="say only warnings and errors")
+        volume.add_argument(
+            "-v", "--verbose", action="count", default=0, help="say more: debug detail and the libraries' messages"
+        )
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        log.configure(-1 if parsed.quiet else parsed.verbose)
+        return parsed, rest
 
     def error(self, message: str):
         raise UsageError(message)

@@ -24,6 +24,7 @@ import requests  # pooch's HTTP client: its errors are what a failed download ra
 from ladder.errors import UsageError, excerpt, first_line
 from ladder.io.files import path_inside, sha256_file
 from ladder.io.outputs import check_output
+from ladder.log import log
 
 MANIFEST = Path(__file__).with_name("data_manifest.tsv")
 TIMEOUT_SECONDS = 60
@@ -135,7 +136,7 @@ def fetch_data(
             raise UsageError(f"cannot write {target}: {first_line(error)}") from None
         report.fetched.append(item.path)
         if progress:
-            print(f"  fetched {item.path}", flush=True)
+            log.info(f"  fetched {item.path}")
     return report
 
 

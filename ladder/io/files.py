@@ -17,13 +17,13 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ladder.errors import UsageError
+from ladder.log import log
 
 # Every output folder carries this file: which command made it (`--force` replaces only an earlier
 # output of the same command). While a run builds the folder it holds an exclusive lock on it, so
@@ -381,7 +381,7 @@ def resolves_inside(path: Path, root: Path) -> bool:
     target = Path(path).resolve()
     if target.is_relative_to(Path(root).resolve()):
         return True
-    print(f"warning: skipping {path}: a symlink to {target}, outside {root}", file=sys.stderr)
+    log.warning(f"warning: skipping {path}: a symlink to {target}, outside {root}")
     return False
 
 
