@@ -53,8 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (default 8)")
     parser.add_argument(
         "--engine", choices=tuple(ENGINES), default="vllm",
-        help="what runs the model: vllm (`ladder serve`: hides a ladder layer's attention all-reduce, not its "
-        "MLP's; on a CPU neither) or tp-runtime (ladder/tp: hides both) (default vllm)",
+        help="what runs the model: vllm (`ladder serve`: hides a ladder layer's attention all-reduce, and its "
+        "MLP's in full-CUDA-graph decode steps; on a CPU neither) or tp-runtime (ladder/tp: both) (default vllm)",
     )  # fmt: skip
     parser.add_argument(
         "--interconnect",
@@ -77,6 +77,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="default bfloat16 (float32 on --hardware cpu)")
     parser.add_argument("--eager", action="store_true", help="kernels launched one by one (no CUDA graphs)")
+    parser.add_argument(
+        "--piecewise", action="store_true",
+        help="vLLM's CUDA graphs are piecewise only (cudagraph_mode PIECEWISE, or an attention backend without "
+        "full graphs): a ladder layer's MLP all-reduce then blocks in decode too",
+    )  # fmt: skip
     parser.add_argument(
         "--recipe",
         help="a retraining recipe (recipes/*.yaml): each choice's retraining cost on --hardware (default: MODEL "
@@ -107,6 +112,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if (args.link != "loopback" or args.out is not None) and not args.calibrate:
         raise UsageError("--link and --out go with --calibrate")
+    if args.piecewise and (args.engine != "vllm" or args.eager):
+        raise UsageError("--piecewise is a mode of vLLM's CUDA graphs: it goes with --engine vllm, without --eager")
     args.batches = _positive_ints(args.batch, "--batch")
     return args
 
@@ -226,6 +233,7 @@ def plan(args: argparse.Namespace, model: ModelConfig, own_layers: list[int]) ->
     device, link = device_profile(args.hardware), link_profile(interconnect)
     dtype = args.dtype or ("float32" if device.on_cpu else "bfloat16")
     graphs = not (args.eager or device.on_cpu)
+    full_graph = graphs and not args.piecewise  # how a decode step runs (vLLM: a uniform batch, one graph)
     choices = layer_choices(args.layers, shape.num_layers, own_layers)
     damage = recorded_damage(model.folder)
     recipe = args.recipe or adapted_recipe(model.folder)
@@ -234,13 +242,16 @@ def plan(args: argparse.Namespace, model: ModelConfig, own_layers: list[int]) ->
     retraining = retraining_costs(args, recipe, shape, device, choices) if recipe else {}
     rows = []
     for batch in args.batches:
-        setting = Setting(device, link, args.tp, batch, args.prompt, args.new, DTYPE_BYTES[dtype], graphs, args.engine)
+        setting = Setting(
+            device, link, args.tp, batch, args.prompt, args.new, DTYPE_BYTES[dtype], graphs, args.engine, args.piecewise
+        )
         for label, layers in choices.items():
             row = _row(label, batch, predict(shape, setting, layers), damage.get(tuple(layers)))
             rows.append(row | {"retraining": retraining.get(label)})
     return dict(
         model=args.model, shape=asdict(shape), tp=args.tp, engine=args.engine,
-        overlapped={engine: list(overlapped_reductions(engine, device)) for engine in ENGINES}, device=asdict(device),
+        overlapped={engine: list(overlapped_reductions(engine, device, full_graph)) for engine in ENGINES},
+        piecewise=args.piecewise, device=asdict(device),
         interconnect=asdict(link), dtype=dtype, cuda_graphs=graphs, prompt=args.prompt, new_tokens=args.new,
         rows=rows, recipe=recipe, tp_degrees=[dict(tp=tp, refused=refused) for tp, refused in degrees.items()],
     )  # fmt: skip
@@ -309,8 +320,8 @@ def render(result: dict) -> str:
         f"{shape['num_heads']} heads / {shape['num_kv_heads']} KV; TP={result['tp']} on {result['device']['name']} "
         f"over {result['interconnect']['name']}, {result['dtype']}, prompt {result['prompt']} + {result['new_tokens']} "
         f"new tokens, {'CUDA graphs' if result['cuda_graphs'] else 'eager launches'} (predicted, not measured)",
-        f"engine: {ENGINES[engine]} (--engine {engine}): {_overlap(result['overlapped'][engine])}; "
-        + "; ".join(f"{ENGINES[e]}: {_overlap(o)}" for e, o in result["overlapped"].items() if e != engine),
+        f"engine: {ENGINES[engine]} (--engine {engine}): {_overlap(result['overlapped'][engine], engine)}; "
+        + "; ".join(f"{ENGINES[e]}: {_overlap(o, e)}" for e, o in result["overlapped"].items() if e != engine),
         "TP degrees each engine runs (ladder/tp/degrees.py):",
         *(_degree(entry) for entry in result["tp_degrees"]),
         "",
@@ -338,7 +349,13 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _overlap(overlapped: list[str]) -> str:
+def _overlap(overlapped: list[str], engine: str) -> str:
+    """What a decode step hides."""
+    if len(overlapped) == 2 and engine == "vllm":
+        return (
+            "a ladder layer's attention and MLP all-reduces both run behind compute in decode, one full CUDA graph "
+            "per step (prefill: the attention's only)"
+        )
     if len(overlapped) == 2:
         return "a ladder layer's attention and MLP all-reduces both run behind compute"
     if overlapped == ["attention"]:

@@ -353,27 +353,38 @@ def test_plan_marks_each_tp_degree_an_engine_refuses_with_the_engines_own_rule(s
 
 
 def test_plan_prices_what_each_engine_overlaps(llama_8b_folder, capsys):
-    """Issue 36 item 3: the TP runtime hides both of a ladder layer's all-reduces, vLLM only the attention
-    output's (its MLP's is synchronous), and on a CPU none; the plan says which engine it predicts for."""
+    """Issue 36 item 3: the TP runtime hides both of a ladder layer's all-reduces; vLLM
+    (ladder/serving/model.py) the attention output's, and the MLP output's only in a decode step that
+    runs as one full CUDA graph (not in prefill, nor with piecewise graphs or none); on a CPU none. The
+    plan says which engine it predicts for."""
     plan = ["plan", str(llama_8b_folder), "--tp", "8", "--batch", "1", "--layers", "16,all", "--json"]
-    results = {}
-    for engine in ("vllm", "tp-runtime"):
-        assert main([*plan, "--engine", engine]) == 0
-        results[engine] = json.loads(capsys.readouterr().out)
-    assert main(plan) == 0
-    assert json.loads(capsys.readouterr().out)["engine"] == "vllm"  # the default
-    vllm, runtime = results["vllm"]["rows"], results["tp-runtime"]["rows"]
-    assert [row["hidden_all_reduces"] for row in vllm] == [16, 32]
-    assert [row["hidden_all_reduces"] for row in runtime] == [31, 63]
-    for ours, theirs in zip(vllm, runtime):
+
+    def rows(*arguments: str) -> list[dict]:
+        assert main([*plan, *arguments]) == 0
+        return json.loads(capsys.readouterr().out)["rows"]
+
+    runtime, vllm, piecewise = rows("--engine", "tp-runtime"), rows("--engine", "vllm"), rows("--piecewise")
+    for each in (runtime, vllm):
+        assert [row["hidden_all_reduces"] for row in each] == [31, 63]
+    assert [row["hidden_all_reduces"] for row in piecewise] == [16, 32]
+    assert [row["hidden_all_reduces"] for row in rows("--eager")] == [16, 32]
+    for ours, full, theirs in zip(piecewise, vllm, runtime):
         assert ours["standard_ms_per_token"] == pytest.approx(theirs["standard_ms_per_token"])
-        assert 1 < ours["speedup"] < theirs["speedup"]
-    assert results["vllm"]["overlapped"] == {"vllm": ["attention"], "tp-runtime": ["attention", "mlp"]}
-    cpu = [*plan, "--hardware", "cpu", "--interconnect", "1e9,50"]
-    assert main(cpu) == 0
-    assert all(row["hidden_all_reduces"] == 0 for row in json.loads(capsys.readouterr().out)["rows"])
+        assert 1 < ours["speedup"] < full["speedup"] == pytest.approx(theirs["speedup"])
+        # vLLM's prefill is never one full graph: only the attention output's all-reduce is hidden there.
+        assert full["ladder_prefill_ms"] > theirs["ladder_prefill_ms"]
+    assert main(plan) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["engine"] == "vllm" and result["overlapped"] == {
+        "vllm": ["attention", "mlp"],
+        "tp-runtime": ["attention", "mlp"],
+    }
+    cpu = rows("--hardware", "cpu", "--interconnect", "1e9,50")
+    assert all(row["hidden_all_reduces"] == 0 for row in cpu)
     assert main([*plan[:-1], "--engine", "tp-runtime"]) == 0
     assert "engine: the TP runtime (--engine tp-runtime)" in capsys.readouterr().out
+    assert main([*plan, "--piecewise", "--engine", "tp-runtime"]) == 2
+    assert "--piecewise is a mode of vLLM's CUDA graphs" in capsys.readouterr().err
 
 
 def test_plan_default_rows_include_the_checkpoint_s_own_layers_with_their_damage(smollm2_ladder8_folder, capsys):

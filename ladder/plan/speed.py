@@ -11,8 +11,8 @@ Three parts, each a plain function of published (or calibrated) figures:
   compute stream and the link as two serial resources: a ladder layer's all-reduce runs behind the
   next branch's compute, a standard layer waits for its own. A contiguous block of k ladder layers
   hides 2k - 1 of its 2k all-reduces (`ladder.layers.overlapped_all_reduces` counts the same). That is
-  the TP runtime; an engine that hides fewer (vLLM: only the attention output's, `OVERLAPPED`) runs the
-  others as a standard layer does.
+  the TP runtime; an engine that hides fewer (vLLM outside full-graph decode steps: only the attention
+  output's, `overlapped_reductions`) runs the others as a standard layer does.
 
 Device and link figures are data: devices.tsv and links.tsv beside this file, each row with its source.
 """
@@ -37,13 +37,8 @@ PROFILES = Path(__file__).resolve().parent
 # the operators ladder/tp/shard.py dispatches (HF's RMSNorm and rope are several small ops each).
 KERNELS = {"compiled": {"attention": 6, "mlp": 4, "head": 2}, "eager": {"attention": 39, "mlp": 14, "head": 12}}
 
-# Which of a ladder layer's two all-reduces (its attention output's, its MLP output's) each engine
-# runs behind compute; the others block, as a standard layer's do. The TP runtime
-# (ladder/tp/runtime.py): both, Algorithm 1 of the paper. vLLM (ladder/serving/model.py): the
-# attention output's, on CUDA's auxiliary stream behind the MLP; the MLP output's is synchronous
-# (its piecewise CUDA graphs are split at attention, so a fork there could not be joined); on a CPU
-# neither (no streams: a start is vLLM's synchronous all-reduce).
-OVERLAPPED = {"vllm": ("attention",), "tp-runtime": ("attention", "mlp")}
+# A ladder layer's two all-reduces: its attention output's and its MLP output's.
+BOTH = ("attention", "mlp")
 
 
 @dataclass(frozen=True)
@@ -67,9 +62,19 @@ class Device:
         return roofline + kernels * 1e-6 * (self.kernel_us if graphs else self.eager_kernel_us)
 
 
-def overlapped_reductions(engine: str, device: Device) -> tuple[str, ...]:
-    """The ladder layer's all-reduces `engine` (a key of OVERLAPPED) runs behind compute on `device`."""
-    return () if engine == "vllm" and device.on_cpu else OVERLAPPED[engine]
+def overlapped_reductions(engine: str, device: Device, full_graph: bool) -> tuple[str, ...]:
+    """Which of a ladder layer's all-reduces `engine` ("vllm" or "tp-runtime", ladder/tp/degrees.py)
+    runs behind compute on `device`, in a step that runs as one full CUDA graph or not; the others block,
+    as a standard layer's do. The TP runtime (ladder/tp/runtime.py): both, Algorithm 1 of the paper.
+    vLLM (ladder/serving/model.py): the attention output's always, on CUDA's auxiliary stream behind the
+    MLP; the MLP output's only in a full-graph step (a uniform decode batch under vLLM's default
+    FULL_AND_PIECEWISE), since piecewise graphs are split at attention and a fork there could not be
+    joined; on a CPU neither (no streams: a start is vLLM's synchronous all-reduce)."""
+    if engine == "tp-runtime":
+        return BOTH
+    if device.on_cpu:
+        return ()
+    return BOTH if full_graph else ("attention",)
 
 
 @dataclass(frozen=True)
@@ -270,7 +275,7 @@ def replay(
     wire_s: float,
     host_s: float,
     shared_link: bool = False,
-    overlapped: tuple[str, ...] = OVERLAPPED["tp-runtime"],
+    overlapped: tuple[str, ...] = BOTH,
 ) -> Timeline:
     """Replay ladder/tp/shard.py's `LlamaShard.forward` (one flag per layer) with these module times and
     all-reduce costs; `wire_s` < 0 means no communication at all (the no-communication bound).
@@ -325,7 +330,8 @@ class Setting:
     new_tokens: int = 512
     dtype_bytes: int = 2
     cuda_graphs: bool = True
-    engine: str = "tp-runtime"  # a key of OVERLAPPED: which ladder all-reduces run behind compute
+    engine: str = "tp-runtime"  # or "vllm": which ladder all-reduces run behind compute (overlapped_reductions)
+    piecewise: bool = False  # vLLM's CUDA graphs split at attention, never one full graph per step
 
 
 @dataclass
@@ -369,7 +375,8 @@ def step_times(shape: ModelShape, setting: Setting, ladder_layers: list[int], qu
         wire = -1.0
     chosen = set(ladder_layers)
     flags = [index in chosen for index in range(shape.num_layers)]
-    overlapped = overlapped_reductions(setting.engine, setting.device)
+    full_graph = setting.cuda_graphs and not setting.piecewise and query_tokens == 1  # vLLM: uniform decode
+    overlapped = overlapped_reductions(setting.engine, setting.device, full_graph)
     return {
         "standard": replay([False] * shape.num_layers, attention, mlp, head, wire, host, setting.link.shared),
         "ladder": replay(flags, attention, mlp, head, wire, host, setting.link.shared, overlapped),
@@ -398,8 +405,8 @@ def profile_dict(profile: Device | Link) -> dict:
 
 
 __all__ = [
+    "BOTH",
     "KERNELS",
-    "OVERLAPPED",
     "Device",
     "Link",
     "Prediction",
