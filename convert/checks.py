@@ -1,5 +1,6 @@
 """The checks of a source checkpoint that need no tensor's values, cheapest first: config.json
-alone (`check_config`: a Llama, not a ladder checkpoint already, attention heads that divide), then
+alone (`check_config`: a Llama, not a ladder checkpoint already, values transformers can build,
+attention heads that divide), then
 the weight headers against it (`check_weights`: the layer count before anything proportional to
 it is built, floating-point dtypes, then the shape of every tensor a Llama of the config holds,
 computed from the config's numbers alone). Conversion runs them before any expensive work."""
@@ -11,6 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ladder.errors import UsageError
+from ladder.io.loading import check_config_values
 from ladder.layers import LADDER_MODEL_TYPE, check_llama_model_type, format_layers
 
 if TYPE_CHECKING:
@@ -51,6 +53,7 @@ def check_config(config: dict, where: str) -> None:
     """The checks that need only the config (`where` names it), cheapest first."""
     check_llama_model_type(config.get("model_type"), where)
     check_not_ladder(config, where)
+    check_config_values(config, where)
     check_attention_heads(config)
 
 

@@ -37,6 +37,7 @@ from ladder.io.tensors import (
     shard_filenames,
     weight_files,
 )
+from ladder.io.tokenizer_files import check_tokenizer_files
 from ladder.layers import CONFIG_BOOKKEEPING, LADDER_MODEL_TYPE, AutoLayers, LayerChoice, resolve_layer_choice
 from ladder.log import log
 from ladder.model.config_rules import with_legacy_rope
@@ -307,6 +308,7 @@ def read_source(path: Path, allow_pickle: bool) -> Source | GGUFInfo:
         return inspect_llama_gguf(path)
     config = read_config_dict(path)
     check_config(config, str(path / "config.json"))
+    check_tokenizer_files(path, config_size(config, "vocab_size"))  # convert copies them
     source = _open_directory(path, config, allow_pickle)
     source.dropped = check_weights(source.tensors, config)
     return source

@@ -7,16 +7,21 @@ with nothing written."""
 
 from __future__ import annotations
 
+import json
 import resource
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from adapt_runs import REPO, write_recipe
+from checkpoints import snapshot
 from file_server import write_manifest
 from ladder.io.data_fetch import DataFile
 from ladder.io.files import sha256_file
+from ladder.model.config_rules import HIDDEN_ACTS, ROPE_TYPES
 
 # Far more than any of these commands needs to refuse its input, far less than the machine has.
 MEMORY_CAP = 3 << 30
@@ -108,3 +113,92 @@ def test_a_data_manifest_url_that_is_not_http_is_refused(tmp_path, scheme):
     result = ladder_capped("data", "--dest", tmp_path / "data", "--manifest", manifest, timeout=120)
     assert_one_line_refusal(result, f"{scheme}://", "books/secret.txt")
     assert not (tmp_path / "data" / "books").exists()
+
+
+def _edit_json(path: Path, edit) -> None:
+    value = json.loads(path.read_text())
+    edit(value)
+    path.write_text(json.dumps(value))
+
+
+def _first_merge_malformed(tokenizer: dict) -> None:
+    tokenizer["model"]["merges"][0] = ["a"]
+
+
+def _token_past_the_vocabulary(tokenizer: dict) -> None:
+    vocabulary = tokenizer["model"]["vocab"]
+    vocabulary[next(iter(vocabulary))] = 10**6
+
+
+# What each trial does to a copy of the tiny checkpoint: (file, edit of its parsed JSON or its new text).
+MALFORMED_CHECKPOINTS = {
+    "tokenizer merges malformed": ("tokenizer.json", _first_merge_malformed),
+    "tokenizer id past the vocabulary": ("tokenizer.json", _token_past_the_vocabulary),
+    "tokenizer.json not JSON": ("tokenizer.json", "not JSON {"),
+    "unknown rope type": ("config.json", lambda c: c.update(rope_parameters={"rope_type": "bogus", "rope_theta": 1e4})),
+    "unknown hidden_act": ("config.json", lambda c: c.update(hidden_act="bogus")),
+    "max_position_embeddings 1": ("config.json", lambda c: c.update(max_position_embeddings=1)),
+    "config.json a list": ("config.json", "[1, 2]"),
+    "config.json 200k levels deep": ("config.json", "[" * 200_000 + "]" * 200_000),
+}
+EXPECTED_WORDS = {
+    "tokenizer merges malformed": ["tokenizer.json", "malformed"],
+    "tokenizer id past the vocabulary": ["tokenizer.json", "vocab_size"],
+    "tokenizer.json not JSON": ["tokenizer.json", "malformed"],
+    "unknown rope type": ["config.json", "rope_type 'bogus'"],
+    "unknown hidden_act": ["config.json", "hidden_act 'bogus'"],
+    "max_position_embeddings 1": ["config.json", "max_position_embeddings"],
+    "config.json a list": ["config.json", "JSON object"],
+    "config.json 200k levels deep": ["config.json", "deeply"],
+}
+
+
+def malformed_checkpoint(tiny_checkpoint: Path, folder: Path, trial: str) -> Path:
+    model = Path(shutil.copytree(tiny_checkpoint, folder / "model"))
+    name, edit = MALFORMED_CHECKPOINTS[trial]
+    if isinstance(edit, str):
+        (model / name).write_text(edit)
+    else:
+        _edit_json(model / name, edit)
+    return model
+
+
+# Every trial through convert; eval and adapt read the checkpoint through the same checks
+# (`ladder.io.loading.check_llama_checkpoint`): a config trial and a tokenizer trial each.
+MALFORMED_TRIALS = [
+    *(("convert", trial) for trial in MALFORMED_CHECKPOINTS),
+    ("eval", "tokenizer merges malformed"),
+    ("eval", "tokenizer id past the vocabulary"),
+    ("eval", "max_position_embeddings 1"),
+    ("adapt", "tokenizer merges malformed"),
+    ("adapt", "unknown hidden_act"),
+]
+
+
+@pytest.mark.parametrize(("command", "trial"), MALFORMED_TRIALS)
+def test_a_malformed_checkpoint_is_one_line_before_anything_is_written(
+    tmp_path, tiny_checkpoint, corpus, command, trial
+):
+    """Each used to be a traceback (transformers' KeyError, tokenizers' Exception, a RecursionError,
+    an AttributeError on a list, eval's scorer refusing every continuation), or worse: convert copied
+    a tokenizer.json that is not JSON and verified with random ids, exit 0; eval scored with token
+    ids past the embedding."""
+    model = malformed_checkpoint(tiny_checkpoint, tmp_path, trial)
+    before = snapshot(model)
+    out = tmp_path / "out"
+    args = {
+        "convert": ["convert", model, "--out", out, "--layers", "2"],
+        "eval": ["eval", model, "--out", out, "--limit", "2", "--device", "cpu", "--no-cache"],
+        "adapt": ["adapt", write_recipe(tmp_path, model, corpus, output_dir=str(out))],
+    }[command]
+    result = ladder_capped(*args)
+    assert_one_line_refusal(result, *EXPECTED_WORDS[trial])
+    assert not out.exists() and snapshot(model) == before
+
+
+def test_the_config_rules_name_only_what_transformers_builds():
+    from transformers.activations import ACT2CLS
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    assert set(HIDDEN_ACTS) <= set(ACT2CLS)
+    assert set(ROPE_TYPES) - {"default"} <= set(ROPE_INIT_FUNCTIONS)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import json
 import os
 import re
 from collections.abc import Iterator
@@ -18,7 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ladder.errors import UsageError, first_line
+from ladder.io.tokenizer_files import check_tokenizer_files, read_json_object
 from ladder.layers import check_llama_model_type
+from ladder.model.config_rules import check_llama_values
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +54,8 @@ def embedded_model_path() -> Path:
 
 
 EMBEDDED = "embedded"
+# LlamaConfig's vocab_size where a config.json leaves it out.
+LLAMA_VOCAB_SIZE = 32000
 
 # `org/name` or `org/name@revision`, as the Hub spells repository IDs (no leading `.`, `/` or `~`,
 # so that a relative path such as ./models/x is never taken for one).
@@ -155,20 +158,31 @@ def resolve_model_path(path: str | Path | None) -> Path:
 
 
 def read_config_dict(path: Path) -> dict:
-    """The raw config.json of a checkpoint directory, with a clear error when it is not JSON."""
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UsageError(f"cannot read {path / 'config.json'}: {error}") from None
+    """The raw config.json of a checkpoint directory: a JSON object, else one clear error line."""
+    return read_json_object(path / "config.json", "config")
 
 
 def check_llama_checkpoint(path: Path) -> None:
     """Refuse, in one line, a checkpoint directory whose config.json is not a Llama or a ladder Llama,
     before transformers reads it: a checkpoint with its own model_type and `auto_map` would otherwise
     offer to run the code it ships. (Loads also pass trust_remote_code=False; the ladder classes are
-    the package's own, registered by ladder.model.auto.)"""
+    the package's own, registered by ladder.model.auto.) Then the config's values that transformers
+    fails on deep inside (`check_llama_values`) and the tokenizer files (`check_tokenizer_files`)."""
     if path.is_dir():
-        check_llama_model_type(read_config_dict(path).get("model_type"), str(path / "config.json"))
+        config = read_config_dict(path)
+        where = str(path / "config.json")
+        check_llama_model_type(config.get("model_type"), where)
+        check_config_values(config, where)
+        vocab_size = config.get("vocab_size", LLAMA_VOCAB_SIZE)
+        check_tokenizer_files(path, vocab_size if type(vocab_size) is int else None)
+
+
+def check_config_values(config: dict, where: str) -> None:
+    """`ladder.model.config_rules.check_llama_values` as one UsageError line naming `where`."""
+    try:
+        check_llama_values(config)
+    except ValueError as error:
+        raise UsageError(f"{where}: {error}") from None
 
 
 def from_pretrained_arguments(path: Path) -> tuple[str, dict]:

@@ -40,3 +40,36 @@ def with_legacy_rope(values: dict) -> dict:
         values["rope_theta"] = rope.pop("rope_theta")
         values["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
     return values
+
+
+# The names a Llama config.json may give that every transformers release a ladder checkpoint runs on
+# (4.47 to 5.x, docs/portability.md) knows: transformers fails on any other with a KeyError deep in
+# building the model. A test checks both lists against the installed transformers.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+HIDDEN_ACTS = (
+    "gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_pytorch_tanh", "laplace",
+    "leaky_relu", "linear", "mish", "quick_gelu", "relu", "relu2", "relu6", "sigmoid", "silu", "swish", "tanh",
+)  # fmt: skip
+
+
+def check_llama_values(values: dict) -> None:
+    """Refuse (ValueError naming the key) a config whose activation or RoPE type no transformers
+    release builds, or whose context holds fewer than two positions (one token and the next, the
+    least that a model can be scored or trained on)."""
+    act = values.get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise ValueError(
+            f"hidden_act {str(act)[:80]!r} is not an activation transformers knows: {', '.join(HIDDEN_ACTS)}"
+        )
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = values.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise ValueError(f"{key} must be a mapping, not {type(rope).__name__}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"{key}: rope_type {str(rope_type)[:80]!r} is not one of {', '.join(ROPE_TYPES)}")
+    positions = values.get("max_position_embeddings", 2048)
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions < 2:
+        raise ValueError(f"max_position_embeddings must be a whole number of at least 2, not {str(positions)[:80]}")
