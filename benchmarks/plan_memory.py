@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
     mib = 2**20
     print(f"machine: {platform.processor() or platform.machine()}, CPU recipe, {args.steps} steps per run")
     print(
-        "micro_batch seq_len | runtime: plan MiB | measured MiB | plan MiB | of which runtime | measured MiB | ratio | "
+        "micro_batch seq_len | runtime: plan MiB | measured MiB | plan MiB | of which runtime | peak RSS MiB | ratio | "
         "saved/layer plan MiB | counted MiB | ratio"
     )
     worst_peak = worst_saved = 0.0
