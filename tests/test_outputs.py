@@ -18,8 +18,10 @@ from adapt_runs import REPO, write_recipe
 from checkpoints import copy_of, private_mount_namespace, snapshot
 from file_server import Server, write_manifest
 from ladder.cli import main as ladder_main
+from ladder.errors import UsageError
 from ladder.io.data_fetch import DataFile
 from ladder.io.files import OUTPUT_MARKER
+from ladder.io.outputs import make_output_folder, remove_output
 
 
 @pytest.fixture(scope="module")
@@ -183,17 +185,16 @@ def test_sample_never_overwrites_the_weights_it_reads(inputs, capsys):
     assert state(inputs) == before
 
 
-def test_demo_deletes_no_folder_it_did_not_make(inputs, tmp_path, capsys):
-    """Issue 37 item 2: a D holding the user's adapt/, data/ and eval-cache/ lost them, exit 0 (a new
-    --out redoes adapt; --redo all removed data/ and eval-cache/ too). Refused before any stage."""
+@pytest.mark.parametrize("name", ["adapt", "data", "eval-cache"])
+def test_demo_deletes_no_folder_it_did_not_make(name, inputs, tmp_path, capsys):
+    """Issue 37 item 2: a D holding the user's adapt/ lost it, exit 0 (a new --out redoes adapt);
+    --redo all removed data/ and eval-cache/ too. Refused before any stage."""
     out = tmp_path / "demo"
-    for name in ("adapt", "data", "eval-cache"):
-        (out / name).mkdir(parents=True)
-        (out / name / "notes.txt").write_text("the user's")
-    before = snapshot(out)
+    (out / name).mkdir(parents=True)
+    (out / name / "notes.txt").write_text("the user's")
     code, err = run(capsys, [*COMMANDS["demo"][0](inputs, out), "--redo", "all"])
-    assert_one_line(code, err, "demo", "is not an output of")
-    assert snapshot(out) == before
+    assert_one_line(code, err, "demo", f"{out / name} is not an output of")
+    assert snapshot(out) == {f"{name}/notes.txt": hashlib.sha256(b"the user's").hexdigest()}
 
 
 def test_data_keeps_a_file_until_its_replacement_is_verified(tmp_path, capsys):
@@ -220,3 +221,14 @@ def test_data_keeps_a_file_until_its_replacement_is_verified(tmp_path, capsys):
     assert (destination / "a.txt").read_text() == "new"
     assert (destination / "b.txt").read_text() == "old"
     assert sorted(p.name for p in destination.iterdir()) == ["a.txt", "b.txt"]
+
+
+def test_a_folder_is_deleted_only_by_the_command_its_marker_names(tmp_path):
+    """What `demo --redo` relies on: its caches, made with their command's marker, go; nothing else does."""
+    cache = make_output_folder(tmp_path / "cache", "adapt")
+    (cache / "blocks.bin").write_bytes(b"\0")
+    with pytest.raises(UsageError, match="is not an output of `ladder eval`"):
+        remove_output(cache, "eval")
+    remove_output(cache, "adapt")
+    assert not cache.exists()
+    remove_output(cache, "adapt")  # gone already: nothing to do
