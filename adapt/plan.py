@@ -63,8 +63,9 @@ NCCL_BYTES = 0.75 * 2**30
 CPU_RUNTIME_BYTES = 550 * 2**20
 # Share of the device's peak FLOP/s spent on the plan's hardware FLOPs, assumed on accelerators.
 # torchtitan publishes 5,762 tokens/s per H100 (96 GB parts at 500 W) for Llama-3.1-8B (8 GPUs, FSDP2,
-# seq_len 8192) in eager mode and 6,667 compiled: by this module's count 0.30 and 0.35 MFU, and 0.35-0.39 and 0.40-0.46 of
-# the 989 TFLOP/s peak once its recompute (selective to full) is counted. The lower ends:
+# seq_len 8192) in eager mode and 6,667 compiled: by this module's count 0.30 and 0.35 MFU, and
+# 0.35-0.39 and 0.40-0.46 of the 989 TFLOP/s peak once its recompute (selective to full) is counted.
+# The lower ends:
 UTILISATION = {"eager": 0.35, "compiled": 0.40}
 UTILISATION_SOURCE = "assumed: the low end of torchtitan's published Llama-3.1-8B FSDP2 throughput, {mode}"
 # What one node's processes write together per second into a checkpoint (each its shard), assumed: a
