@@ -380,11 +380,14 @@ def retraining_note(costs: list[dict], device: str) -> str:
 
 def run_calibration(out: str, link_rate: str) -> None:
     from ladder.io.files import atomic_write
+    from ladder.io.outputs import check_output
     from ladder.plan.calibrate import calibrate
     from ladder.plan.emulated_link import check_rate
 
+    # The output rule before minutes of measuring; a profile there is replaced, as a new measurement should.
+    out = check_output(out, "plan", kind="file", force=True)
     profile = calibrate(check_rate(link_rate))
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, json.dumps(profile, indent=2) + "\n")
     device, link = profile["device"], profile["links"][0]
     print(

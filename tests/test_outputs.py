@@ -232,3 +232,11 @@ def test_a_folder_is_deleted_only_by_the_command_its_marker_names(tmp_path):
     remove_output(cache, "adapt")
     assert not cache.exists()
     remove_output(cache, "adapt")  # gone already: nothing to do
+
+
+@pytest.mark.parametrize("place", ["root", "folder"])
+def test_plan_calibration_checks_its_output_before_measuring(place, tmp_path, capsys):
+    """`ladder plan --calibrate --out` measured for minutes, then failed on `/` or a folder with a traceback."""
+    out = Path("/") if place == "root" else tmp_path
+    code, err = run(capsys, ["plan", "--calibrate", "--out", out])
+    assert_one_line(code, err, "plan", "is the root folder" if place == "root" else "is a folder")
