@@ -130,16 +130,31 @@ def _token_past_the_vocabulary(tokenizer: dict) -> None:
     vocabulary[next(iter(vocabulary))] = 10**6
 
 
-# What each trial does to a copy of the tiny checkpoint: (file, edit of its parsed JSON or its new text).
+def _json(edit):
+    return lambda path: _edit_json(path, edit)
+
+
+def _text(text: str):
+    return lambda path: path.write_text(text)
+
+
+def _corrupt_header(path: Path) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(8)  # past the header's length: its JSON
+        handle.write(b"{garbage")
+
+
+# What each trial does to a copy of the tiny checkpoint: (file, edit of that file).
 MALFORMED_CHECKPOINTS = {
-    "tokenizer merges malformed": ("tokenizer.json", _first_merge_malformed),
-    "tokenizer id past the vocabulary": ("tokenizer.json", _token_past_the_vocabulary),
-    "tokenizer.json not JSON": ("tokenizer.json", "not JSON {"),
-    "unknown rope type": ("config.json", lambda c: c.update(rope_parameters={"rope_type": "bogus", "rope_theta": 1e4})),
-    "unknown hidden_act": ("config.json", lambda c: c.update(hidden_act="bogus")),
-    "max_position_embeddings 1": ("config.json", lambda c: c.update(max_position_embeddings=1)),
-    "config.json a list": ("config.json", "[1, 2]"),
-    "config.json 200k levels deep": ("config.json", "[" * 200_000 + "]" * 200_000),
+    "tokenizer merges malformed": ("tokenizer.json", _json(_first_merge_malformed)),
+    "tokenizer id past the vocabulary": ("tokenizer.json", _json(_token_past_the_vocabulary)),
+    "tokenizer.json not JSON": ("tokenizer.json", _text("not JSON {")),
+    "unknown rope type": ("config.json", _json(lambda c: c.update(rope_parameters={"rope_type": "bogus"}))),
+    "unknown hidden_act": ("config.json", _json(lambda c: c.update(hidden_act="bogus"))),
+    "max_position_embeddings 1": ("config.json", _json(lambda c: c.update(max_position_embeddings=1))),
+    "config.json a list": ("config.json", _text("[1, 2]")),
+    "config.json 200k levels deep": ("config.json", _text("[" * 200_000 + "]" * 200_000)),
+    "safetensors header corrupt": ("model.safetensors", _corrupt_header),
 }
 EXPECTED_WORDS = {
     "tokenizer merges malformed": ["tokenizer.json", "malformed"],
@@ -150,16 +165,14 @@ EXPECTED_WORDS = {
     "max_position_embeddings 1": ["config.json", "max_position_embeddings"],
     "config.json a list": ["config.json", "JSON object"],
     "config.json 200k levels deep": ["config.json", "deeply"],
+    "safetensors header corrupt": ["model.safetensors", "not a valid safetensors file"],
 }
 
 
 def malformed_checkpoint(tiny_checkpoint: Path, folder: Path, trial: str) -> Path:
     model = Path(shutil.copytree(tiny_checkpoint, folder / "model"))
     name, edit = MALFORMED_CHECKPOINTS[trial]
-    if isinstance(edit, str):
-        (model / name).write_text(edit)
-    else:
-        _edit_json(model / name, edit)
+    edit(model / name)
     return model
 
 
@@ -170,6 +183,8 @@ MALFORMED_TRIALS = [
     ("eval", "tokenizer merges malformed"),
     ("eval", "tokenizer id past the vocabulary"),
     ("eval", "max_position_embeddings 1"),
+    ("eval", "safetensors header corrupt"),
+    ("adapt", "safetensors header corrupt"),
     ("adapt", "tokenizer merges malformed"),
     ("adapt", "unknown hidden_act"),
 ]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ladder.errors import UsageError, first_line
+from ladder.io.tensors import ShardedTensorIndex
 from ladder.io.tokenizer_files import check_tokenizer_files, read_json_object
 from ladder.layers import check_llama_model_type
 from ladder.model.config_rules import check_llama_values
@@ -167,7 +168,8 @@ def check_llama_checkpoint(path: Path) -> None:
     before transformers reads it: a checkpoint with its own model_type and `auto_map` would otherwise
     offer to run the code it ships. (Loads also pass trust_remote_code=False; the ladder classes are
     the package's own, registered by ladder.model.auto.) Then the config's values that transformers
-    fails on deep inside (`check_llama_values`) and the tokenizer files (`check_tokenizer_files`)."""
+    fails on deep inside (`check_llama_values`), the tokenizer files (`check_tokenizer_files`) and
+    the safetensors headers (`ShardedTensorIndex`)."""
     if path.is_dir():
         config = read_config_dict(path)
         where = str(path / "config.json")
@@ -175,6 +177,7 @@ def check_llama_checkpoint(path: Path) -> None:
         check_config_values(config, where)
         vocab_size = config.get("vocab_size", LLAMA_VOCAB_SIZE)
         check_tokenizer_files(path, vocab_size if type(vocab_size) is int else None)
+        ShardedTensorIndex.from_directory(path)  # every safetensors header, checked as convert checks it
 
 
 def check_config_values(config: dict, where: str) -> None:
