@@ -27,7 +27,7 @@ from ladder.io.yaml_files import parse_yaml
 from ladder.launch import multi_process_launcher
 
 from .backends import BACKENDS
-from .evaluate import DEFAULT_RUNS, check_tasks, default_cache_dir, evaluate_models
+from .evaluate import DEFAULT_RUNS, check_outputs, check_tasks, default_cache_dir, evaluate_models
 from .suite import Suite, load_suite, suite_names, tasks_suite
 
 
@@ -281,9 +281,11 @@ def _launch(argv: list[str], args: argparse.Namespace, suite: Suite, data_dir: P
     tasks are checked here first: a fault is one line, not one per process."""
     import torch
 
+    from .models import resolve_models
+
     out = args.out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
-    if out.exists() and not args.force:
-        raise UsageError(f"output {out.absolute()} already exists; pass --force to replace it")
+    models = resolve_models(([args.baseline] if args.baseline else []) + args.models)
+    check_outputs(models, out, None if args.no_cache else args.cache or default_cache_dir(), data_dir, args.force)
     if args.parallelize:
         raise UsageError("--parallelize splits one model over all GPUs: it runs in one process (drop --processes)")
     if args.device.startswith("cuda:"):

@@ -17,13 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ladder.errors import UsageError, first_line
-from ladder.io.files import (
-    atomic_directory,
-    atomic_write,
-    check_force_target,
-    check_outside_inputs,
-    ladder_cache_dir,
-)
+from ladder.io.files import atomic_directory, atomic_write, ladder_cache_dir
+from ladder.io.outputs import check_output
 
 from .suite import Suite, SuiteTask
 
@@ -72,8 +67,7 @@ def evaluate_models(
 
     refs = resolve_models(models)
     out = out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
-    check_force_target(out, "eval", force)  # before any work (atomic_directory checks again at the end)
-    check_outside_inputs(out, [ref.path for ref in refs])
+    check_outputs(refs, out, cache_dir, data_dir, force)  # atomic_directory checks a replaced folder again at the end
     check_chat_templates(refs, suite)
     runtime = resolve_runtime(device, dtype, batch_size, parallelize, backend, tensor_parallel, data_parallel)
     get_backend(runtime.backend).check(runtime, refs)
@@ -105,6 +99,15 @@ def evaluate_models(
         }
         table = report.write_report(results, header, staging)
     return Evaluation(out, table, header["wall_seconds"])
+
+
+def check_outputs(refs: list, out: Path, cache_dir: Path | None, data_dir: Path | None, force: bool) -> None:
+    """The results folder and the cache (written too) under the output rule (ladder/io/outputs.py):
+    never a model scored or the data folder, inside or above one; before any work."""
+    inputs = [ref.path for ref in refs] + [data_dir]
+    check_output(out, "eval", inputs, force=force)
+    if cache_dir is not None:
+        check_output(cache_dir, "eval", inputs, existing="add", what="--cache")
 
 
 def default_cache_dir() -> Path:

@@ -240,3 +240,22 @@ def test_plan_calibration_checks_its_output_before_measuring(place, tmp_path, ca
     out = Path("/") if place == "root" else tmp_path
     code, err = run(capsys, ["plan", "--calibrate", "--out", out])
     assert_one_line(code, err, "plan", "is the root folder" if place == "root" else "is a folder")
+
+
+def test_eval_checks_its_output_before_launching_processes(inputs, capsys):
+    """With --processes, every launched process refused the output: one error per process."""
+    argv = [
+        "eval",
+        inputs["model"],
+        "--suite",
+        "smoke",
+        "--limit",
+        "1",
+        "--processes",
+        "2",
+        "--out",
+        inputs["model"],
+        "--force",
+    ]
+    code, err = run(capsys, argv)
+    assert_one_line(code, err, "eval", "(it is that input)")

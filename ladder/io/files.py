@@ -189,16 +189,6 @@ def check_force_target(path: str | Path, command: str | None, force: bool) -> No
         )
 
 
-def check_outside_inputs(out: str | Path, inputs: list[str | Path], what: str = "--out") -> None:
-    """Refuse an output that is, is inside, or holds one of the input folders or files (writing
-    it, or replacing it with --force, would destroy an input)."""
-    out = Path(out).resolve()
-    for source in inputs:
-        source = Path(source).resolve()
-        if out == source or out.is_relative_to(source) or source.is_relative_to(out):
-            raise UsageError(f"{what} {out} overlaps the input {source}: choose a folder outside it")
-
-
 class OutputLock:
     """An exclusive lock on an output folder for a run's life (`lock_output`); released by `close`,
     or by the process's end, however it ends."""
@@ -451,7 +441,6 @@ __all__ = [
     "atomic_directory",
     "atomic_write",
     "check_force_target",
-    "check_outside_inputs",
     "ladder_cache_dir",
     "ladder_data_dir",
     "lock_output",
