@@ -138,17 +138,26 @@ import json, sys, urllib.error, urllib.request
 
 base, key, model = sys.argv[1:4]
 
-def complete(key):
-    body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 4}).encode()
+def post(path, key, **fields):
+    body = json.dumps({"model": model, "max_tokens": 4} | fields).encode()
     headers = {"Content-Type": "application/json"} | ({"Authorization": "Bearer " + key} if key else {})
-    request = urllib.request.Request(base + "/v1/completions", data=body, headers=headers)
+    request = urllib.request.Request(base + path, data=body, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             return {"status": response.status, "body": json.loads(response.read())}
     except urllib.error.HTTPError as error:
         return {"status": error.code, "body": error.read().decode()}
 
-print(json.dumps({"no key": complete(None), "wrong key": complete("not-" + key), "key": complete(key)}))
+prompt = "The capital of France is"
+print(json.dumps({
+    "no key": post("/v1/completions", None, prompt=prompt),
+    "wrong key": post("/v1/completions", "not-" + key, prompt=prompt),
+    "key": post("/v1/completions", key, prompt=prompt),
+    # vLLM's own key guards /v1, /v2, /inference and /cohere only: SageMaker's /invocations answers
+    # the same completions, and /tokenize reads the model's tokenizer.
+    "invocations, no key": post("/invocations", None, prompt=prompt),
+    "tokenize, no key": post("/tokenize", None, prompt=prompt),
+}))
 """
 
 
@@ -228,8 +237,8 @@ def test_served_beyond_loopback_answers_only_with_the_key(namespace, tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
-    assert answers["no key"]["status"] == 401, answers
-    assert answers["wrong key"]["status"] == 401, answers
+    for refused in ("no key", "wrong key", "invocations, no key", "tokenize, no key"):
+        assert answers[refused]["status"] == 401, (refused, answers)
     assert answers["key"]["status"] == 200, answers
     completion = answers["key"]["body"]
     assert completion["usage"]["completion_tokens"] > 0 and isinstance(completion["choices"][0]["text"], str)

@@ -7,7 +7,8 @@ transformers than this package). It checks the checkpoint with vLLM's own config
 first, so that a checkpoint vLLM cannot serve (an architecture it does not know, heads that do
 not split over the ranks, a head size the CPU attention cannot run) is one line and exit status 2
 instead of a server's traceback, then replaces itself with `vllm serve`. It listens on loopback
-unless given an API key, which vLLM then asks of every client.
+unless given an API key (the arguments for vLLM read by vLLM's own parser), which the server then
+asks of every client on every path but /health and /ping.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def vllm_serve_arguments(model: Path, args: argparse.Namespace, passthrough: lis
     """The arguments of `vllm serve`: ours first, so that any option the passthrough repeats, in any
     spelling vLLM takes, overrides ours as it would on vLLM's own command line (argparse keeps the last)."""
     ours = ["--host", args.host, "--port", str(args.port), "--tensor-parallel-size", str(args.tp)]
-    return [str(model), *ours, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *passthrough]
+    ours += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--middleware", f"{__name__}.{KeyOnEveryPath.__name__}"]
+    return [str(model), *ours, *passthrough]
 
 
 def parse_vllm_serve(arguments: list[str]) -> argparse.Namespace:
@@ -136,21 +138,55 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
+def api_keys(serve: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
+    """The keys vLLM asks clients for, by its own rule (init_entrypoints_middleware): the non-empty
+    --api-key values, or $VLLM_API_KEY when no --api-key was given. So an empty --api-key asks no
+    key, and hides the variable."""
+    return [key for key in (serve.api_key or [environ.get(API_KEY_VARIABLE)]) if key]
+
+
 def check_access(serve: argparse.Namespace, environ: Mapping[str, str]) -> None:
     """Refuse to listen beyond this machine (any address but loopback) without an API key: vLLM's
     server otherwise answers anyone who can reach the port. `serve` is what vLLM's parser read and
     `environ` the environment vLLM will start in."""
     if serve.uds:  # a Unix socket: vLLM ignores the host and the port
         return
-    # vLLM's own rule (init_entrypoints_middleware): the non-empty --api-key values, or when none was
-    # given $VLLM_API_KEY; so an empty --api-key asks no key and hides the variable.
-    if [key for key in (serve.api_key or [environ.get(API_KEY_VARIABLE)]) if key] or is_loopback(serve.host):
+    if api_keys(serve, environ) or is_loopback(serve.host):
         return
     host = serve.host or '"" (every interface)'
     raise UsageError(
         f"--host {host} listens beyond this machine: give an API key that clients must send "
         f"(--api-key KEY or ${API_KEY_VARIABLE}; an empty key asks none), or listen on {DEFAULT_HOST}"
     )
+
+
+class KeyOnEveryPath:
+    """ASGI middleware that `ladder serve` adds to vLLM's server (`--middleware`): where the server
+    has API keys, every path but the liveness probes asks for one. vLLM's own check guards only /v1,
+    /v2, /inference and /cohere, while SageMaker's /invocations answers the same completions and
+    /tokenize, /load, /metrics ... answer anyone. The keys are read when the first request comes,
+    from the arguments vLLM parsed (its app's state), by vLLM's rule."""
+
+    OPEN_PATHS = ("/health", "/ping")
+
+    def __init__(self, app) -> None:
+        self.app, self.guard = app, None
+
+    def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            return self.app(scope, receive, send)  # as vLLM's check: lifespan events, CORS preflight
+        if self.guard is None:
+            from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+            keys = api_keys(scope["app"].state.args, os.environ)
+            self.guard = AuthenticationMiddleware(self.app, keys) if keys else False
+        from starlette.datastructures import Headers
+        from starlette.responses import JSONResponse
+
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if self.guard and path not in self.OPEN_PATHS and not self.guard.verify_token(Headers(scope=scope)):
+            return JSONResponse(content={"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+        return self.app(scope, receive, send)
 
 
 def check_servable(model: Path, tp: int) -> None:
