@@ -20,6 +20,7 @@ import numpy as np
 
 from ladder.errors import UsageError, first_line
 
+from .chat_template import compile_budgeted, render_budgeted
 from .recipe import SourceSpec
 
 # ShareGPT-style chat records ({"from": "human", "value": ...}, as in BAAI/Infinity-Instruct).
@@ -201,12 +202,13 @@ class ChatRenderer:
     the turn (its end-of-turn marker included), the text the model generates."""
 
     def __init__(self, template: str, special_tokens: dict, owner: str = "the tokenizer"):
-        from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
+        from transformers.utils.chat_template_utils import render_jinja_template
 
         self.template, self.special_tokens, self.owner = template, special_tokens, owner
         # The compiled template called directly (a third of the time of transformers' whole call, which
         # also normalizes richer messages than {role, content}), where the two agree on a probe chat.
-        self.compiled, self.render_jinja_template = _compile_jinja_template(template), render_jinja_template
+        # Compiled with a time and output budget (`adapt.chat_template`): the template is the model's code.
+        self.compiled, self.render_jinja_template = compile_budgeted(template), render_jinja_template
         self.direct = True
         self.direct = (
             self.render(PROBE) == self.render_jinja_template([PROBE], chat_template=template, **special_tokens)[0][0]
@@ -220,25 +222,27 @@ class ChatRenderer:
 
         try:
             return self._render(messages, add_generation_prompt)
-        except (TemplateError, TypeError, ValueError) as error:
+        except (TemplateError, TypeError, ValueError, RecursionError, OverflowError) as error:
             raise UsageError(f"the chat template of {self.owner} failed on this chat: {first_line(error)}") from None
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        if not self.direct:
-            rendered, _ = self.render_jinja_template(
-                [messages],
-                chat_template=self.template,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
-            return rendered[0]
-        return self.compiled.render(
+        # Within the budget first; transformers' own rendering (which has none) only after that.
+        rendered = render_budgeted(
+            self.compiled,
             messages=messages,
             tools=None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **self.special_tokens,
         )
+        if not self.direct:
+            rendered = self.render_jinja_template(
+                [messages],
+                chat_template=self.template,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )[0][0]
+        return rendered
 
     def learn(self) -> tuple[bool | None, str | None]:
         """Whether the template keeps the whitespace around a turn's content, and the text it puts after an

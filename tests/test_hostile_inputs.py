@@ -217,3 +217,24 @@ def test_the_config_rules_name_only_what_transformers_builds():
 
     assert set(HIDDEN_ACTS) <= set(ACT2CLS)
     assert set(ROPE_TYPES) - {"default"} <= set(ROPE_INIT_FUNCTIONS)
+
+
+TEMPLATE_BOMBS = {
+    "a string repeated 10**9 times": "{{ 'x' * 10**9 }}",
+    "nested range(100000) loops": "{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}{% endfor %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("template", TEMPLATE_BOMBS.values(), ids=TEMPLATE_BOMBS)
+def test_a_chat_template_past_its_budget_is_one_line_naming_it(tmp_path, tiny_checkpoint, template):
+    """Such templates grew adapt's tokenizer workers past 8-10 GB (here: past the cap, or the timeout)."""
+    model = Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
+    (model / "chat_template.jinja").write_text(template)
+    corpus = tmp_path / "corpus"
+    (corpus / "train").mkdir(parents=True)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    (corpus / "train" / "chats.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    (corpus / "heldout.txt").write_text("The wind rose over the hills at dawn. " * 300)
+    recipe = write_recipe(tmp_path, model, corpus)
+    result = ladder_capped("adapt", recipe, "--prepare-data")
+    assert_one_line_refusal(result, f"the chat template of {model}", "past")
