@@ -19,6 +19,7 @@ import pytest
 from adapt_runs import REPO, write_recipe
 from checkpoints import snapshot
 from file_server import write_manifest
+from ladder.errors import UsageError
 from ladder.io.data_fetch import DataFile
 from ladder.io.files import sha256_file
 from ladder.model.config_rules import HIDDEN_ACTS, ROPE_TYPES
@@ -238,3 +239,14 @@ def test_a_chat_template_past_its_budget_is_one_line_naming_it(tmp_path, tiny_ch
     recipe = write_recipe(tmp_path, model, corpus)
     result = ladder_capped("adapt", recipe, "--prepare-data")
     assert_one_line_refusal(result, f"the chat template of {model}", "past")
+
+
+def test_a_chat_template_that_loops_without_output_stops_at_its_time_limit(monkeypatch):
+    """Loops that print nothing pass the output limit: the clock stops them (shortened here)."""
+    from ladder.adapt import chat_template
+    from ladder.adapt.tokenize import ChatRenderer
+
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.5)
+    silent = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(UsageError, match=r"the chat template of model M failed on this chat: it ran past 0.5 s"):
+        ChatRenderer(silent, {}, "model M")
