@@ -4,7 +4,8 @@
 option spelled as vLLM takes it (a prefix, `_` for `-`, the last of several) cannot open the server
 beyond loopback, and a key counts as vLLM counts it (an empty `--api-key` asks no key and hides
 $VLLM_API_KEY). The table runs in .venv-serve; the live test starts one real server on the
-embedded SmolLM2 at a non-loopback address of a network namespace it makes.
+embedded SmolLM2 at a non-loopback address of a network namespace it makes, and checks that the
+key is asked on every path, not only on those vLLM guards.
 """
 
 from __future__ import annotations
