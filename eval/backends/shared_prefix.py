@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ladder.errors import UsageError
 from ladder.model.modeling_ladder_llama import CACHE_ARGUMENT
 
 # The head's weight upcast to float32 this many vocabulary rows at a time (16k x 4096 x 4 bytes: 256 MB).
@@ -42,8 +43,13 @@ def score_continuations(
     groups: dict[tuple[int, ...], list[int]] = {}
     continuations = []
     for index, (context, continuation) in enumerate(requests):
-        if not context or not continuation or len(continuation) > max_length:
-            raise ValueError(f"request {index}: a non-empty context and 1-{max_length} continuation tokens")
+        if not context or not continuation:
+            raise ValueError(f"request {index}: a non-empty context and continuation")
+        if len(continuation) > max_length:
+            raise UsageError(
+                f"an answer of {len(continuation)} tokens does not fit the model's context of {max_length} "
+                "positions (max_position_embeddings): score this task with a model that reads longer text"
+            )
         whole = (list(context) + list(continuation))[-(max_length + 1) :]
         groups.setdefault(tuple(whole[: -len(continuation)]), []).append(index)
         continuations.append(list(continuation))
