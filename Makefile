@@ -29,7 +29,7 @@ BACKEND ?=
 OWN_VARIABLES := PYTHON SHARED LADDER_DATA MODEL LAYERS OUT RECIPE SUITE BASELINE LIMIT ARGS TP PORT BACKEND
 RECIPE_OVERRIDES := $(filter-out $(addsuffix =%,$(OWN_VARIABLES)),$(-*-command-variables-*-))
 
-.PHONY: help install data compat lint test test-fast convert adapt eval bench demo clean serve-env serve bench-vllm
+.PHONY: help install data compat lint test test-fast convert adapt eval bench demo clean serve-env serve bench-vllm gpu-check
 
 help:
 	@echo "make install                 create .venv with the package and its test tools"
@@ -46,6 +46,7 @@ help:
 	@echo "make serve-env               create .venv-serve with vLLM (CUDA build if nvidia-smi lists a GPU, else CPU) and this package"
 	@echo "make serve MODEL= [TP= PORT=]    OpenAI-compatible vLLM server on 127.0.0.1 (ARGS= go to vllm serve)"
 	@echo "make bench-vllm              vLLM decode latency, standard vs ladder, TP=2 on CPU"
+	@echo "make gpu-check               everything one GPU can verify (docs/gpu.md); without a GPU one line, exit 0"
 
 install: $(STAMP)
 
@@ -146,6 +147,12 @@ serve: $(SERVE_STAMP)
 
 bench-vllm: $(SERVE_STAMP)
 	$(SERVE_BIN)/python -m benchmarks.vllm_speed $(ARGS)
+
+# On a GPU machine this checkout is not installed there: its own python (CUDA torch) runs the check.
+GPU_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+
+gpu-check:
+	$(GPU_PYTHON) -m benchmarks.gpu_check $(ARGS)
 
 demo: $(STAMP)
 	$(BIN)/ladder demo $(ARGS)

@@ -6,19 +6,25 @@ tensor-parallel runtime:
     ladder (upper half) the published conversion shape
 
 It prints per-token decode latency, tokens/s, the speed-up over standard, and the communication
-share of each variant's decode time: the time the ranks spend inside vLLM's all-reduce (waiting
-for the other rank included), timed in every worker by wrapping vLLM's
-`GroupCoordinator._all_reduce_out_place`: with `perf_counter` on the CPU, where the call returns
-when the reduction is done, and with CUDA events on a GPU, where it returns at the kernel launch.
-Under CUDA graphs (GPU with --compiled) a replay runs no Python, so the reductions inside the
-graphs are not timed: the share is then a lower bound; run without --compiled for it. The decode
-latency is timed on the host around whole generate calls, which wait for the GPU, either way. Weights are vLLM's dummy weights (`load_format=dummy`,
-the same for every variant), so no checkpoint is written; the models differ only in config.json.
+share of each variant's decode time: the time the compute stream spends in vLLM's all-reduce
+(waiting for the other rank included), timed in every worker by wrapping vLLM's
+`GroupCoordinator._all_reduce_out_place` (`ReductionTimer`): with `perf_counter` on the CPU, where
+the call returns when the reduction is done, and with CUDA events on a GPU, where it returns at the
+kernel launch. A reduction issued on vLLM's auxiliary stream (the ladder's attention all-reduce
+beside the MLP) is not timed: the compute stream waits only for what is left of it at the join,
+which the decode time includes; its whole duration would count hidden communication as
+communication. Under CUDA graphs (GPU with --compiled) a replay runs no Python, so the reductions
+inside the graphs are not timed: the share is then a lower bound; run without --compiled for it.
+The decode latency is timed on the host around whole generate calls, which wait for the GPU.
+Weights are vLLM's dummy weights (`load_format=dummy`, the same for every variant), so no
+checkpoint is written; the models differ only in config.json. Each variant's engine runs in a
+process of its own, one after another: vLLM does not always give back GPU memory when an `LLM` is
+deleted, and the next engine would size its KV cache from what was left.
 
     make bench-vllm                                          # CPU, TP=2, one core per rank
     .venv-serve/bin/python -m benchmarks.vllm_speed --tp 2 --batch 1,4
-    python -m benchmarks.vllm_speed --tp 8 --shape llama-3.1-70b --dtype bfloat16 --batch 1,16 \\
-        --prompt-length 1024 --new-tokens 128 --compiled                              # 8 GPUs
+    python -m benchmarks.vllm_speed --tp 8 --shape llama-3.1-70b --batch 1,16 \\
+        --prompt-length 1024 --new-tokens 128 --compiled                              # 8 GPUs, bfloat16
 
 Runs in the serving environment (.venv-serve). Results go to runs/bench/vllm_speed.json.
 """
@@ -26,13 +32,16 @@ Runs in the serving environment (.venv-serve). Results go to runs/bench/vllm_spe
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import multiprocessing
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import PUBLISHED_SHAPES
@@ -74,54 +83,81 @@ def write_config(directory: Path, shape: dict, ladder_layers: list[int] | None, 
     return directory
 
 
+class ReductionTimer:
+    """Seconds that reductions hold up the compute stream. On the CPU the call returns when the
+    reduction is done: `perf_counter` around it. On a GPU it returns at the launch: CUDA events
+    around it on the current stream, read by `total`. A reduction issued while `hidden_stream()` is
+    the current stream (vLLM's auxiliary stream, where the ladder's start op reduces beside the MLP)
+    is not timed: the compute stream waits only for what is left of it at the join, which the decode
+    time includes. Under CUDA-graph capture no event is recorded (a replay runs no Python)."""
+
+    def __init__(self, hidden_stream=lambda: None):
+        self.hidden_stream = hidden_stream
+        self.seconds = 0.0
+        self.events: list = []
+
+    def call(self, reduce, tensor, *args):
+        """`reduce(tensor, *args)`, timed as the class says."""
+        import torch
+
+        if tensor.is_cuda:
+            hidden = self.hidden_stream()
+            if torch.cuda.is_current_stream_capturing() or (
+                hidden is not None and torch.cuda.current_stream() == hidden
+            ):
+                return reduce(tensor, *args)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return reduce(tensor, *args)
+            finally:
+                end.record()
+                self.events.append((start, end))
+        started = time.perf_counter()
+        try:
+            return reduce(tensor, *args)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def total(self) -> float:
+        """All the timed seconds so far (waits for the GPU when events are pending)."""
+        if self.events:
+            import torch
+
+            torch.cuda.synchronize()
+            self.seconds += sum(start.elapsed_time(end) for start, end in self.events) / 1000
+            self.events.clear()
+        return self.seconds
+
+
 def all_reduce_timer():
     """Two functions for `collective_rpc`: one that makes every all-reduce of vLLM's communicator
-    in a worker count its seconds, and one that reads the worker's total. Nested, so that
-    cloudpickle sends them by value: vLLM's engine process re-imports this script under another
-    name, where a module-level function would not be the same object."""
+    in a worker go through a `ReductionTimer`, and one that reads the worker's total. Nested, so
+    that cloudpickle sends them by value (a module-level function would be sent by the name of the
+    module that runs this script, which the workers do not have); the workers import the timer
+    from this module by its package name."""
 
     def install(worker) -> None:
         from vllm.distributed import parallel_state
+        from vllm.utils.torch_utils import aux_stream
+
+        from benchmarks.vllm_speed import ReductionTimer
 
         group = parallel_state.GroupCoordinator
-        if hasattr(group, "ladder_untimed_all_reduce"):
+        if hasattr(group, "ladder_timer"):
             return
-        group.ladder_untimed_all_reduce = group._all_reduce_out_place
-        group.ladder_all_reduce_seconds = 0.0
-
-        group.ladder_all_reduce_events = []
+        timer = group.ladder_timer = ReductionTimer(aux_stream)
+        untimed = group._all_reduce_out_place
 
         def timed(self, input_):
-            import torch
-
-            if input_.is_cuda:  # the host returns at launch: time the kernels with CUDA events
-                if torch.cuda.is_current_stream_capturing():  # replays run no Python: not timed
-                    return group.ladder_untimed_all_reduce(self, input_)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()  # on the current stream, the ladder's side stream included
-                try:
-                    return group.ladder_untimed_all_reduce(self, input_)
-                finally:
-                    end.record()
-                    group.ladder_all_reduce_events.append((start, end))
-            started = time.perf_counter()
-            try:
-                return group.ladder_untimed_all_reduce(self, input_)
-            finally:
-                group.ladder_all_reduce_seconds += time.perf_counter() - started
+            return timer.call(lambda tensor: untimed(self, tensor), input_)
 
         group._all_reduce_out_place = timed
 
     def total(worker) -> float:
-        import torch
         from vllm.distributed import parallel_state
 
-        group = parallel_state.GroupCoordinator
-        if group.ladder_all_reduce_events:
-            torch.cuda.synchronize()
-            group.ladder_all_reduce_seconds += sum(s.elapsed_time(e) for s, e in group.ladder_all_reduce_events) / 1000
-            group.ladder_all_reduce_events.clear()
-        return group.ladder_all_reduce_seconds
+        return parallel_state.GroupCoordinator.ladder_timer.total()
 
     return install, total
 
@@ -174,7 +210,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-length", type=int, default=32, help="prompt tokens per sequence (default 32)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per timed run (default 32)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported (default 3)")
-    parser.add_argument("--dtype", default="float32", help="float32 (default; bf16 is slow on these CPUs) or bfloat16")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        help="default: bfloat16 on GPUs, float32 on the CPU (bf16 is slow there)",
+    )
     parser.add_argument(
         "--compiled", action="store_true", help="vLLM's default torch.compile (and CUDA graphs on GPU) instead of eager"
     )
@@ -191,10 +231,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def run_variant(name: str, model: Path, args: argparse.Namespace, max_len: int) -> list[dict]:
+    """One variant's rows, from an engine that lives and dies in this (spawned) process."""
+    from vllm import LLM
+
+    started = time.perf_counter()
+    llm = LLM(
+        model=str(model),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        tensor_parallel_size=args.tp,
+        dtype=args.dtype,
+        enforce_eager=not args.compiled,
+        max_model_len=max_len,
+        seed=0,
+    )
+    startup = time.perf_counter() - started
+    install_timer, total_all_reduce = all_reduce_timer()
+    llm.collective_rpc(install_timer)
+    rows = []
+    for batch in args.batches:
+        row = dict(
+            variant=name,
+            batch=batch,
+            startup_s=startup,
+            **measure(llm, total_all_reduce, batch, args.prompt_length, args.new_tokens, args.repeats),
+        )
+        rows.append(row)
+        print(
+            f"{name:<20} batch {batch:>3}: {row['decode_ms_per_token']:8.2f} ms/token (spread {row['decode_spread']:.0%}), "
+            f"all-reduce {row['all_reduce_ms_per_token']:.2f} ms/token = {row['communication_share']:.0%}",
+            flush=True,
+        )
+    # The engine's processes end when the LLM is collected (its finalizer); the exit of this spawned
+    # process runs no such finalizer and would wait for them forever.
+    del llm
+    gc.collect()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from ladder.serving.engine import cpu_binding, use_spawn_where_cuda_may_be
+
+    use_spawn_where_cuda_may_be()  # before vLLM is imported
     try:
-        from vllm import LLM
         from vllm.platforms import current_platform
     except ImportError:
         print(
@@ -203,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     from ladder.io.files import atomic_write
-    from ladder.serving.engine import cpu_binding
 
+    if args.dtype is None:  # bf16 is slow on these CPUs
+        args.dtype = "float32" if current_platform.is_cpu() else "bfloat16"
     shape = SHAPES[args.shape]
     layers = shape["num_hidden_layers"]
     variants = {
@@ -229,34 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             model = write_config(
                 Path(root) / name.replace(" ", "_").replace("(", "").replace(")", ""), shape, ladder_layers, max_len
             )
-            started = time.perf_counter()
-            llm = LLM(
-                model=str(model),
-                load_format="dummy",
-                skip_tokenizer_init=True,
-                tensor_parallel_size=args.tp,
-                dtype=args.dtype,
-                enforce_eager=not args.compiled,
-                max_model_len=max_len,
-                seed=0,
-            )
-            startup = time.perf_counter() - started
-            install_timer, total_all_reduce = all_reduce_timer()
-            llm.collective_rpc(install_timer)
-            for batch in args.batches:
-                row = dict(
-                    variant=name,
-                    batch=batch,
-                    startup_s=startup,
-                    **measure(llm, total_all_reduce, batch, args.prompt_length, args.new_tokens, args.repeats),
-                )
-                rows.append(row)
-                print(
-                    f"{name:<20} batch {batch:>3}: {row['decode_ms_per_token']:8.2f} ms/token (spread {row['decode_spread']:.0%}), "
-                    f"all-reduce {row['all_reduce_ms_per_token']:.2f} ms/token = {row['communication_share']:.0%}",
-                    flush=True,
-                )
-            del llm
+            # A fresh spawned process per engine; its workers are not daemons (vLLM starts its own).
+            with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                rows += pool.submit(run_variant, name, model, args, max_len).result()
     for row in rows:
         standard = next(r for r in rows if r["variant"] == STANDARD and r["batch"] == row["batch"])
         row["speedup_vs_standard"] = standard["decode_ms_per_token"] / row["decode_ms_per_token"]
@@ -296,7 +353,7 @@ def table(rows: list[dict]) -> str:
             f"{row['tokens_per_s']:>8.1f} {row['speedup_vs_standard']:>10.2f}x {row['communication_share']:>16.0%}"
         )
     lines.append(
-        "all-reduce share: time inside vLLM's all-reduce (waiting for the other rank included) / decode time, per rank."
+        "all-reduce share: time the compute stream spends in vLLM's all-reduce (waiting for the other rank included) / decode time, per rank."
     )
     return "\n".join(lines)
 
