@@ -411,13 +411,13 @@ def check_adapt_steps(device_type: str) -> dict:
             process = launch_adapt(recipe)
             if policy == "full":  # preempted after two steps: the step in progress ends with a checkpoint
                 # SIGTERM to the launcher: torchrun passes it on (and waits 300 s, the configs' setting).
-                deadline = time.monotonic() + 240
+                deadline = time.monotonic() + 120
                 while len([m for m in run_metrics(run_dir) if "loss" in m]) < 2 and time.monotonic() < deadline:
                     if process.poll() is not None:
                         break
                     time.sleep(0.2)
                 process.send_signal(signal.SIGTERM)
-            output, _ = process.communicate(timeout=300)
+            output, _ = process.communicate()
             losses = [m["loss"] for m in run_metrics(run_dir) if "loss" in m]
             entry = {"exit_status": process.returncode, "losses": losses, "output_tail": output[-1500:]}
             if policy == "full":
@@ -426,7 +426,7 @@ def check_adapt_steps(device_type: str) -> dict:
                 step = json.loads((kept[-1] / STATE_FILE).read_text())["step"] if kept else None
                 entry["preempted_at_step"] = step
                 resumed = launch_adapt(recipe, "resume=true")
-                resumed_output, _ = resumed.communicate(timeout=300)
+                resumed_output, _ = resumed.communicate()
                 entry["resume_exit_status"] = resumed.returncode
                 entry["resume_output_tail"] = resumed_output[-1500:]
                 entry["passed"] = (
@@ -586,7 +586,9 @@ def check_plan_memory_8b(device_type: str) -> dict:
         train(recipe)
         measured = torch.cuda.max_memory_allocated()
         reserved = torch.cuda.max_memory_reserved()
-    ratio = plan.peak_bytes_per_device / measured
+    # The caching allocator's view (its reserve included) against the plan without its runtime part
+    # (the CUDA context and libraries, which the allocator does not see), where the plan has one.
+    planned = plan.peak_bytes_per_device - plan.memory.get("runtime", 0.0)
     return {
         "shape": shape,
         "setting": settings,
@@ -594,8 +596,9 @@ def check_plan_memory_8b(device_type: str) -> dict:
         "plan_parts_gib": {name: value / 2**30 for name, value in plan.memory.items()},
         "measured_max_allocated_gib": measured / 2**30,
         "measured_max_reserved_gib": reserved / 2**30,
-        "plan_over_measured": ratio,
-        "passed": abs(ratio - 1) <= 0.15,  # issue 36's goal for the plan
+        "plan_without_runtime_over_reserved": planned / reserved,
+        "plan_over_allocated": plan.peak_bytes_per_device / measured,
+        "passed": abs(planned / reserved - 1) <= 0.15,  # issue 36's goal for the plan
     }
 
 
@@ -607,14 +610,14 @@ CHECKS = {
         "before its wait would differ)",
         check_side_stream_ops,
         on_cpu=True,
-        timeout=120,
+        timeout=80,
     ),
     "head_loss_bf16": Check(
         "adapt/losses.py: the chunked head loss with bf16 operands and fp32 accumulation, compiled, matches "
         "fp64 over the same operands in the loss and both gradients, at the 8B head's vocabulary",
         check_head_loss_bf16,
         on_cpu=True,
-        timeout=90,
+        timeout=60,
     ),
     "adapt_steps": Check(
         "adapt on CUDA: compiled layers, selective and full recompute, bf16, FSDP2 at world size 1 over NCCL "
@@ -622,29 +625,29 @@ CHECKS = {
         "by torchrun with the configs' settings (issue 36 item 7), leaves a whole checkpoint that resumes",
         check_adapt_steps,
         on_cpu=False,
-        timeout=300,
+        timeout=160,
     ),
     "tp_runtime_nccl": Check(
         "ladder/tp: the TP runtime at world size 1 over NCCL (prefill, then decoding through the KV cache) "
         "gives transformers' logits, standard and ladder",
         check_tp_runtime,
         on_cpu=True,
-        timeout=60,
+        timeout=30,
     ),
     "vllm_speed_timing": Check(
         "issue 36 item 6: benchmarks/vllm_speed's ReductionTimer times with CUDA events what holds up the "
         "compute stream, and nothing of a reduction hidden on the side stream",
         check_vllm_speed_timing,
         on_cpu=True,
-        timeout=30,
+        timeout=20,
     ),
     "plan_memory_8b": Check(
         "issue 36 item 8: the adapt plan's peak memory for 2 layers of the Llama-3.1-8B shape (full vocabulary, "
-        "4,096 tokens, bf16, no recompute) against torch.cuda.max_memory_allocated of real adapt steps "
-        "(goal: within 15%)",
+        "4,096 tokens, bf16, no recompute), less its runtime part, against torch.cuda.max_memory_reserved of "
+        "real adapt steps (goal: within 15%)",
         check_plan_memory_8b,
         on_cpu=False,
-        timeout=180,
+        timeout=130,
     ),
 }
 
@@ -660,19 +663,21 @@ def run_one(name: str, device_type: str) -> dict:
 
 
 def run_isolated(name: str) -> dict:
-    """One check on the GPU in a process of its own, under its time limit."""
+    """One check on the GPU in a process of its own (and its own session, so that a check over its
+    time limit is killed with every process it started: none keeps GPU memory from the next)."""
     command = [sys.executable, "-m", "benchmarks.gpu_check", "--child", name]
+    process = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
-        completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=CHECKS[name].timeout)
+        stdout, stderr = process.communicate(timeout=CHECKS[name].timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
         return {"passed": False, "error": f"over its {CHECKS[name].timeout} s limit"}
-    lines = completed.stdout.strip().splitlines()
-    if completed.returncode != 0 or not lines:
-        return {
-            "passed": False,
-            "error": f"exit status {completed.returncode}",
-            "output_tail": completed.stderr[-3000:],
-        }
+    lines = stdout.strip().splitlines()
+    if process.returncode != 0 or not lines:
+        return {"passed": False, "error": f"exit status {process.returncode}", "output_tail": stderr[-3000:]}
     return json.loads(lines[-1])
 
 

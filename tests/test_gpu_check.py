@@ -43,6 +43,10 @@ def test_list_names_every_check_with_what_it_verifies():
     assert all(f"`{name}`" in documented for name in gpu_check.CHECKS)
 
 
+def test_the_checks_time_limits_add_up_to_eight_minutes_at_most():
+    assert sum(check.timeout for check in gpu_check.CHECKS.values()) <= 8 * 60
+
+
 @pytest.mark.parametrize("name", [name for name, check in gpu_check.CHECKS.items() if check.on_cpu])
 def test_cpu_variant_passes(name):
     result = gpu_check.run_one(name, "cpu")
