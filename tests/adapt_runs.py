@@ -58,6 +58,14 @@ def write_recipe(directory: Path, checkpoint: Path, corpus: Path, **overrides) -
     return path
 
 
+def chat_corpus(folder: Path, chat: list[dict]) -> Path:
+    """A corpus whose training data is one chat record (`train/chats.jsonl`), with a held-out text."""
+    (folder / "train").mkdir(parents=True)
+    (folder / "train" / "chats.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    (folder / "heldout.txt").write_text("The wind rose over the hills at dawn. " * 300)
+    return folder
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from adapt_runs import REPO, write_recipe
+from adapt_runs import REPO, chat_corpus, write_recipe
 from checkpoints import snapshot
 from file_server import write_manifest
 from ladder.errors import UsageError
@@ -89,7 +89,8 @@ def test_an_override_alias_bomb_is_refused_in_one_line(tmp_path, tiny_checkpoint
 def test_a_suite_alias_bomb_is_refused_in_one_line(tmp_path, tiny_checkpoint):
     """The suite's error message used to expand the bomb with repr."""
     suite = tmp_path / "bomb.yaml"
-    suite.write_text("\n".join([*alias_bomb(), "offline: *a12", "tasks: [ladder_piqa]"]) + "\n")
+    # The anchors inside a key the suite knows, so that the check of its value meets the bomb.
+    suite.write_text("offline:\n" + "".join(f"  {line}\n" for line in alias_bomb()) + "tasks: [ladder_piqa]\n")
     result = ladder_capped("eval", tiny_checkpoint, "--suite", suite, "--out", tmp_path / "report", "--device", "cpu")
     assert_one_line_refusal(result, str(suite), "alias")
     assert not (tmp_path / "report").exists()
@@ -231,12 +232,8 @@ def test_a_chat_template_past_its_budget_is_one_line_naming_it(tmp_path, tiny_ch
     """Such templates grew adapt's tokenizer workers past 8-10 GB (here: past the cap, or the timeout)."""
     model = Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
     (model / "chat_template.jinja").write_text(template)
-    corpus = tmp_path / "corpus"
-    (corpus / "train").mkdir(parents=True)
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
-    (corpus / "train" / "chats.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
-    (corpus / "heldout.txt").write_text("The wind rose over the hills at dawn. " * 300)
-    recipe = write_recipe(tmp_path, model, corpus)
+    recipe = write_recipe(tmp_path, model, chat_corpus(tmp_path / "corpus", chat))
     result = ladder_capped("adapt", recipe, "--prepare-data")
     assert_one_line_refusal(result, f"the chat template of {model}", "past")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from adapt_runs import write_recipe
+from adapt_runs import chat_corpus, write_recipe
 from file_server import Server, write_manifest
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
@@ -442,12 +442,8 @@ def test_a_chat_template_that_raises_is_one_line(tmp_path, tiny_checkpoint, caps
     tokenizer = AutoTokenizer.from_pretrained(model)
     tokenizer.chat_template = "{{ raise_exception('this template takes no system message') }}"
     tokenizer.save_pretrained(model)
-    corpus = tmp_path / "corpus"
-    (corpus / "train").mkdir(parents=True)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    (corpus / "train" / "chats.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
-    (corpus / "heldout.txt").write_text("The wind rose over the hills at dawn. " * 300)
-    recipe = write_recipe(tmp_path, model, corpus)
+    recipe = write_recipe(tmp_path, model, chat_corpus(tmp_path / "corpus", chat))
     assert ladder_main(["adapt", str(recipe), "--prepare-data"]) == 2
     (error,) = capsys.readouterr().err.strip().splitlines()
     assert f"the chat template of {model} failed on this chat: this template takes no system message" in error
