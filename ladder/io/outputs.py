@@ -1,13 +1,15 @@
 """Where a command may write: the one rule that every command that writes (convert, adapt, eval,
-sample, demo, data) checks before any work, each refusal one line (`UsageError`, exit 2).
+sample, demo, data, plan --calibrate; serve writes no file) checks before any work, each refusal
+one line (`UsageError`, exit 2).
 
 - An output is never an input, inside an input or above one (writing it, or replacing it, would
   change or destroy what the command reads), symlinks followed.
-- An output is never `/` or a home folder, nor a folder that holds one.
+- An output is never `/` or a home folder (any user's, from the password database, and $HOME), nor
+  a folder that holds one.
 - An output is on a file system this process can write: a read-only one (EROFS) or a folder the
   user cannot write is refused before the work, not after it.
 - An output that is already there is of the kind the command writes (a folder or a file), and:
-  `replace` (convert, eval, sample): refused unless `--force` and, for a folder, it carries this
+  `replace` (convert, eval, sample, plan --calibrate): refused unless `--force` and, for a folder, it carries this
   command's output marker (`ladder.io.files.check_force_target`); `add` (adapt's run folder, the
   demo's working folder, caches, the data folder): files are added to it, so it is refused only
   when another command's marker says it belongs to that command.
