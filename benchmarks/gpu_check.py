@@ -226,18 +226,22 @@ def check_side_stream_ops(device_type: str) -> dict:
             graph.replay()
             torch.cuda.synchronize()
             results[name] = captured.clone()
+    # Relative to the largest output. Each overlapped run computes what its synchronous run computes,
+    # kernel for kernel: any difference is a bug, and a buffer overwritten during the sleep differs by
+    # the size of the values; 1e-6 leaves room for a library that picks another kernel on another
+    # stream. Eager and inductor sum in other orders: that pair gets 1e-4.
+    scale = float(expected.abs().max())
     differences = {
-        name: float((value - (expected_compiled if name.startswith("inductor") else expected)).abs().max())
+        name: float((value - (expected_compiled if name.startswith("inductor") else expected)).abs().max()) / scale
         for name, value in results.items()
     }
-    # Eager and inductor compute the same sums in another order: the synchronous pair is compared with
-    # a tolerance, every overlapped run with its own synchronous run exactly.
-    eager_vs_inductor = float((expected - expected_compiled).abs().max())
+    eager_vs_inductor = float((expected - expected_compiled).abs().max()) / scale
     return {
         "modes": sorted(results),
-        "max_difference_from_synchronous": differences,
+        "largest_output": scale,
+        "relative_difference_from_synchronous": differences,
         "synchronous_eager_vs_inductor": eager_vs_inductor,
-        "passed": all(value == 0 for value in differences.values()) and eager_vs_inductor < 1e-3,
+        "passed": all(value <= 1e-6 for value in differences.values()) and eager_vs_inductor < 1e-4,
     }
 
 
@@ -606,7 +610,7 @@ CHECKS = {
     "side_stream_ops": Check(
         "issue 36 items 1-3: the ladder ops' bodies (ladder/serving/model.py) with both reductions on a real "
         "side stream (a slow stand-in: sleep, then copy; a full-graph step) give the synchronous result "
-        "exactly, in eager mode, under inductor and replayed from CUDA graphs (a buffer reused or freed "
+        "(to 1e-6), in eager mode, under inductor and replayed from CUDA graphs (a buffer reused or freed "
         "before its wait would differ)",
         check_side_stream_ops,
         on_cpu=True,
