@@ -60,12 +60,15 @@ def import_from_checkout() -> None:
     checkout is not installed: the GPU machine has its own torch and nothing may be downloaded."""
     if importlib.util.find_spec("ladder.adapt") is not None:
         return
+    import ladder
+
     for stage in ("adapt", "eval", "convert", "cli"):
         spec = importlib.util.spec_from_file_location(
             f"ladder.{stage}", REPO / stage / "__init__.py", submodule_search_locations=[str(REPO / stage)]
         )
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
+        setattr(ladder, stage, module)  # as the import system binds a submodule to its package
         spec.loader.exec_module(module)
 
 
