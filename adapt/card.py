@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tabulate import tabulate
+
 from ladder.io.model_card import SourceFacts, loading_section, origin_line, render_card
 from ladder.layers import format_layers
 
@@ -53,11 +55,11 @@ def model_card(recipe: Recipe, source: SourceFacts, licences: list[str], run: Tr
         f"{recipe.optimizer.lr:g}, {recipe.schedule.decay} decay; precision {recipe.precision}",
     ]
     if evals:
-        lines += ["", "## Held-out loss", "", "| step | tokens | loss | perplexity |", "|---|---|---|---|"]
-        lines += [
-            f"| {r['step']} | {r['tokens']:,} | {r['eval_loss']:.4f} | {r['eval_perplexity']:.2f} |"
-            for r in (evals if len(evals) <= 2 else [evals[0], evals[-1]])
-        ]
+        shown = evals if len(evals) <= 2 else [evals[0], evals[-1]]
+        cells = [[r["step"], f"{r['tokens']:,}", f"{r['eval_loss']:.4f}", f"{r['eval_perplexity']:.2f}"] for r in shown]
+        header = ["step", "tokens", "loss", "perplexity"]
+        table = tabulate(cells, header, tablefmt="pipe", colalign=["right"] * 4, disable_numparse=True)
+        lines += ["", "## Held-out loss", "", table]
         lines += [
             "",
             f"On {run.eval_blocks} held-out blocks of {recipe.data.seq_len} tokens; every "

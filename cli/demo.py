@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tabulate import tabulate
+
 from ladder.errors import ArgumentParser, UsageError
 from ladder.io.files import atomic_write
 from ladder.io.outputs import check_output, check_removable, make_output_folder, remove_output
@@ -267,8 +269,9 @@ def write_summary(demo: Demo) -> None:
 
 
 def _summary(rows: list[dict], adapt_dir: Path, seconds: dict[str, float], reused: list[str]) -> str:
-    lines = ["## Pipeline", "", "| stage | seconds |", "|---|---|"]
-    lines += [f"| {name}{' (reused)' if name in reused else ''} | {value:.0f} |" for name, value in seconds.items()]
+    stages = [[f"{name}{' (reused)' if name in reused else ''}", f"{value:.0f}"] for name, value in seconds.items()]
+    table = tabulate(stages, ["stage", "seconds"], tablefmt="pipe", colalign=("left", "right"), disable_numparse=True)
+    lines = ["## Pipeline", "", table]
     headline = next((r for r in rows if (r["task"], r["metric"]) == HEADLINE), None)
     if headline:
         original, ladder, retrained = (headline["scores"][label]["value"] for label in LABELS)
