@@ -16,15 +16,19 @@ and an existing file is not replaced without --force.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tqdm.auto import tqdm
+
 from ladder.errors import ArgumentParser, UsageError
 from ladder.io.files import atomic_write
 from ladder.io.outputs import check_output
+from ladder.log import log
 
 if TYPE_CHECKING:  # transformers loads only once the arguments are checked
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -107,14 +111,20 @@ def main(argv: list[str]) -> int:
     model, tokenizer = load_model(args.model, device_map={"": device} if device != "cpu" else None)
     documents = math.ceil(args.tokens / args.length)
     started = time.perf_counter()
-
-    def progress(done: int) -> None:
-        seconds = time.perf_counter() - started
-        print(f"{done}/{documents} documents, {done * args.length / seconds:.0f} tokens/s", flush=True)
-
-    sampled = sample_documents(model, tokenizer, documents, args.length, args.batch_size, args.seed, progress)
+    # tokens sampled, their rate and the time left, as adapt's bar shows them; -q hides it
+    bar = tqdm(total=documents * args.length, unit="tok", unit_scale=True, disable=not log.isEnabledFor(logging.INFO))
+    with bar:
+        sampled = sample_documents(
+            model,
+            tokenizer,
+            documents,
+            args.length,
+            args.batch_size,
+            args.seed,
+            lambda done: bar.update(done * args.length - bar.n),
+        )
     lines = [json.dumps({"text": tokenizer.decode(ids)}) + "\n" for ids in sampled]
     out.parent.mkdir(parents=True, exist_ok=True)  # as every output folder of ladder's commands
     atomic_write(out, "".join(lines), replace=args.force)
-    print(f"{out}: {documents} documents of {args.length} sampled tokens ({time.perf_counter() - started:.0f} s)")
+    log.info(f"{out}: {documents} documents of {args.length} sampled tokens ({time.perf_counter() - started:.0f} s)")
     return 0

@@ -26,6 +26,7 @@ from tabulate import tabulate
 from ladder.errors import ArgumentParser, UsageError
 from ladder.io.files import atomic_write
 from ladder.io.outputs import check_output, check_removable, make_output_folder, remove_output
+from ladder.log import log
 
 # Every file the demo reads is local: switch the Hub off before transformers or datasets load.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -63,15 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 @contextlib.contextmanager
 def _stage(number: int, name: str, what: str, seconds: dict[str, float]) -> Iterator[None]:
-    print(f"\n=== [{number}/{len(STAGES)}] {name}: {what}", flush=True)
+    log.info(f"\n=== [{number}/{len(STAGES)}] {name}: {what}")
     started = time.monotonic()
     yield
     seconds[name] = round(time.monotonic() - started, 1)
-    print(f"=== {name} took {seconds[name]:.0f} s", flush=True)
+    log.info(f"=== {name} took {seconds[name]:.0f} s")
 
 
 def _command(*words: object) -> None:
-    print("$ ladder " + " ".join(shlex.quote(str(word)) for word in words), flush=True)
+    log.info("$ ladder " + " ".join(shlex.quote(str(word)) for word in words))
 
 
 @dataclass
@@ -199,7 +200,7 @@ def convert_stage(demo: Demo) -> None:
     layers = demo.recipe.model.ladder_layers
     with _stage(1, "convert", f"{demo.original} -> {demo.ladder_dir}, ladder layers: {layers}", demo.seconds):
         if "convert" not in demo.redo:
-            print(f"reusing {demo.ladder_dir} (--redo convert converts again)")
+            log.info(f"reusing {demo.ladder_dir} (--redo convert converts again)")
             demo.reused.append("convert")
             return
         shown = format_layers(sorted(layers)) if isinstance(layers, list) else layers  # text only in the command shown
@@ -207,7 +208,7 @@ def convert_stage(demo: Demo) -> None:
         summary = convert_checkpoint(
             demo.original, out=demo.ladder_dir, ladder_layers=layers, force=True, progress=True
         )
-        print(format_summary(summary))
+        log.info(format_summary(summary))
 
 
 def data_stage(demo: Demo) -> None:
@@ -219,7 +220,7 @@ def data_stage(demo: Demo) -> None:
         make_output_folder(demo.data_cache, "adapt")  # adapt's data cache, which a later --redo data may delete
         _command("adapt", demo.args.recipe, *demo.adapt_overrides, "--prepare-data")
         splits = prepare(demo.adapt_recipe)
-        print(f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks")
+        log.info(f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks")
 
 
 def adapt_stage(demo: Demo) -> None:
