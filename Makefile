@@ -50,7 +50,8 @@ help:
 
 install: $(STAMP)
 
-# setup.cfg declares ranges; constraints.txt pins the exact versions tested (torch: the CPU wheel).
+# setup.cfg declares ranges; constraints.txt pins the exact versions tested (torch: whichever build pip
+# takes for the machine: CUDA from PyPI, a CPU wheel on the project's CI machines).
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet -c constraints.txt torch
