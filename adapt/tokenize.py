@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ladder.chat_template import compile_budgeted, render_budgeted
 from ladder.errors import UsageError, first_line
 
-from .chat_template import compile_budgeted, render_budgeted
 from .recipe import SourceSpec
 
 # ShareGPT-style chat records ({"from": "human", "value": ...}, as in BAAI/Infinity-Instruct).
@@ -207,7 +207,7 @@ class ChatRenderer:
         self.template, self.special_tokens, self.owner = template, special_tokens, owner
         # The compiled template called directly (a third of the time of transformers' whole call, which
         # also normalizes richer messages than {role, content}), where the two agree on a probe chat.
-        # Compiled with a time and output budget (`adapt.chat_template`): the template is the model's code.
+        # Compiled with a time and output budget (`ladder.chat_template`): the template is the model's code.
         self.compiled, self.render_jinja_template = compile_budgeted(template), render_jinja_template
         self.direct = True
         self.direct = (

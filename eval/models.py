@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ladder.chat_template import check_template_budget
 from ladder.errors import UsageError
 from ladder.io.loading import check_llama_checkpoint, load_tokenizer, model_name, resolve_model_path
 
@@ -49,16 +50,20 @@ def resolve_models(specs: list[str]) -> list[ModelRef]:
 
 
 def check_chat_templates(models: list[ModelRef], suite: Suite) -> None:
-    """A suite task with apply_chat_template needs a tokenizer with a chat template: say so before
-    anything is scored, not after the first model."""
+    """A suite task with apply_chat_template needs a tokenizer with a chat template that renders a
+    short chat within its budget (`ladder.chat_template`): say so before anything is scored, not
+    after the first model."""
     if not any(task.apply_chat_template for task in suite.tasks):
         return
     for ref in models:
-        if not load_tokenizer(ref.path).chat_template:
+        templates = load_tokenizer(ref.path).chat_template
+        if not templates:
             raise UsageError(
                 f"{ref.label} ({ref.path}) has no chat template: drop --apply-chat-template (or the suite's "
                 "apply_chat_template) for a base model"
             )
+        for template in templates.values() if isinstance(templates, dict) else [templates]:
+            check_template_budget(template, f"{ref.label} ({ref.path})")
 
 
 def lm_eval_json(results: ModelResults) -> dict:

@@ -227,20 +227,27 @@ TEMPLATE_BOMBS = {
 }
 
 
+@pytest.mark.parametrize("command", ["adapt", "eval"])
 @pytest.mark.parametrize("template", TEMPLATE_BOMBS.values(), ids=TEMPLATE_BOMBS)
-def test_a_chat_template_past_its_budget_is_one_line_naming_it(tmp_path, tiny_checkpoint, template):
-    """Such templates grew adapt's tokenizer workers past 8-10 GB (here: past the cap, or the timeout)."""
+def test_a_chat_template_past_its_budget_is_one_line_naming_it(tmp_path, tiny_checkpoint, template, command):
+    """Such templates grew adapt's tokenizer workers past 8-10 GB (here: past the cap, or the timeout);
+    eval's chats are rendered by lm-eval through transformers, after a probe chat within the budget."""
     model = Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
     (model / "chat_template.jinja").write_text(template)
-    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
-    recipe = write_recipe(tmp_path, model, chat_corpus(tmp_path / "corpus", chat))
-    result = ladder_capped("adapt", recipe, "--prepare-data")
-    assert_one_line_refusal(result, f"the chat template of {model}", "past")
+    if command == "adapt":
+        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+        recipe = write_recipe(tmp_path, model, chat_corpus(tmp_path / "corpus", chat))
+        result = ladder_capped("adapt", recipe, "--prepare-data")
+    else:
+        out = tmp_path / "report"
+        result = ladder_capped("eval", model, "--out", out, "--limit", "2", "--device", "cpu", "--apply-chat-template")
+        assert not out.exists()
+    assert_one_line_refusal(result, "the chat template of", str(model), "past")
 
 
 def test_a_chat_template_that_loops_without_output_stops_at_its_time_limit(monkeypatch):
     """Loops that print nothing pass the output limit: the clock stops them (shortened here)."""
-    from ladder.adapt import chat_template
+    from ladder import chat_template
     from ladder.adapt.tokenize import ChatRenderer
 
     monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.5)

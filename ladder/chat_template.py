@@ -1,6 +1,8 @@
 """A chat template compiled with a budget. A template comes with the model and is code: transformers
 runs it in jinja's sandbox, which stops it reaching Python's internals but not using the machine
 up. Nested `range(100000)` loops, or `'x' * 10**9`, grew adapt's tokenizer workers past 8-10 GB.
+adapt renders every chat this way; eval, whose chats lm-eval renders through transformers, first
+renders a short chat this way (`check_template_budget`).
 Here every render has a time limit (checked at each call, attribute lookup, operator and piece of
 output) and an output limit (the rendering, and any one string or list that `*` or `+` would
 make); a template past either fails that render with `TemplateBudgetExceeded`, a jinja
@@ -18,6 +20,8 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ladder.errors import UsageError
 
 # Far above what a chat template makes of one chat (a few kB of markup around its messages).
 MAX_RENDER_CHARS = 16 << 20
@@ -110,4 +114,27 @@ def render_budgeted(compiled, **context: Any) -> str:
     return "".join(pieces)
 
 
-__all__ = ["MAX_RENDER_CHARS", "MAX_RENDER_SECONDS", "TemplateBudgetExceeded", "compile_budgeted", "render_budgeted"]
+# A short chat that any chat template renders.
+PROBE_CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+
+
+def check_template_budget(template: str, owner: str) -> None:
+    """Render PROBE_CHAT with `template` within the budget: one past it is a UsageError naming
+    `owner`. Any other failure is left to the rendering that meets it (a template may refuse a
+    chat without a system message, say)."""
+    try:
+        render_budgeted(compile_budgeted(template), messages=PROBE_CHAT, add_generation_prompt=True)
+    except TemplateBudgetExceeded as error:
+        raise UsageError(f"the chat template of {owner} exceeds its budget: {error}") from None
+    except (TemplateError, TypeError, ValueError, RecursionError, OverflowError):
+        pass
+
+
+__all__ = [
+    "MAX_RENDER_CHARS",
+    "MAX_RENDER_SECONDS",
+    "TemplateBudgetExceeded",
+    "check_template_budget",
+    "compile_budgeted",
+    "render_budgeted",
+]
