@@ -1,12 +1,12 @@
 """A chat template compiled with a budget. A template comes with the model and is code: transformers
 runs it in jinja's sandbox, which stops it reaching Python's internals but not using the machine
 up. Nested `range(100000)` loops, or `'x' * 10**9`, grew adapt's tokenizer workers past 8-10 GB.
-adapt renders every chat this way; eval, whose chats lm-eval renders through transformers, first
-renders a short chat this way (`check_template_budget`).
 Here every render has a time limit (checked at each call, attribute lookup, operator and piece of
 output) and an output limit (the rendering, and any one string or list that `*` or `+` would
 make); a template past either fails that render with `TemplateBudgetExceeded`, a jinja
-TemplateError, which the renderer turns into one line naming the template.
+TemplateError, which the renderer turns into one line naming the template. adapt renders every
+chat this way; eval, whose chats lm-eval renders through transformers, first renders a short chat
+this way (`check_template_budget`).
 
 The environment is transformers' own (its filters, globals such as `raise_exception` and
 `namespace`, and extensions such as `{% generation %}`), rebuilt on a sandbox that keeps count."""
