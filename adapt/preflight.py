@@ -67,7 +67,7 @@ def check_outputs(recipe: Recipe, sources: ModelSources) -> None:
     another command's output, writable; before any weight loads."""
     inputs = [sources.student, sources.teacher, *local_data_files(recipe)]
     check_output(recipe.run_dir(), "adapt", inputs, existing="add", what="output_dir")
-    check_output(recipe.data.cache_dir, "adapt", inputs, existing="add", what="data.cache_dir")
+    check_output(recipe.data.cache_folder(), "adapt", inputs, existing="add", what="data.cache_dir")
 
 
 @dataclass(frozen=True)
