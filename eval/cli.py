@@ -243,20 +243,22 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"data folder {args.data} does not exist")
     # A suite of local files needs the data folder; one of stock lm-eval tasks reads the Hub instead.
     data_dir = args.data or (ladder_data_dir() if suite.offline else None)
+    models = ([args.baseline] if args.baseline else []) + args.models
+    cache_dir = None if args.no_cache else args.cache or default_cache_dir()
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if args.processes > 1 and launched == 1:
-        return _launch(argv, args, suite, data_dir)
+        return _launch(argv, args, suite, models, data_dir, cache_dir)
     if args.processes > 1 and args.processes != launched:
         raise UsageError(f"--processes {args.processes} under a launcher that started {launched}")
 
     evaluation = evaluate_models(
-        ([args.baseline] if args.baseline else []) + args.models,
+        models,
         suite,
         out=args.out,
         force=args.force,
         data_dir=data_dir,
         batch_size=args.batch_size,
-        cache_dir=None if args.no_cache else args.cache or default_cache_dir(),
+        cache_dir=cache_dir,
         verbose=args.verbose,
         device=args.device,
         dtype=args.dtype,
@@ -274,7 +276,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _launch(argv: list[str], args: argparse.Namespace, suite: Suite, data_dir: Path | None) -> int:
+def _launch(
+    argv: list[str],
+    args: argparse.Namespace,
+    suite: Suite,
+    models: list[str],
+    data_dir: Path | None,
+    cache_dir: Path | None,
+) -> int:
     """Run this command again in `args.processes` processes under `accelerate launch`. `--multi_gpu`
     is what makes accelerate start several processes (through torchrun); with no GPU they score on
     the CPU over gloo (`--cpu --num_processes N` starts only one: accelerate issue #2741). The
@@ -284,8 +293,7 @@ def _launch(argv: list[str], args: argparse.Namespace, suite: Suite, data_dir: P
     from .models import resolve_models
 
     out = args.out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
-    models = resolve_models(([args.baseline] if args.baseline else []) + args.models)
-    check_outputs(models, out, None if args.no_cache else args.cache or default_cache_dir(), data_dir, args.force)
+    check_outputs(resolve_models(models), out, cache_dir, data_dir, args.force)
     if args.parallelize:
         raise UsageError("--parallelize splits one model over all GPUs: it runs in one process (drop --processes)")
     if args.device.startswith("cuda:"):
