@@ -31,15 +31,15 @@ class _Stream(logging.StreamHandler):
     """A handler that writes to whatever sys.stdout or sys.stderr is at the time of the record (a
     test's capture, a redirection made after the command started), not the stream of its creation."""
 
-    def __init__(self, name: str, level_below: int | None = None):
+    def __init__(self, stream_name: str, level_below: int | None = None):
         super().__init__()
-        self.name = name
+        self.stream_name = stream_name  # not `name`: logging.Handler's own, the handler's registered name
         if level_below is not None:
             self.addFilter(lambda record: record.levelno < level_below)
 
     @property
     def stream(self):
-        return getattr(sys, self.name)
+        return getattr(sys, self.stream_name)
 
     @stream.setter
     def stream(self, _value) -> None:
