@@ -36,7 +36,7 @@ help:
 	@echo "make data                    fetch the data folder (LADDER_DATA) from its public sources, verified"
 	@echo "make lint                    ruff: lint rules and formatting (pyproject.toml)"
 	@echo "make test                    lint, then run the test suite"
-	@echo "make test-fast               lint, then the tests that need no built environment (skips vLLM, compat)"
+	@echo "make test-fast               lint, then the tests that are neither slow nor need a built environment"
 	@echo "make compat                  the other transformers versions the portability tests load checkpoints with"
 	@echo "make convert [MODEL= LAYERS= OUT=]   rewire a checkpoint (default: embedded SmolLM2, upper half)"
 	@echo "make adapt [RECIPE= key=value ...]   retrain from a recipe"
@@ -114,9 +114,9 @@ lint: $(STAMP)
 test: lint compat $(SERVE_STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
-# The developer's loop: everything but the tests that need the serving and compat environments.
+# The developer's loop: everything but the slow tests and those that need the serving and compat environments.
 test-fast: lint
-	$(BIN)/python -m pytest -m "not envs" $(ARGS)
+	$(BIN)/python -m pytest -m "not envs and not slow" $(ARGS)
 
 convert: $(STAMP)
 	$(BIN)/ladder convert $(if $(MODEL),"$(MODEL)") $(if $(LAYERS),--layers "$(LAYERS)") $(if $(OUT),--out "$(OUT)") $(ARGS)
