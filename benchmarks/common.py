@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ladder.io.tensors import ShardedWriter, TensorSpec, plan_shards, row_blocks
+from ladder.io.tensors import TensorSpec, cut_into_shards, write_shards
 
 PUBLISHED_SHAPES = {
     "smollm2-135m": dict(
@@ -58,7 +58,7 @@ PUBLISHED_SHAPES = {
 
 def write_synthetic_checkpoint(directory: Path, config: LlamaConfig, max_shard_size: int, seed: int = 0) -> None:
     """A checkpoint directory of `config`'s shapes with random float32 weights, written the way
-    `save_pretrained` lays it out, streaming (one 64 MiB block in memory at a time)."""
+    `save_pretrained` lays it out, one shard in memory at a time."""
     with torch.device("meta"):
         names_and_shapes = [
             (name, tuple(tensor.shape))
@@ -69,13 +69,13 @@ def write_synthetic_checkpoint(directory: Path, config: LlamaConfig, max_shard_s
     staging = directory.with_name(directory.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    writer = ShardedWriter(staging, plan_shards(specs, max_shard_size))
     generator = torch.Generator().manual_seed(seed)
-    for spec in specs:
-        for start, stop in row_blocks(spec.shape, 4):
-            block_shape = (stop - start, *spec.shape[1:]) if spec.shape else ()
-            writer.write(spec.name, torch.randn(block_shape, generator=generator).mul_(0.02))
-    writer.close()
+    shapes = {spec.name: spec.shape for spec in specs}
+    write_shards(
+        staging,
+        cut_into_shards(specs, max_shard_size),
+        lambda name: torch.randn(shapes[name], generator=generator).mul_(0.02),
+    )
     config.save_pretrained(staging)
     staging.rename(directory)
 

@@ -14,7 +14,7 @@ from ladder.units import parse_size
 
 # Light on purpose (no torch, no transformers): `--help` and a copy-mode conversion start at once.
 from .convert import convert_checkpoint
-from .plan import WEIGHT_MODES, ConversionSummary
+from .layout import WEIGHT_MODES, ConversionSummary
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,11 +70,10 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights",
         choices=WEIGHT_MODES,
-        default="auto",
-        help="how unchanged weight files reach the output: copy (read once, hashed on the way), "
-        "reflink (btrfs/XFS: shares the blocks, copy-on-write), link (hard links: instant, but the "
-        "output's files ARE the source's, so editing one in place edits the other; same filesystem "
-        "only), auto (default: reflink where possible, else copy)",
+        default="copy",
+        help="how unchanged weight files reach the output: copy (default: read once, hashed on the way), "
+        "link (hard links: instant, but the output's files ARE the source's, so editing one in place "
+        "edits the other; same filesystem only)",
     )
     parser.add_argument("--force", action="store_true", help="replace an earlier `ladder convert` output")
 
@@ -86,9 +85,6 @@ def _add_check_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="measure the conversion damage on fixed prompts (default: when both models fit in memory)",
-    )
-    parser.add_argument(
-        "--allow-pickle", action="store_true", help="read pickle .bin weights, with torch.load(weights_only=True)"
     )
 
 
@@ -146,7 +142,6 @@ def main(argv: list[str]) -> int:
         max_shard_size=parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else None,
         force=args.force,
         verify=args.verify,
-        allow_pickle=args.allow_pickle,
         progress=True,
         weights=args.weights,
         calibration=args.calibration,

@@ -2,7 +2,7 @@
 function the CLI calls.
 
 Conversion changes no weight, only the wiring (`ladder_layers` in config.json). It runs in two
-halves: `ladder.convert.plan` opens and checks the source, chooses the layers and lays out the
+halves: `ladder.convert.layout` opens and checks the source, chooses the layers and lays out the
 output without writing anything (every source tensor checked against the shapes the config
 implies, and used or dropped on purpose); `ladder.convert.execute` writes, verifies and records
 it, the output directory appearing only once it is complete. Bad input raises `UsageError` in the
@@ -21,7 +21,7 @@ from ladder.io.loading import gguf_parsed_once, resolve_model_path
 from ladder.layers import AutoLayers, LayerSpec, parse_layer_choice
 
 from .execute import write_conversion
-from .plan import (
+from .layout import (
     ConversionSummary,
     check_calibration,
     check_weight_mode,
@@ -44,9 +44,8 @@ def convert_checkpoint(
     max_shard_size: int | None = None,
     force: bool = False,
     verify: bool | None = None,
-    allow_pickle: bool = False,
     progress: bool = False,
-    weights: str = "auto",
+    weights: str = "copy",
     calibration: list[str | Path] | None = None,
 ) -> ConversionSummary:
     """Write a ladder copy of `source` (a checkpoint directory, a .gguf file, or None for the
@@ -66,14 +65,14 @@ def convert_checkpoint(
     source_path = resolve_model_path(source)
     # A GGUF file is read for its checks, its tokenizer, config and weights, and its licence: parsed once.
     with gguf_parsed_once() if source_path.suffix == ".gguf" else contextlib.nullcontext():
-        headers = read_source(source_path, allow_pickle)
+        headers = read_source(source_path)
         choice = parse_layer_choice(ladder_layers, headers.num_hidden_layers, "--layers")
         check_calibration(calibration, choice)
         out = output_dir(source_path, out, choice, force)
         opened = open_source(source_path, headers, dtype, progress)
         layers, search = choose_layers(opened, choice, calibration, progress)
-        plan = lay_out(opened, out, layers, search, dtype, max_shard_size, weights, verify)
-        return write_conversion(plan, force, weights, progress, started)
+        conversion = lay_out(opened, out, layers, search, dtype, max_shard_size, weights, verify)
+        return write_conversion(conversion, force, weights, progress, started)
 
 
 def conversion_differences(out: str | Path, source: str | Path | None, ladder_layers: LayerSpec = None) -> list[str]:

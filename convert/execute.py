@@ -1,26 +1,24 @@
-"""Carry out a conversion `Plan`: write the weights, the config and modeling files, the source's
-other files, verify, then the model card and `conversion.json`, all into a staging directory that
-appears under its name only once it is complete.
+"""Carry out a `Conversion`: write the weights, the config and modeling files, the source's other
+files, verify, then the model card and `conversion.json`, all into a staging directory
+(`atomic_directory`) that appears under its name only once it is complete.
 
 Where no dtype change and no resharding is asked, the source's safetensors files go over as they
-are: copied side by side (each byte read once, written with direct I/O and hashed on another
-thread: `ladder.io.fs`), reflinked where the filesystem allows, or hard-linked on request
-(`weights`); otherwise the tensors stream through `ladder.io.tensors` one 64 MiB block at a time,
-hashed as they are read. The manifest records the sha256 of every source weight file (not for
-hard links, which would cost a read of every byte).
+are: copied (each byte read once and hashed on the way; the files side by side, so that their
+hashes use every core) or hard-linked on request (`weights`); otherwise each output shard is
+written with safetensors' `save_file` from the source's tensors. The manifest records the sha256 of
+every source weight file (not for hard links, which would cost a read of every byte).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
-import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,23 +28,12 @@ from tqdm import tqdm
 import ladder
 import ladder.model
 from ladder.errors import UsageError
-from ladder.io.files import StreamingSha256, atomic_directory, sha256_file
-from ladder.io.fs import UNSUPPORTED_LINK_ERRNOS, copy_file, flush_to_disk, link_file
+from ladder.io.files import atomic_directory, remember_sha256, sha256_file
 from ladder.io.model_card import SourceFacts, loading_section, origin_line, render_card, source_facts
-from ladder.io.tensors import (
-    LazyTensorLoader,
-    OutputShard,
-    Shard,
-    ShardedTensorIndex,
-    ShardedWriter,
-    TensorSpec,
-    read_chunks,
-    split_rows,
-    write_index,
-)
+from ladder.io.tensors import SINGLE_NAME, OutputShard, ShardedTensorIndex, TensorSpec, write_index, write_shards
 from ladder.layers import format_layers
 
-from .plan import ConversionSummary, Plan, Source, load_pickle, say
+from .layout import Conversion, ConversionSummary, Source, say
 
 if TYPE_CHECKING:
     import torch
@@ -56,48 +43,71 @@ if TYPE_CHECKING:
 # What save_pretrained writes beside config.json so that the checkpoint loads with
 # trust_remote_code=True: the files `auto_map` names and their relative imports.
 MODELING_FILES = ("configuration_ladder_llama.py", "modeling_ladder_llama.py", "config_rules.py")
+COPY_CHUNK_BYTES = 16 << 20
 
 
-def write_conversion(plan: Plan, force: bool, weights: str, progress: bool, started: float) -> ConversionSummary:
-    """Write everything `plan` says into `plan.out`, completing and returning its summary; `started`
-    (a `time.perf_counter()`) times the whole conversion. `force` replaces only an earlier conversion;
-    of two runs into one folder, one is refused in one line, never silently replaced."""
-    summary, source = plan.summary, plan.source
-    with atomic_directory(plan.out, force, command="convert") as staging:
-        _write_weights(plan, staging, weights, progress)
-        _write_config(staging, plan.config)
+def write_conversion(
+    conversion: Conversion, force: bool, weights: str, progress: bool, started: float
+) -> ConversionSummary:
+    """Write everything `conversion` says into `conversion.out`, completing and returning its
+    summary; `started` (a `time.perf_counter()`) times the whole conversion. `force` replaces only an
+    earlier conversion; of two runs into one folder, one is refused in one line, never silently
+    replaced."""
+    summary, source = conversion.summary, conversion.source
+    with atomic_directory(conversion.out, force, command="convert") as staging:
+        _write_weights(conversion, staging, weights, progress)
+        _write_config(staging, conversion.config)
         _copy_other_files(source, staging)
-        if plan.verify_skipped is None:
-            summary.damage = _checked_damage(source, staging, plan.kept, progress)
-        summary.verify_skipped = plan.verify_skipped
+        if conversion.verify_skipped is None:
+            summary.damage = _checked_damage(source, staging, conversion.kept, progress)
+        summary.verify_skipped = conversion.verify_skipped
         summary.seconds = round(time.perf_counter() - started, 2)
         (staging / "README.md").write_text(_model_card(summary, source_facts(source.path), source.card is not None))
         _write_manifest(staging, summary)
-        flush_to_disk(staging)
+        for path in staging.iterdir():  # every file on the disk before the folder is renamed into place
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
     return summary
 
 
-def _write_weights(plan: Plan, staging: Path, weights: str, progress: bool) -> None:
+def _write_weights(conversion: Conversion, staging: Path, weights: str, progress: bool) -> None:
     """The weight files, as they are or rewritten, with the sha256 of each source file."""
-    summary, source = plan.summary, plan.source
+    summary, source = conversion.summary, conversion.source
     total = sum(path.stat().st_size for path in source.weight_files)
-    with tqdm(
-        desc="weights (sha256 on the way)",
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=None if progress else True,
-    ) as bar:
-        if plan.copy_as_is:
-            summary.weights, summary.source_sha256 = _place_weights(source.shards, staging, weights, bar)
+    bar = tqdm(desc="weights", total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress or None)
+    with bar:
+        if not conversion.copy_as_is:
+            summary.source_sha256 = {path.name: sha256_file(path) for path in source.weight_files}
+            write_shards(staging, conversion.layout, _tensor_reader(source))
+        elif weights == "link":
+            for path in source.weight_files:
+                os.link(path, staging / path.name)
+            summary.weights, summary.source_sha256 = "hard-linked", None
         else:
-            summary.source_sha256 = _rewrite_weights(source, plan.layout, staging, bar)
+            with ThreadPoolExecutor() as pool:
+                hashes = pool.map(lambda path: _copy_hashed(path, staging / path.name, bar), source.weight_files)
+                summary.source_sha256 = {path.name: digest for path, digest in zip(source.weight_files, hashes)}
+        bar.update(total - bar.n)
+    if conversion.copy_as_is and any(shard.path.name != SINGLE_NAME for shard in source.shards):
+        write_index(staging, [OutputShard(shard.path.name, shard.tensors) for shard in source.shards])
+
+
+def _copy_hashed(source: Path, target: Path, bar: tqdm) -> str:
+    """Copy a file and return its SHA-256, each byte read once (hashlib and file IO release the GIL,
+    so files copied side by side hash on every core)."""
+    digest = hashlib.sha256()
+    with open(source, "rb") as reader, open(target, "wb") as writer:
+        while chunk := reader.read(COPY_CHUNK_BYTES):
+            digest.update(chunk)
+            writer.write(chunk)
+            bar.update(len(chunk))
+    remember_sha256(source, digest.hexdigest())
+    return digest.hexdigest()
 
 
 def _copy_other_files(source: Source, staging: Path) -> None:
     """Tokenizer, generation config, licence (a GGUF file's tokenizer saved); the source's model card
-    as README.source.md (each checked to stay inside the source folder by `ladder.convert.plan`)."""
+    as README.source.md (each checked to stay inside the source folder by `ladder.convert.layout`)."""
     for path in source.other_files:
         shutil.copyfile(path, staging / path.name)
     if source.card is not None:
@@ -131,122 +141,6 @@ def _write_manifest(staging: Path, summary: ConversionSummary) -> None:
     (staging / "conversion.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def _hashed_chunks(shard: Shard, bar: tqdm, hashes: dict[str, str]) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
-    """`read_chunks` of one shard, each block hashed on a worker thread while the caller writes it
-    (the file is read once); the hash lands in `hashes` when the shard is done."""
-    digest, pending = StreamingSha256(), []
-
-    def on_read(data: memoryview) -> None:
-        pending.append(digest.update(data))
-        bar.update(len(data))
-
-    try:
-        for item in read_chunks(shard, on_read):
-            yield item
-            for hashed in pending:  # read_chunks reads the next block into the same buffer
-                hashed.result()
-            pending.clear()
-        hashes[shard.path.name] = digest.hexdigest()
-    finally:
-        digest.close()
-
-
-def _source_blocks(source: Source, bar: tqdm, hashes: dict[str, str]) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
-    """Every source tensor in reading order, in row blocks; each weight file's sha256 into `hashes`."""
-    if source.format == "safetensors":
-        for shard in source.shards:
-            yield from _hashed_chunks(shard, bar, hashes)
-        return
-    for path in source.weight_files:
-        # Pickle and GGUF files are read by torch and transformers: hashed apart (a second read).
-        hashes[path.name] = sha256_file(path)
-        state = load_pickle(path) if source.format == "pickle" else source.model.state_dict()
-        for name, tensor in state.items():
-            yield from split_rows(source.tensors[name], tensor)
-        bar.update(path.stat().st_size)
-
-
-def _rewrite_weights(source: Source, layout: list[OutputShard], directory: Path, bar: tqdm) -> dict[str, str]:
-    """Stream the kept tensors into the planned shards (which cast them to their output dtype);
-    returns the sha256 of each source weight file."""
-    writer = ShardedWriter(directory, layout)
-    kept = {spec.name for shard in layout for spec in shard.tensors}
-    hashes: dict[str, str] = {}
-    for spec, block in _source_blocks(source, bar, hashes):
-        if spec.name in kept:
-            writer.write(spec.name, block)
-    writer.close()
-    return hashes
-
-
-def _place_weights(shards: list[Shard], directory: Path, weights: str, bar: tqdm) -> tuple[str, dict[str, str] | None]:
-    """Put the unchanged weight files into `directory` (hard links, reflinks, or copies hashed on
-    the way), and their index. Returns what was done ("copied", "reflinked", "hard-linked") and
-    the sha256 of each source file (None for hard links: computing it would read every byte)."""
-    how = weights
-    if how in ("auto", "reflink"):
-        try:
-            for shard in shards:
-                link_file(shard.path, directory / shard.path.name, "reflink")
-            how = "reflink"
-        except OSError as error:
-            if error.errno not in UNSUPPORTED_LINK_ERRNOS:
-                raise
-            if how == "reflink":
-                raise UsageError(
-                    f"--weights reflink: cannot reflink {shard.path} into {directory.parent} "
-                    f"({os.strerror(error.errno)}; btrfs and XFS can); use --weights copy"
-                ) from None
-            how = "copy"  # this filesystem has no reflinks; a copy replaces what was linked
-    hashes = None
-
-    def copy(shard: Shard, progress: Callable[[int], None]) -> str:
-        return copy_file(shard.path, directory / shard.path.name, progress)
-
-    def hash_only(shard: Shard, progress: Callable[[int], None]) -> str:  # reflinked: only read
-        return sha256_file(shard.path, on_chunk=progress)
-
-    if how in ("copy", "reflink"):
-        hashes = _each_file(copy if how == "copy" else hash_only, shards, bar)
-    else:
-        for shard in shards:
-            link_file(shard.path, directory / shard.path.name, "link")
-            bar.update(shard.path.stat().st_size)
-    if any(shard.path.name != "model.safetensors" for shard in shards):
-        write_index(directory, [OutputShard(shard.path.name, shard.tensors) for shard in shards])
-    return {"copy": "copied", "reflink": "reflinked", "link": "hard-linked"}[how], hashes
-
-
-class _Stopped(Exception):
-    """Raised in a worker's progress report to stop it, once another worker has failed."""
-
-
-def _each_file(work: Callable[[Shard, Callable[[int], None]], str], shards: list[Shard], bar: tqdm) -> dict[str, str]:
-    """`work(shard, progress)` for every shard at once, on worker threads: {file name: its result,
-    a sha256}. One file's SHA-256 is sequential, about 1.3 GB/s on a core, and the rest of a copy
-    is the disk's, so files hashed side by side use every core (more files than cores, as the
-    executor's default allows, balance shards of unequal size). The first error stops the other
-    workers at their next chunk and is raised; so is Ctrl-C."""
-    stop, lock = threading.Event(), threading.Lock()
-
-    def progress(nbytes: int) -> None:
-        if stop.is_set():
-            raise _Stopped
-        with lock:
-            bar.update(nbytes)
-
-    with ThreadPoolExecutor(thread_name_prefix="weights") as pool:
-        futures = {shard.path.name: pool.submit(work, shard, progress) for shard in shards}
-        try:
-            done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
-            for future in done:
-                future.result()  # raises a worker's error
-            return {name: future.result() for name, future in futures.items()}
-        except BaseException:
-            stop.set()
-            raise
-
-
 def _write_config(directory: Path, config: dict) -> None:
     """config.json and the modeling files its `auto_map` names, so that the checkpoint also loads
     with trust_remote_code=True where `ladder` is not installed."""
@@ -255,38 +149,21 @@ def _write_config(directory: Path, config: dict) -> None:
         shutil.copyfile(Path(ladder.model.__file__).parent / name, directory / name)
 
 
-def _safetensors_reader(directory: Path) -> Callable[[str], torch.Tensor]:
-    """A function from tensor name to a copy of that tensor, opening its file for each read: a file
-    kept open stays memory-mapped, and every page read once would count in the process's memory
-    until it closes (a whole checkpoint, by the end of a verification)."""
-    index = ShardedTensorIndex.from_directory(directory)
+def _tensor_reader(source: Source | Path) -> Callable[[str], torch.Tensor]:
+    """A function from tensor name to that tensor: a GGUF source's from its dequantized model, a
+    safetensors checkpoint's read alone, its file opened for each read (a file kept open stays
+    memory-mapped, and every page read once would count in the process's memory until it closes)."""
+    if isinstance(source, Source) and source.model is not None:
+        return source.model.state_dict().__getitem__
+    index = ShardedTensorIndex.from_directory(source.path if isinstance(source, Source) else source)
 
     def read(name: str) -> torch.Tensor:
-        with LazyTensorLoader(index) as loader:
-            return loader.read(name)
+        from safetensors import safe_open
+
+        with safe_open(index.shard_of(name).path, framework="pt") as handle:
+            return handle.get_tensor(name)
 
     return read
-
-
-@contextlib.contextmanager
-def _source_reader(source: Source) -> Iterator[Callable[[str], torch.Tensor]]:
-    """A function from tensor name to the source's tensor that reads only what is asked (one
-    safetensors tensor at a time; for pickle weights one memory-mapped file at a time)."""
-    if source.model is not None:  # gguf: dequantized in memory already
-        yield source.model.state_dict().__getitem__
-    elif source.format == "safetensors":
-        yield _safetensors_reader(source.path)
-    else:
-        holder = {name: path for path in source.weight_files for name in load_pickle(path)}
-        opened: dict[Path, dict[str, torch.Tensor]] = {}
-
-        def read(name: str) -> torch.Tensor:
-            if holder[name] not in opened:
-                opened.clear()
-                opened[holder[name]] = load_pickle(holder[name])
-            return opened[holder[name]][name]
-
-        yield read
 
 
 def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
@@ -318,8 +195,9 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
     except (OSError, ValueError, TypeError):
         tokenizer = None
     prompts = prompt_ids(tokenizer, config.vocab_size)
-    with _source_reader(source) as read:
-        return measure_damage_layerwise(original, ladder_model, read, _safetensors_reader(converted), dtypes, prompts)
+    return measure_damage_layerwise(
+        original, ladder_model, _tensor_reader(source), _tensor_reader(converted), dtypes, prompts
+    )
 
 
 def _model_card(summary: ConversionSummary, source: SourceFacts, kept_source_card: bool) -> str:

@@ -25,6 +25,19 @@ def run_convert(capsys, *args) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def resaved(checkpoint: Path, destination: Path, **save_options) -> Path:
+    """A checkpoint saved again by transformers (e.g. sharded), with its tokenizer."""
+    from transformers import LlamaForCausalLM
+
+    LlamaForCausalLM.from_pretrained(checkpoint).save_pretrained(destination, **save_options)
+    for name in TOKENIZER_FILES:
+        shutil.copy(checkpoint / name, destination / name)
+    return destination
+
+
 def snapshot(directory: Path) -> dict[str, str]:
     return {str(p.relative_to(directory)): sha256_file(p) for p in sorted(directory.rglob("*")) if p.is_file()}
 

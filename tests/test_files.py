@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from ladder.errors import UsageError
-from ladder.io.files import atomic_directory, atomic_write, sha256_file
+from ladder.io.files import atomic_directory, atomic_write
 
 
 def test_directory_appears_only_when_complete(tmp_path):
@@ -104,9 +104,3 @@ def test_atomic_write_replaces_whole_file(tmp_path):
     atomic_write(path, b"second")
     assert path.read_text() == "second"
     assert os.listdir(tmp_path) == ["report.json"]
-
-
-def test_sha256_file(tmp_path):
-    path = tmp_path / "f"
-    path.write_bytes(b"abc")
-    assert sha256_file(path, chunk_size=2) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"

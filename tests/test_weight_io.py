@@ -1,108 +1,80 @@
-"""Weight files read, written and copied (ladder/io/tensors.py, fs.py): the tensor IO against the
-safetensors library, and the one-pass hashing copy in each way a filesystem allows it."""
+"""Weight files read and written (ladder/io/tensors.py) through the safetensors library: headers
+and slices as they are, shards written with a cast and an index, and a file's hash computed once
+per process."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
+import json
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ladder.io import fs as fs_io
-from ladder.io.files import sha256_file
-from ladder.io.fs import copy_file
-from ladder.io.tensors import SafetensorsWriter, TensorSpec, read_chunks, read_shard
+from ladder.errors import UsageError
+from ladder.io import files
+from ladder.io.tensors import LazyTensorLoader, ShardedTensorIndex, TensorSpec, cut_into_shards, write_shards
 
 
-def test_tensor_io_round_trip_against_the_safetensors_library(tmp_path):
+def test_headers_slices_and_shards_round_trip(tmp_path):
     tensors = {
         "weight": torch.randn(7, 5),
         "half": torch.randn(3, 4).to(torch.bfloat16),
         "ids": torch.arange(6),
-        "mask": torch.tensor([True, False, True]),
         "scalar": torch.tensor(2.5),
-        "empty": torch.zeros(0, 3),
     }
-    save_file(tensors, tmp_path / "library.safetensors")
-    shard = read_shard(tmp_path / "library.safetensors")
-    assert {spec.name for spec in shard.tensors} == set(tensors)
-    seen = bytearray()
-    blocks: dict[str, list[torch.Tensor]] = {}
-    for spec, block in read_chunks(shard, seen.extend, chunk_bytes=20):  # a few rows at a time
-        blocks.setdefault(spec.name, []).append(block.clone())  # blocks share one buffer
-    assert bytes(seen) == (tmp_path / "library.safetensors").read_bytes()
-    for name, tensor in tensors.items():
-        rebuilt = torch.cat(blocks[name]) if tensor.dim() else blocks[name][0]
-        assert rebuilt.dtype == tensor.dtype and torch.equal(rebuilt, tensor), name
-        assert len(blocks[name]) > 1 or tensor.numel() * tensor.element_size() <= 20 or tensor.dim() == 0
-
-    # Written back in pieces, floating tensors cast to float16 by the writer.
-    as_float16 = {name: t.to(torch.float16) if t.is_floating_point() else t for name, t in tensors.items()}
-    writer = SafetensorsWriter(
-        tmp_path / "ours.safetensors", [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in as_float16.items()]
-    )
-    for name, tensor in tensors.items():
-        if tensor.dim() and len(tensor) > 1:
-            writer.write(name, tensor[:1])
-            writer.write(name, tensor[1:])
-        else:
-            writer.write(name, tensor)
-    writer.close()
-    written = load_file(tmp_path / "ours.safetensors")
-    assert all(torch.equal(written[name], tensor) for name, tensor in as_float16.items())
-
-
-def _refuse(errno_: int, what: str):
-    def refuse(*args, **kwargs):
-        raise OSError(errno_, what)
-
-    return refuse
-
-
-COPY_WAYS = {
-    # where the filesystem has direct I/O (ext4, XFS, btrfs): whole pages straight from the map
-    "direct": lambda patch, writes: None,
-    # it takes the O_DIRECT flag but refuses the write (some FUSE filesystems)
-    "direct-refused": lambda patch, writes: writes.append("refuse direct"),
-    # no direct I/O (tmpfs before Linux 6.6, not Linux): the kernel copies (copy_file_range)
-    "kernel-copy": lambda patch, writes: patch.setattr(fs_io, "O_DIRECT", 0),
-    # nor copy_file_range between the two files (EXDEV, as between some filesystems): written from the map
-    "written-from-map": lambda patch, writes: (
-        patch.setattr(fs_io, "O_DIRECT", 0),
-        patch.setattr(os, "copy_file_range", _refuse(18, "cross-device")),
-    ),
-}
-
-
-@pytest.mark.parametrize("way", list(COPY_WAYS))
-def test_copy_file_hashes_what_it_copies_in_one_pass(tmp_path, monkeypatch, way):
     source = tmp_path / "source"
-    source.write_bytes(os.urandom((3 << 20) + 12345))  # 13 chunks of 256 KiB, the last not whole pages
-    writes, pwrite = [], os.pwrite
+    source.mkdir()
+    save_file(tensors, source / "model.safetensors")
+    index = ShardedTensorIndex.from_directory(source)
+    assert {name: (spec.dtype, spec.shape) for name, spec in index.tensors.items()} == {
+        "weight": ("float32", (7, 5)),
+        "half": ("bfloat16", (3, 4)),
+        "ids": ("int64", (6,)),
+        "scalar": ("float32", ()),
+    }
+    with LazyTensorLoader(index) as loader:
+        assert torch.equal(loader.read("weight", rows=range(2, 4)), tensors["weight"][2:4])
+        assert torch.equal(loader.read("weight", columns=range(1, 3)), tensors["weight"][:, 1:3])
 
-    def recorded_pwrite(descriptor, data, offset):
-        direct = bool(fcntl.fcntl(descriptor, fcntl.F_GETFL) & fs_io.O_DIRECT)
-        if direct and "refuse direct" in writes:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        writes.append((direct, len(data)))
-        return pwrite(descriptor, data, offset)
+    # Floating tensors cast to float16 as the layout says, cut into shards of at most 64 bytes.
+    specs = [TensorSpec(n, torch.float16 if t.is_floating_point() else t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    out = tmp_path / "out"
+    out.mkdir()
+    shards = cut_into_shards(specs, 64)
+    write_shards(out, shards, tensors.__getitem__)
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(shards) > 1 and set(weight_map.values()) == {shard.filename for shard in shards}
+    written = ShardedTensorIndex.from_directory(out)
+    for name, tensor in tensors.items():
+        expected = tensor.to(torch.float16) if tensor.is_floating_point() else tensor
+        assert torch.equal(load_file(written.shard_of(name).path)[name], expected), name
 
-    monkeypatch.setattr(os, "pwrite", recorded_pwrite)
-    COPY_WAYS[way](monkeypatch, writes)
-    progress = []
-    digest = copy_file(source, tmp_path / "copy", progress.append, chunk_bytes=1 << 18)
-    assert (tmp_path / "copy").read_bytes() == source.read_bytes()
-    assert digest == sha256_file(source) and sum(progress) == source.stat().st_size and len(progress) == 13
-    written = [write for write in writes if write != "refuse direct"]
-    if way == "direct":
-        # whole pages direct, the last page's part buffered
-        assert written[:-1] == [(True, 1 << 18)] * 12 + [(True, 12288)] and written[-1] == (False, 57)
-    else:
-        assert not any(direct for direct, _ in written)
-        # the kernel copies unless it cannot; then every byte is written from the map
-        assert sum(size for _, size in written) == (source.stat().st_size if way == "written-from-map" else 0)
-    (tmp_path / "empty").write_bytes(b"")
-    assert copy_file(tmp_path / "empty", tmp_path / "empty-copy", progress.append) == sha256_file(tmp_path / "empty")
+
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (b"not json at all", "invalid JSON in header"),
+        (b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', "incomplete metadata"),
+        (b'{"w":{"dtype":"F32","shape":[3],"data_offsets":[0,4]}}', "invalid shape"),
+    ],
+)
+def test_a_corrupt_header_is_one_line_naming_the_file(tmp_path, header, message):
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    with pytest.raises(UsageError, match=f"model.safetensors is not a valid safetensors file: .*{message}"):
+        ShardedTensorIndex.from_directory(tmp_path)
+
+
+def test_a_file_is_hashed_once_per_process_until_it_changes(tmp_path, monkeypatch):
+    path = tmp_path / "weights"
+    path.write_bytes(b"abc")
+    reads = []
+    real_digest = files.hashlib.file_digest
+    monkeypatch.setattr(files.hashlib, "file_digest", lambda *args: reads.append(1) or real_digest(*args))
+    abc = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert files.sha256_file(path) == files.sha256_file(tmp_path / "." / "weights") == abc
+    assert len(reads) == 1
+    status = path.stat()
+    path.write_bytes(b"abd")  # same size; the mtime put back: the ctime still tells
+    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
+    assert files.sha256_file(path) != abc and len(reads) == 2

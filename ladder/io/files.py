@@ -2,32 +2,32 @@
 
 Every stage writes through these: a directory is built under a temporary name beside its final
 place and renamed at the end (rename is atomic within one filesystem); a single file is written
-to a temporary name, flushed to disk and renamed over the old one. Two runs never silently share
-an output: the final rename cannot replace what appeared meanwhile, a run's temporaries are
-locked while it lives, and `--force` replaces only an earlier output of the same command.
+to a temporary name, flushed to disk and renamed over the old one (`os.replace`). Two runs never
+silently share an output: the final rename cannot replace what appeared meanwhile, a run's
+temporaries are locked (`filelock`) while it lives, and `--force` replaces only an earlier output
+of the same command.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 from ladder.errors import UsageError
 from ladder.log import log
 
 # Every output folder carries this file: which command made it (`--force` replaces only an earlier
-# output of the same command). While a run builds the folder it holds an exclusive lock on it, so
-# the run's temporaries are recognised as live by that lock, not by a PID: flock works across PID
+# output of the same command). While a run builds the folder it holds a lock on it, so the run's
+# temporaries are recognised as live by that lock, not by a PID: flock works across PID
 # namespaces, and across machines on shared filesystems that support locks (NFSv4, Lustre, GPFS).
 OUTPUT_MARKER = ".ladder-output"
 _STAGING_MARK = ".tmp-"  # a run's temporary (folder or file), locked while the run lives
@@ -36,73 +36,40 @@ _RETIRED_SUFFIX = "-old"  # an existing output set aside while its replacement m
 # A `.new-` leftover is a run killed between creating its temporary and locking it (microseconds
 # apart): cleared once older than this, so that a run being born is never taken for one.
 BIRTH_GRACE_SECONDS = 60
-_AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # renameat2's arguments (linux/fcntl.h, linux/fs.h)
-_libc = ctypes.CDLL(None, use_errno=True)  # renameat2 is in glibc >= 2.28; without it, see _rename_noreplace
+# The rename errors that mean "something is at the target".
+_TARGET_EXISTS = {errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR}
+OutputLock = FileLock
 
 
-# The descriptors holding this process's locks. A forked child (a tokenizer worker) closes its copies at
-# once: an flock belongs to the open file, so a child left behind by a killed run would keep that run's
-# lock, and the resumed run would be refused as "another run is writing".
-_HELD_LOCKS: set[int] = set()
-
-
-def _unlock(descriptor: int) -> None:
-    _HELD_LOCKS.discard(descriptor)
-    os.close(descriptor)
-
-
-def _close_inherited_locks() -> None:
-    for descriptor in _HELD_LOCKS:
-        with contextlib.suppress(OSError):
-            os.close(descriptor)
-    _HELD_LOCKS.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited_locks)
-
-
-def _lock(path: Path, blocking: bool = False) -> int | None:
-    """A descriptor holding an exclusive flock on `path` (released when it is closed, also by a
-    kill), or None when another process holds the lock or the file is gone."""
-    try:
-        descriptor = os.open(path, os.O_RDWR)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+def _lock(path: Path) -> FileLock | None:
+    """An exclusive lock on the existing file `path` (released by `release`, also by a kill), or
+    None when another process holds it or the file is gone."""
+    if not path.is_file():
         return None
+    lock = FileLock(path, timeout=0, fallback_to_soft=False)
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-    except BlockingIOError:
-        os.close(descriptor)
+        lock.acquire()
+    except (Timeout, FileNotFoundError):
         return None
-    _HELD_LOCKS.add(descriptor)
-    return descriptor
+    return lock
 
 
-def _born_locked(parent: Path, stem: str, directory: bool, command: str | None = None) -> tuple[Path, int]:
+def _born_locked(parent: Path, stem: str, directory: bool, command: str | None = None) -> tuple[Path, FileLock]:
     """A new temporary `parent/.STEM.tmp-RANDOM` (a folder with its marker, or a file), already
     locked when it appears under that name: it is created and locked under a `.new-` name, which
     cleanup leaves alone while young, then renamed."""
     token = os.urandom(6).hex()
     birth = parent / f".{stem}{_BIRTH_MARK}{token}"
-    lock_path = birth / OUTPUT_MARKER if directory else birth
     if directory:
         birth.mkdir()
-    descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    fcntl.flock(descriptor, fcntl.LOCK_EX)
-    _HELD_LOCKS.add(descriptor)
-    if directory:
-        os.write(descriptor, json.dumps({"command": command}).encode() + b"\n")
+        (birth / OUTPUT_MARKER).write_text(json.dumps({"command": command}) + "\n")
+    else:
+        birth.touch(exist_ok=False)
+    lock = FileLock(birth / OUTPUT_MARKER if directory else birth, timeout=0, fallback_to_soft=False)
+    lock.acquire()
     staging = parent / f".{stem}{_STAGING_MARK}{token}"
     os.rename(birth, staging)
-    return staging, descriptor
-
-
-def _claim_if_stale(entry: Path) -> int | None:
-    """Lock a leftover temporary when no live run holds it: the descriptor, or None when it is live.
-    A temporary folder without a marker was left by a version before locks: stale."""
-    lock_path = entry / OUTPUT_MARKER if entry.is_dir() else entry
-    if entry.is_dir() and not lock_path.exists():
-        return os.open(entry, os.O_RDONLY)  # nothing to lock: a descriptor only to close
-    return _lock(lock_path)
+    return staging, lock
 
 
 def _remove(entry: Path) -> None:
@@ -113,26 +80,27 @@ def _remove(entry: Path) -> None:
 
 
 def _remove_stale_temporaries(final: Path) -> None:
-    """Temporary siblings left by runs that were killed: no process holds their lock. A retired
-    output (`..-old`) with no `final` beside it means the run died between its two renames: the old
-    output goes back into place rather than being deleted with the half-installed new one."""
+    """Temporary siblings left by runs that were killed: no process holds their lock (a folder
+    without a marker is stale too). A retired output (`..-old`) with no `final` beside it means the
+    run died between its two renames: it goes back into place rather than being deleted."""
     now = time.time()
     for leftover in final.parent.glob(f".{final.name}{_BIRTH_MARK}*"):
         with contextlib.suppress(FileNotFoundError):
             if now - leftover.lstat().st_mtime > BIRTH_GRACE_SECONDS:
                 _remove(leftover)
-    stale = {}
-    for leftover in final.parent.glob(f".{final.name}{_STAGING_MARK}*"):
-        if (descriptor := _claim_if_stale(leftover)) is not None:
-            stale[leftover] = descriptor
-    for leftover in stale:
-        if leftover.name.endswith(_RETIRED_SUFFIX) and not final.exists():
-            os.rename(leftover, final)
-            _fsync_directory(final.parent)
-    for leftover, descriptor in stale.items():
-        if leftover.exists():
-            _remove(leftover)
-        _unlock(descriptor)
+    for leftover in sorted(final.parent.glob(f".{final.name}{_STAGING_MARK}*")):
+        marker = leftover / OUTPUT_MARKER if leftover.is_dir() else leftover
+        if (lock := _lock(marker)) is None and marker.exists():
+            continue  # a live run's
+        try:
+            if leftover.name.endswith(_RETIRED_SUFFIX) and not final.exists():
+                os.rename(leftover, final)
+                _fsync_directory(final.parent)
+            else:
+                _remove(leftover)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _fsync_directory(path: Path) -> None:
@@ -144,24 +112,21 @@ def _fsync_directory(path: Path) -> None:
 
 
 def _rename_noreplace(source: Path, target: Path) -> None:
-    """Rename that never replaces: `FileExistsError` when `target` exists (also when it appeared a
-    moment ago). renameat2(RENAME_NOREPLACE) makes the check and the rename one step in the kernel;
-    on a filesystem without it, a file is hard-linked (link refuses an existing name, atomically) and
-    a folder is checked first (rename itself refuses a non-empty folder)."""
-    renameat2 = getattr(_libc, "renameat2", None)
-    if renameat2 is not None:
-        if renameat2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE) == 0:
-            return
-        code = ctypes.get_errno()
-        if code not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise OSError(code, os.strerror(code), str(target))
-    if source.is_dir():
-        if os.path.lexists(target):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
-        os.rename(source, target)
-    else:
-        os.link(source, target)
-        source.unlink()
+    """Rename that never replaces: `FileExistsError` when `target` exists. A file is hard-linked
+    (link refuses an existing name, atomically); a folder is renamed, which refuses a folder that
+    holds anything (one that appeared a moment ago included)."""
+    try:
+        if source.is_dir():
+            if os.path.lexists(target):
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
+            os.rename(source, target)
+        else:
+            os.link(source, target)
+            source.unlink()
+    except OSError as error:
+        if error.errno in _TARGET_EXISTS:
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target)) from None
+        raise
 
 
 def output_command(path: str | Path) -> str | None:
@@ -189,40 +154,18 @@ def check_force_target(path: str | Path, command: str | None, force: bool) -> No
         )
 
 
-class OutputLock:
-    """An exclusive lock on an output folder for a run's life (`lock_output`); released by `close`,
-    or by the process's end, however it ends."""
-
-    def __init__(self, descriptor: int):
-        self._descriptor: int | None = descriptor
-
-    def close(self) -> None:
-        if self._descriptor is not None:
-            _unlock(self._descriptor)
-            self._descriptor = None
-
-    def __enter__(self) -> OutputLock:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 def lock_output(directory: str | Path, command: str) -> OutputLock:
     """Create `directory` if needed and lock it for this run (its marker file, which names `command`):
-    a second run into the same folder is refused in one line while this one lives, wherever it runs."""
+    a second run into the same folder is refused in one line while this one lives, wherever it runs.
+    Released by `release()`, or by the process's end, however it ends."""
     directory = Path(directory).absolute()
     directory.mkdir(parents=True, exist_ok=True)
     marker = directory / OUTPUT_MARKER
-    with contextlib.suppress(FileExistsError):
-        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-    descriptor = _lock(marker)
-    if descriptor is None:
-        raise UsageError(f"another run is writing {directory} now (it holds {marker}): wait for it or choose another")
     if output_command(directory) is None:
-        os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, json.dumps({"command": command}).encode() + b"\n", 0)
-    return OutputLock(descriptor)
+        marker.write_text(json.dumps({"command": command}) + "\n")
+    if (lock := _lock(marker)) is None:
+        raise UsageError(f"another run is writing {directory} now (it holds {marker}): wait for it or choose another")
+    return lock
 
 
 def _check_no_live_staging(final: Path) -> None:
@@ -247,10 +190,11 @@ def _install(staging: Path, final: Path, force: bool, command: str | None) -> No
     except UsageError as error:
         os.rename(staging, kept)
         raise UsageError(f"{error} (it appeared while this run worked; this run's output is kept at {kept})") from None
-    marker = final / OUTPUT_MARKER
-    with contextlib.suppress(FileExistsError, NotADirectoryError):
-        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-    old_lock = _lock(marker, blocking=True) if final.is_dir() else None
+    old_lock = None
+    if final.is_dir():
+        (final / OUTPUT_MARKER).touch()
+        old_lock = FileLock(final / OUTPUT_MARKER, fallback_to_soft=False)
+        old_lock.acquire()  # waits for a run that still writes into it
     try:
         retired = final.parent / f".{final.name}{_STAGING_MARK}{os.urandom(6).hex()}{_RETIRED_SUFFIX}"
         os.rename(final, retired)
@@ -258,7 +202,7 @@ def _install(staging: Path, final: Path, force: bool, command: str | None) -> No
         _remove(retired)
     finally:
         if old_lock is not None:
-            _unlock(old_lock)
+            old_lock.release()
 
 
 def _disk_full(error: BaseException) -> bool:
@@ -300,7 +244,7 @@ def atomic_directory(final: str | Path, force: bool = False, command: str | None
             raise UsageError(f"no space left on the device while writing {final}") from None
         raise
     finally:
-        _unlock(lock)
+        lock.release()
 
 
 def write_failure(error: BaseException, directory: str | Path) -> str | None:
@@ -321,18 +265,17 @@ def write_failure(error: BaseException, directory: str | Path) -> str | None:
 
 def atomic_write(path: str | Path, data: bytes | str, replace: bool = True) -> None:
     """Write a whole file under a temporary name (locked while it is written), flush it to disk,
-    then rename it into place. `replace` False: a file at `path`, also one that appeared while
-    this wrote, is refused in one line (the rename cannot replace). Killed writes' temporaries
-    are cleared by the next write of the same path."""
+    then rename it into place (`os.replace`). `replace` False: a file at `path`, also one that
+    appeared while this wrote, is refused in one line. Killed writes' temporaries are cleared by
+    the next write of the same path."""
     path = Path(path).absolute()
     if not replace and os.path.lexists(path):
         raise UsageError(f"output {path} already exists; pass --force to replace it")
-    payload = data.encode() if isinstance(data, str) else data
     _remove_stale_temporaries(path)
-    temporary, descriptor = _born_locked(path.parent, path.name, directory=False)
+    temporary, lock = _born_locked(path.parent, path.name, directory=False)
     try:
-        with open(descriptor, "wb", closefd=False) as handle:
-            handle.write(payload)
+        with open(temporary, "wb") as handle:
+            handle.write(data.encode() if isinstance(data, str) else data)
             handle.flush()
             os.fsync(handle.fileno())
         if replace:
@@ -348,7 +291,7 @@ def atomic_write(path: str | Path, data: bytes | str, replace: bool = True) -> N
             raise UsageError(f"no space left on the device while writing {path}") from None
         raise
     finally:
-        _unlock(descriptor)
+        lock.release()
 
 
 def path_inside(root: str | Path, relative: str, what: str) -> Path:
@@ -375,39 +318,31 @@ def resolves_inside(path: Path, root: Path) -> bool:
     return False
 
 
-def sha256_file(path: str | Path, chunk_size: int = 1 << 22, on_chunk: Callable[[int], None] | None = None) -> str:
-    """Hex SHA-256 of a file, read in chunks (weight files are many GB). `on_chunk(nbytes)` runs
-    after each chunk: a progress bar, or a cancellation check that raises."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(chunk_size):
-            digest.update(chunk)
-            if on_chunk is not None:
-                on_chunk(len(chunk))
-    return digest.hexdigest()
+def file_identity(path: str | Path) -> tuple[str, int, int, int, int]:
+    """What says a file is unchanged: its resolved path, size, mtime, ctime and inode. Any write or
+    rename sets the ctime to now, and no call sets it back (`os.utime` restores an mtime only)."""
+    path = Path(path).resolve()
+    status = path.stat()
+    return str(path), status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino
 
 
-class StreamingSha256:
-    """The SHA-256 of bytes that pass by once (a copy, a streamed read), computed on a worker
-    thread while the caller goes on reading and writing: hashlib releases the GIL on large
-    buffers, so on two cores hashing overlaps the I/O instead of adding to it. `update(buffer)`
-    returns at once; the caller must leave the buffer unchanged until the returned future is done.
-    Updates run in the order they were given."""
+# file_identity -> sha256, for this process: a weight file is read once per process however many
+# commands, models or checks ask for its hash (eval's cache keeps them across processes).
+_HASHES: dict[tuple, str] = {}
 
-    def __init__(self) -> None:
-        self._digest = hashlib.sha256()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
 
-    def update(self, buffer: memoryview | bytes) -> Future:
-        return self._worker.submit(self._digest.update, buffer)
+def sha256_file(path: str | Path) -> str:
+    """Hex SHA-256 of a file, remembered by `file_identity` for the life of the process."""
+    identity = file_identity(path)
+    if identity not in _HASHES:
+        with open(path, "rb") as handle:
+            _HASHES[identity] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return _HASHES[identity]
 
-    def hexdigest(self) -> str:
-        """Waits for the pending updates; the object takes no more after this."""
-        self._worker.shutdown(wait=True)
-        return self._digest.hexdigest()
 
-    def close(self) -> None:
-        self._worker.shutdown(wait=True, cancel_futures=True)
+def remember_sha256(path: str | Path, digest: str) -> None:
+    """Record the hash of a file whose bytes were hashed on the way in (a copy): not read again."""
+    _HASHES[file_identity(path)] = digest
 
 
 def ladder_data_dir() -> Path:
@@ -432,20 +367,3 @@ def ladder_cache_dir() -> Path:
     if configured:
         return Path(configured).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "ladder"
-
-
-__all__ = [
-    "OUTPUT_MARKER",
-    "OutputLock",
-    "StreamingSha256",
-    "atomic_directory",
-    "atomic_write",
-    "check_force_target",
-    "ladder_cache_dir",
-    "ladder_data_dir",
-    "lock_output",
-    "output_command",
-    "path_inside",
-    "resolves_inside",
-    "sha256_file",
-]

@@ -1,19 +1,18 @@
-"""Plan a conversion, writing nothing: open the source (headers only, where it can), check it,
-choose the ladder layers (running the `auto:N` search where asked), and lay out the output (which
+"""Lay out a conversion, writing nothing: open the source (headers only, where it can), check it,
+choose the ladder layers (running the `auto:N` search where asked), and decide the output (which
 tensors go into which file, the ladder config.json, whether the weight files go over as they are).
-`ladder.convert.execute` then writes what the `Plan` says.
+`ladder.convert.execute` then writes what the `Conversion` says.
 
 Nothing here imports torch or transformers for a safetensors source (they take seconds to import,
 longer than copying a small checkpoint): shapes are computed from config.json's numbers and the
 config is written as save_pretrained would write it (a test checks both); the steps that need
-tensors (pickle, GGUF, the layer search) import them when they run.
+tensors (GGUF, the layer search) import them when they run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import pickle
 import re
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -22,21 +21,11 @@ from typing import TYPE_CHECKING
 
 import psutil  # a dependency of accelerate
 
-from ladder.errors import UsageError, first_line
+from ladder.errors import UsageError
 from ladder.io.files import resolves_inside
 from ladder.io.loading import DTYPE_NAMES, input_root, load_model, model_name, read_config_dict
 from ladder.io.outputs import check_output
-from ladder.io.tensors import (
-    INDEX_NAME,
-    OutputShard,
-    Shard,
-    ShardedTensorIndex,
-    TensorSpec,
-    check_weight_map,
-    plan_shards,
-    shard_filenames,
-    weight_files,
-)
+from ladder.io.tensors import INDEX_NAME, OutputShard, Shard, ShardedTensorIndex, TensorSpec, cut_into_shards, shard_filenames
 from ladder.io.tokenizer_files import check_tokenizer_files
 from ladder.layers import CONFIG_BOOKKEEPING, LADDER_MODEL_TYPE, AutoLayers, LayerChoice, resolve_layer_choice
 from ladder.log import log
@@ -45,7 +34,6 @@ from ladder.model.config_rules import with_legacy_rope
 from .checks import check_config, check_weights, config_size
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from ladder.layer_search import LayerSearch
@@ -54,18 +42,16 @@ if TYPE_CHECKING:
     from .verify import Damage
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # what save_pretrained uses ("5GB")
-PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 # Weights in other formats or layouts (TF, Flax, ONNX, Meta's consolidated.pth): stale once the
 # wiring changes, so they are not copied.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
 # Written fresh rather than copied; the source's own model card is kept as README.source.md.
-WRITTEN_FILES = ("config.json", "conversion.json", "README.md", INDEX_NAME, PICKLE_INDEX_NAME)
+WRITTEN_FILES = ("config.json", "conversion.json", "README.md", INDEX_NAME, "pytorch_model.bin.index.json")
 # llama.cpp file names end in the quantization type: SmolLM2-135M-Instruct.Q4_1.gguf.
 GGUF_TYPE_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|B?F\d+)$", re.IGNORECASE)
-# How unchanged weight files reach the output. "auto": a reflink where the filesystem allows (as
-# safe as a copy, and instant), else a copy. "link" (hard links) is never chosen for the user: the
+# How unchanged weight files reach the output. "link" (hard links) is never chosen for the user: the
 # output's files then are the source's, and editing one in place edits the other.
-WEIGHT_MODES = ("auto", "copy", "reflink", "link")
+WEIGHT_MODES = ("copy", "link")
 # The classes a ladder config.json's `auto_map` names, for trust_remote_code=True (the files that
 # hold them are `ladder.convert.execute.MODELING_FILES`).
 AUTO_MAP = {
@@ -77,11 +63,11 @@ AUTO_MAP = {
 @dataclass
 class Source:
     """A checkpoint opened for conversion and checked (`ladder.convert.checks`). Of safetensors
-    and pickle weights only the headers are read so far; a GGUF file is dequantized whole by
-    transformers (GGUF models are small)."""
+    weights only the headers are read so far; a GGUF file is dequantized whole by transformers
+    (GGUF models are small)."""
 
     path: Path
-    format: str  # "safetensors", "pickle" or "gguf"
+    format: str  # "safetensors" or "gguf"
     config: dict  # as config.json holds it
     tensors: dict[str, TensorSpec]  # in reading order
     weight_files: list[Path]
@@ -108,7 +94,7 @@ class ConversionSummary:
     num_hidden_layers: int
     ladder_layers: list[int]
     dtype: str
-    weights: str  # "copied", "reflinked", "hard-linked" (files as they are) or "rewritten" (tensors streamed)
+    weights: str  # "copied", "hard-linked" (files as they are) or "rewritten" (tensors cast or resharded)
     tensors: int
     weight_bytes: int
     shards: list[str]
@@ -122,7 +108,7 @@ class ConversionSummary:
 
 
 @dataclass
-class Plan:
+class Conversion:
     """What a conversion will write: the opened source, the kept tensors and their output files,
     the ladder config.json, and the summary that the writing completes."""
 
@@ -148,37 +134,13 @@ def default_output_dir(source: Path, num_ladder_layers: int) -> Path:
     return Path("runs") / "convert" / f"{name}-ladder{num_ladder_layers}"
 
 
-def load_pickle(path: Path) -> dict[str, torch.Tensor]:
-    import torch
-
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
-        raise UsageError(f"cannot read {path} with torch.load(weights_only=True): {first_line(error)}") from None
-    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        raise UsageError(f"{path} does not hold a state dict of tensors")
-    return state
-
-
-def _open_directory(directory: Path, config: dict, allow_pickle: bool) -> Source:
-    if index := ShardedTensorIndex.from_directory(directory):
-        source = Source(directory, "safetensors", config, index.tensors, index.files, list(index.shards))
-    elif found := weight_files(directory, PICKLE_INDEX_NAME, "pytorch_model.bin"):
-        files, weight_map = found
-        if not allow_pickle:
-            raise UsageError(
-                f"{directory} holds pickle weights ({files[0].name}), which can run code when loaded; "
-                "pass --allow-pickle to read them with torch.load(weights_only=True)"
-            )
-        tensors, holder = {}, {}
-        for path in files:
-            for name, tensor in load_pickle(path).items():
-                tensors[name] = TensorSpec(name, tensor.dtype, tuple(tensor.shape))
-                holder[name] = path.name
-        check_weight_map(weight_map, holder, PICKLE_INDEX_NAME)
-        source = Source(directory, "pickle", config, tensors, files)
-    else:
-        raise UsageError(f"{directory} has no weights: expected model.safetensors, {INDEX_NAME} or pytorch_model.bin")
+def _open_directory(directory: Path, config: dict) -> Source:
+    if (index := ShardedTensorIndex.from_directory(directory)) is None:
+        raise UsageError(
+            f"{directory} has no safetensors weights (model.safetensors or {INDEX_NAME}); save the "
+            "model with save_pretrained, which writes them"
+        )
+    source = Source(directory, "safetensors", config, index.tensors, index.files, list(index.shards))
     root = input_root(directory)
     for path in sorted(directory.iterdir()):
         if path.name.startswith(".") or path in source.weight_files:
@@ -210,7 +172,7 @@ def _load_gguf(path: Path, dtype: str) -> Source:
 def _output_layout(source: Source, kept: list[TensorSpec], max_shard_size: int | None) -> list[OutputShard]:
     """Which output file holds which tensor: the source's grouping unless a shard size is asked."""
     if source.format != "safetensors" or max_shard_size is not None:
-        return plan_shards(kept, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+        return cut_into_shards(kept, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     names = {spec.name: spec for spec in kept}
     groups = [
         kept_in_shard
@@ -289,7 +251,7 @@ def _search_layers(source: Source, auto: AutoLayers, calibration: list[Path] | N
     return search
 
 
-# The steps of a plan, in the order `convert_checkpoint` runs them.
+# The steps of a conversion's layout, in the order `convert_checkpoint` runs them.
 
 
 def check_weight_mode(weights: str) -> None:
@@ -297,9 +259,8 @@ def check_weight_mode(weights: str) -> None:
         raise UsageError(f"--weights {weights!r}: choose from {', '.join(WEIGHT_MODES)}")
 
 
-def read_source(path: Path, allow_pickle: bool) -> Source | GGUFInfo:
-    """A directory's config.json, checked alone, then its weight headers (pickle weights read
-    whole) checked against it (`ladder.convert.checks`); a GGUF file's metadata, checked, its
+def read_source(path: Path) -> Source | GGUFInfo:
+    """A directory's config.json, checked alone, then its weight headers checked against it (`ladder.convert.checks`); a GGUF file's metadata, checked, its
     weights still quantized (`open_source` dequantizes them). The first step: nothing that grows
     with the config's numbers is built before they are checked against the weights."""
     if path.suffix == ".gguf":
@@ -309,7 +270,7 @@ def read_source(path: Path, allow_pickle: bool) -> Source | GGUFInfo:
     config = read_config_dict(path)
     check_config(config, str(path / "config.json"))
     check_tokenizer_files(path, config_size(config, "vocab_size"))  # convert copies them
-    source = _open_directory(path, config, allow_pickle)
+    source = _open_directory(path, config)
     source.dropped = check_weights(source.tensors, config)
     return source
 
@@ -359,7 +320,7 @@ def lay_out(
     max_shard_size: int | None,
     weights: str,
     verify: bool | None,
-) -> Plan:
+) -> Conversion:
     """Which tensors are kept (`Source.dropped` is not), in which output files, whether the
     source's files go over as they are, the ladder config, and whether verification runs."""
     dropped = source.dropped
@@ -398,16 +359,15 @@ def lay_out(
     )
     config = ladder_config_dict(source.config, layers, summary.dtype)
     verify_skipped = _fits_in_memory(kept) if verify is None else None if verify else "skipped: --no-verify"
-    return Plan(source, out, kept, copy_as_is, layout, config, verify_skipped, summary)
+    return Conversion(source, out, kept, copy_as_is, layout, config, verify_skipped, summary)
 
 
 def _check_weight_mode_possible(weights: str, copy_as_is: bool, source: Path, out: Path) -> None:
     """Links need the source's files as they are, and hard links one filesystem."""
-    if weights in ("link", "reflink"):
+    if weights == "link":
         if not copy_as_is:
             raise UsageError(
-                f"--weights {weights}: the weights are rewritten here (a dtype cast, resharding, a "
-                "dropped tensor or a non-safetensors source), so there are no files to link"
+                "--weights link: the weights are rewritten here (a dtype cast, resharding, a "
+                "dropped tensor or a GGUF source), so there are no files to link"
             )
-        if weights == "link":
-            _check_link_possible(source, out)
+        _check_link_possible(source, out)
