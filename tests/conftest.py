@@ -1,4 +1,5 @@
-"""Test session setup: no network, a private HF cache and ladder cache, and shared tiny checkpoints and corpus.
+"""Test session setup: no network, a private HF cache and ladder cache, shared tiny checkpoints and
+corpus, and the embedded SmolLM2 converted once.
 
 The environment is set before transformers is imported anywhere, so no test can reach the Hub
 or write into the user's cache.
@@ -41,6 +42,18 @@ def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     `save_pretrained` writes it: config.json, model.safetensors, tokenizer, generation config.
     Shared by the whole session: tests must not modify it (copy it first)."""
     return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer_dir, num_hidden_layers=4)
+
+
+@pytest.fixture(scope="session")
+def smollm2_ladder(tmp_path_factory) -> Path:
+    """The embedded SmolLM2 converted once for the session, unverified, at ladder layers 0,2,3,22-29:
+    the upper 8 of its 30 (`ladder convert --layers 8`, which vLLM's compiled mode once served wrongly)
+    and a non-contiguous set below them with every kind of neighbour. Tests must not modify it."""
+    from ladder.convert.convert import convert_checkpoint
+
+    model = tmp_path_factory.mktemp("smollm2-ladder") / "smollm2-ladder"
+    convert_checkpoint(None, model, ladder_layers="0,2,3,22-29", verify=False)
+    return model
 
 
 @pytest.fixture

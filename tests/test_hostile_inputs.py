@@ -1,9 +1,9 @@
 """Hostile inputs, second round (issue 37): inputs built to exhaust memory (YAML alias bombs, chat
 templates that loop or repeat without end) and malformed files that used to end in a traceback.
-Each trial runs the real command in a subprocess whose address space is capped
-(`resource.RLIMIT_AS`), so that the code before the fix fails in a bounded way (a MemoryError
-traceback, or the timeout) instead of filling the machine; after it, each is one line and status 2,
-with nothing written."""
+The trials built to exhaust memory run the real command in a subprocess whose address space is
+capped (`resource.RLIMIT_AS`), so that the code before the fix fails in a bounded way (a MemoryError
+traceback, or the timeout) instead of filling the machine; the others call the command in this
+process. After the fix each is one line and status 2, with nothing written."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import pytest
 from adapt_runs import REPO, chat_corpus, write_recipe
 from checkpoints import snapshot
 from file_server import write_manifest
+from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 from ladder.io.data_fetch import DataFile
 from ladder.io.files import sha256_file
@@ -45,12 +46,24 @@ def ladder_capped(*args: object, timeout: float = 300) -> subprocess.CompletedPr
 
 
 def assert_one_line_refusal(result: subprocess.CompletedProcess, *words: str) -> str:
-    error = result.stderr.strip()
     assert result.returncode == 2, result.stderr[-2000:]
+    return assert_one_line(result.stderr, *words)
+
+
+def assert_one_line(stderr: str, *words: str) -> str:
+    error = stderr.strip()
     assert len(error.splitlines()) == 1 and len(error) < 600, error[:2000]
     for word in words:
         assert word in error, error
     return error
+
+
+def assert_ladder_refuses(capsys, args: list[object], *words: str) -> str:
+    """`ladder ARGS` in this process ends in one line naming `words`, status 2."""
+    status = ladder_main(list(map(str, args)))
+    stderr = capsys.readouterr().err
+    assert status == 2, stderr[-2000:]
+    return assert_one_line(stderr, *words)
 
 
 def alias_bomb(levels: int = 12, width: int = 9) -> list[str]:
@@ -96,24 +109,23 @@ def test_a_suite_alias_bomb_is_refused_in_one_line(tmp_path, tiny_checkpoint):
     assert not (tmp_path / "report").exists()
 
 
-def test_adam_eps_below_zero_is_refused_with_the_recipe(tmp_path, tiny_checkpoint, corpus):
+def test_adam_eps_below_zero_is_refused_with_the_recipe(tmp_path, tiny_checkpoint, corpus, capsys):
     """optimizer.eps=-1 used to pass the recipe and fail in torch's Adam, a traceback after the model loaded."""
     recipe = write_recipe(tmp_path, tiny_checkpoint, corpus)
-    result = ladder_capped("adapt", recipe, "optimizer.eps=-1")
-    assert_one_line_refusal(result, "optimizer.eps")
+    assert_ladder_refuses(capsys, ["adapt", recipe, "optimizer.eps=-1"], "optimizer.eps")
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("scheme", ["file", "ftp"])
-def test_a_data_manifest_url_that_is_not_http_is_refused(tmp_path, scheme):
+def test_a_data_manifest_url_that_is_not_http_is_refused(tmp_path, scheme, capsys):
     """pooch took `file://` (a traceback: 'Unrecognized URL protocol') and `ftp://` as they came."""
     source = tmp_path / "secret.txt"
     source.write_text("a file of this machine")
     url = source.as_uri() if scheme == "file" else "ftp://127.0.0.1:9/secret.txt"
     entry = DataFile("books/secret.txt", source.stat().st_size, sha256_file(source), url)
     manifest = write_manifest(tmp_path / "manifest.tsv", [entry])
-    result = ladder_capped("data", "--dest", tmp_path / "data", "--manifest", manifest, timeout=120)
-    assert_one_line_refusal(result, f"{scheme}://", "books/secret.txt")
+    args = ["data", "--dest", tmp_path / "data", "--manifest", manifest]
+    assert_ladder_refuses(capsys, args, f"{scheme}://", "books/secret.txt")
     assert not (tmp_path / "data" / "books").exists()
 
 
@@ -194,7 +206,7 @@ MALFORMED_TRIALS = [
 
 @pytest.mark.parametrize(("command", "trial"), MALFORMED_TRIALS)
 def test_a_malformed_checkpoint_is_one_line_before_anything_is_written(
-    tmp_path, tiny_checkpoint, corpus, command, trial
+    tmp_path, tiny_checkpoint, corpus, capsys, command, trial
 ):
     """Each used to be a traceback (transformers' KeyError, tokenizers' Exception, a RecursionError,
     an AttributeError on a list, eval's scorer refusing every continuation), or worse: convert copied
@@ -208,8 +220,7 @@ def test_a_malformed_checkpoint_is_one_line_before_anything_is_written(
         "eval": ["eval", model, "--out", out, "--limit", "2", "--device", "cpu", "--no-cache"],
         "adapt": ["adapt", write_recipe(tmp_path, model, corpus, output_dir=str(out))],
     }[command]
-    result = ladder_capped(*args)
-    assert_one_line_refusal(result, *EXPECTED_WORDS[trial])
+    assert_ladder_refuses(capsys, args, *EXPECTED_WORDS[trial])
     assert not out.exists() and snapshot(model) == before
 
 
@@ -227,6 +238,7 @@ TEMPLATE_BOMBS = {
 }
 
 
+@pytest.mark.slow  # each loads a command in a capped process of its own (a memory and time limit are the point)
 @pytest.mark.parametrize("command", ["adapt", "eval"])
 @pytest.mark.parametrize("template", TEMPLATE_BOMBS.values(), ids=TEMPLATE_BOMBS)
 def test_a_chat_template_past_its_budget_is_one_line_naming_it(tmp_path, tiny_checkpoint, template, command):

@@ -46,9 +46,6 @@ LOGPROB_ATOL = 1e-3
 # that a rounding difference decides); everything before that point must agree.
 TIE_MARGIN = 1e-4
 TINY_LADDER_LAYERS = [0, 2, 3]  # ladder first, ladder -> standard, standard -> ladder, ladder -> ladder
-# The upper 8 of SmolLM2's 30 layers (`ladder convert --layers 8`, which vLLM's compiled mode once
-# served wrongly) and a non-contiguous set below them with every kind of neighbour.
-SMOLLM2_LADDER_LAYERS = "0,2,3,22-29"
 
 
 def reference_greedy(model_dir: Path, prompts: list[list[int]]) -> dict:
@@ -128,14 +125,11 @@ def save_tiny(directory: Path, model, tokenizer) -> Path:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tokenizer) -> dict[str, Path]:
-    """The embedded SmolLM2 with SMOLLM2_LADDER_LAYERS rewired; a random Llama whose 4 query and 2 KV
+def checkpoints(tmp_path_factory, tokenizer, smollm2_ladder) -> dict[str, Path]:
+    """The embedded SmolLM2 rewired (conftest's smollm2_ladder); a random Llama whose 4 query and 2 KV
     heads split over 2 ranks (head_dim 32, the smallest vLLM's CPU attention takes), plain and with
     mixed ladder layers."""
-    from ladder.convert.convert import convert_checkpoint
-
     root = tmp_path_factory.mktemp("vllm-checkpoints")
-    convert_checkpoint(None, root / "smollm2-ladder", ladder_layers=SMOLLM2_LADDER_LAYERS, verify=False)
     plain = tiny_llama(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -148,7 +142,7 @@ def checkpoints(tmp_path_factory, tokenizer) -> dict[str, Path]:
         eos_token_id=tokenizer.eos_token_id,
     )
     return {
-        "smollm2-ladder": root / "smollm2-ladder",
+        "smollm2-ladder": smollm2_ladder,
         "tiny-plain": save_tiny(root / "tiny-plain", plain, tokenizer),
         "tiny-ladder": save_tiny(root / "tiny-ladder", to_ladder(plain, TINY_LADDER_LAYERS), tokenizer),
     }
@@ -200,7 +194,7 @@ def test_smollm2_ladder_compiled_matches_transformers(vllm_greedy, references):
     assert result["model_classes"] == ["ladder.serving.model.LadderLlamaForCausalLM"]
     assert result["compilation_mode"] != "NONE"
     worst = compare_greedy(references["smollm2-ladder"], result, "SmolLM2 ladder, vLLM TP=1 compiled")
-    print(f"SmolLM2 ladder {SMOLLM2_LADDER_LAYERS}, vLLM compiled vs transformers: largest difference {worst:.2e}")
+    print(f"SmolLM2 ladder, vLLM compiled vs transformers: largest difference {worst:.2e}")
 
 
 def test_tensor_parallel_ladder_matches(vllm_greedy, references):
