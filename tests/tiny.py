@@ -17,6 +17,16 @@ two_processes = pytest.mark.skipif(
 )
 
 
+# One test for both devices: the CUDA form is a GPU check (`pytest -m gpu`, make gpu-check), skipped
+# where torch sees no CUDA device; `make test` runs the CPU form.
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+    ),
+]
+
+
 def tiny_config(**overrides) -> LlamaConfig:
     values = dict(
         vocab_size=256,
@@ -53,6 +63,23 @@ def save_tiny_checkpoint(directory: Path, tokenizer_dir: Path, **overrides) -> P
     model = tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=512, **special, **overrides)
     model.generation_config = GenerationConfig(**special)
     model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def save_word_tokenizer(directory: Path) -> Path:
+    """A word-level tokenizer over adapt_runs.WORDS, built by `tokenizers` from nothing: for the tests
+    that run on the lent GPU machine, which has neither the embedded model's GGUF file nor a network."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from adapt_runs import WORDS
+
+    vocabulary = {token: index for index, token in enumerate(["<unk>", "<s>", "</s>", *WORDS, "."])}
+    words = Tokenizer(models.WordLevel(vocabulary, unk_token="<unk>"))
+    words.normalizer = normalizers.Lowercase()
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     tokenizer.save_pretrained(directory)
     return directory
 

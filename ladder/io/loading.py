@@ -248,9 +248,13 @@ def gguf_parsed_once() -> Iterator[None]:
     tokenizer, the config and the weights (2-3 s each for SmolLM2's 49k-token vocabulary, read field
     by field) and rebuilds the table for each of the model's modules (397 times): the embedded
     model loaded in 14.9 s, now 7.6 s. Both functions are read-only, looked up on the `gguf` module
-    at each call, and restored on the way out (the parsed file, memory-mapped, is then released)."""
-    import gguf
-
+    at each call, and restored on the way out (the parsed file, memory-mapped, is then released).
+    Without gguf (optional: GGUF input alone needs it) there is nothing to parse once."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     parse = functools.lru_cache(maxsize=None)(reader)
     # Keyed by the path's text: callers pass a Path or a str for the same file.
