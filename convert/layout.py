@@ -25,7 +25,15 @@ from ladder.errors import UsageError
 from ladder.io.files import resolves_inside
 from ladder.io.loading import DTYPE_NAMES, input_root, load_model, model_name, read_config_dict
 from ladder.io.outputs import check_output
-from ladder.io.tensors import INDEX_NAME, OutputShard, Shard, ShardedTensorIndex, TensorSpec, cut_into_shards, shard_filenames
+from ladder.io.tensors import (
+    INDEX_NAME,
+    OutputShard,
+    Shard,
+    ShardedTensorIndex,
+    TensorSpec,
+    cut_into_shards,
+    shard_filenames,
+)
 from ladder.io.tokenizer_files import check_tokenizer_files
 from ladder.layers import CONFIG_BOOKKEEPING, LADDER_MODEL_TYPE, AutoLayers, LayerChoice, resolve_layer_choice
 from ladder.log import log

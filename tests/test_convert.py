@@ -4,7 +4,6 @@ or tied), the weight modes (copy, hard links), and the embedded SmolLM2 once."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap

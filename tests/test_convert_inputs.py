@@ -25,7 +25,6 @@ from checkpoints import (
 )
 from ladder.io.files import sha256_file
 
-
 # --- Bad input: one line, exit 2, nothing written, the source untouched ----------------------------
 
 

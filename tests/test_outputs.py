@@ -95,6 +95,19 @@ def test_an_output_that_is_an_input_above_one_root_or_home_is_refused(command, c
     assert out.exists() == existed
 
 
+@pytest.mark.parametrize("length", ["name", "path"])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_output_too_long_for_the_file_system_is_one_line(command, length, inputs, tmp_path, capsys):
+    """An output name past 255 bytes, or a path past 4,096, ended in an ENAMETOOLONG traceback
+    (issue 43)."""
+    arguments = COMMANDS[command][0]
+    out = tmp_path / ("x" * 300) if length == "name" else tmp_path.joinpath(*["y" * 200] * 25)
+    before = state(inputs)
+    code, err = run(capsys, arguments(inputs, out))
+    assert_one_line(code, err, command, "too long for the file system")
+    assert state(inputs) == before and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_an_output_of_the_wrong_kind_is_refused_before_any_work(command, inputs, tmp_path, capsys):
     """A folder command given a file, and `sample` given a folder (which it found out after sampling)."""

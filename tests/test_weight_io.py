@@ -38,7 +38,9 @@ def test_headers_slices_and_shards_round_trip(tmp_path):
         assert torch.equal(loader.read("weight", columns=range(1, 3)), tensors["weight"][:, 1:3])
 
     # Floating tensors cast to float16 as the layout says, cut into shards of at most 64 bytes.
-    specs = [TensorSpec(n, torch.float16 if t.is_floating_point() else t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    specs = [
+        TensorSpec(n, torch.float16 if t.is_floating_point() else t.dtype, tuple(t.shape)) for n, t in tensors.items()
+    ]
     out = tmp_path / "out"
     out.mkdir()
     shards = cut_into_shards(specs, 64)

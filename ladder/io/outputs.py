@@ -48,6 +48,7 @@ def check_output(
     `inputs` are the folders and files the command reads (None entries are skipped); `what` names
     the option in the message."""
     path = Path(out).expanduser().absolute()
+    _refuse_too_long(path, what)
     resolved = path.resolve()
     _refuse_system_folder(resolved, what)
     _refuse_overlap(resolved, inputs, what)
@@ -97,6 +98,21 @@ def home_folders() -> set[Path]:
     """Every user's home folder (the password database and $HOME), symlinks resolved."""
     homes = {Path.home(), *(Path(entry.pw_dir) for entry in pwd.getpwall() if entry.pw_dir)}
     return {home.resolve() for home in homes}
+
+
+def _refuse_too_long(path: Path, what: str) -> None:
+    """A name or a path longer than the file system takes (ENAMETOOLONG) is refused before the work."""
+    place = _nearest_existing(path.parent)
+    name_max, path_max = os.pathconf(place, "PC_NAME_MAX"), os.pathconf(place, "PC_PATH_MAX")
+    shown = f"{str(path)[:60]}...{str(path)[-20:]}" if len(str(path)) > 80 else str(path)
+    if len(os.fsencode(path)) >= path_max:
+        raise UsageError(
+            f"{what} {shown} is too long for the file system ({len(os.fsencode(path))} bytes, at most {path_max - 1})"
+        )
+    if long := [part for part in path.parts if len(os.fsencode(part)) > name_max]:
+        raise UsageError(
+            f"{what} {shown} is too long for the file system (a name of {len(os.fsencode(long[0]))} bytes, at most {name_max})"
+        )
 
 
 def _refuse_system_folder(resolved: Path, what: str) -> None:
