@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ladder.chat_template import compile_budgeted, render_budgeted
+from ladder.chat_template import TemplateWorker
 from ladder.errors import UsageError, first_line
 
 from .recipe import SourceSpec
@@ -202,17 +202,10 @@ class ChatRenderer:
     the turn (its end-of-turn marker included), the text the model generates."""
 
     def __init__(self, template: str, special_tokens: dict, owner: str = "the tokenizer"):
-        from transformers.utils.chat_template_utils import render_jinja_template
-
         self.template, self.special_tokens, self.owner = template, special_tokens, owner
-        # The compiled template called directly (a third of the time of transformers' whole call, which
-        # also normalizes richer messages than {role, content}), where the two agree on a probe chat.
-        # Compiled with a time and output budget (`ladder.chat_template`): the template is the model's code.
-        self.compiled, self.render_jinja_template = compile_budgeted(template), render_jinja_template
-        self.direct = True
-        self.direct = (
-            self.render(PROBE) == self.render_jinja_template([PROBE], chat_template=template, **special_tokens)[0][0]
-        )
+        # Rendered in a process the operating system bounds (`ladder.chat_template`): the template is the model's code.
+        self.worker = TemplateWorker()
+        self.render(PROBE)  # a template that fails on every chat says so here, not inside learn()
         self.keeps_whitespace, self.footer = self.learn()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -226,23 +219,9 @@ class ChatRenderer:
             raise UsageError(f"the chat template of {self.owner} failed on this chat: {first_line(error)}") from None
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        # Within the budget first; transformers' own rendering (which has none) only after that.
-        rendered = render_budgeted(
-            self.compiled,
-            messages=messages,
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **self.special_tokens,
+        return self.worker.render(
+            self.template, messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
         )
-        if not self.direct:
-            rendered = self.render_jinja_template(
-                [messages],
-                chat_template=self.template,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )[0][0]
-        return rendered
 
     def learn(self) -> tuple[bool | None, str | None]:
         """Whether the template keeps the whitespace around a turn's content, and the text it puts after an

@@ -18,14 +18,19 @@ return a stale score.
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
+from lm_eval.api.model import CacheHook
 from lm_eval.tasks import TaskManager
 from tqdm import tqdm
+
+from ladder.chat_template import TemplateWorker
+from ladder.log import log as ladder_log
 
 from .backends import get_backend
 from .cache import (
@@ -42,7 +47,7 @@ from .cache import (
     write_cache,
 )
 from .lm_tasks import evaluate_task, write_samples
-from .models import ModelRef, ModelResults, file_name
+from .models import ModelRef, ModelResults, bound_chat_template, file_name
 from .runtime import Runtime, share
 from .suite import Suite, SuiteTask
 
@@ -58,7 +63,7 @@ def run_suite(
     *,
     cache_dir: Path | None = None,
     samples_dir: Path | None = None,
-    log: Callable[[str], None] = lambda message: tqdm.write(message, file=sys.stderr),
+    log: Callable[[str], None] = lambda message: _write(message, logging.INFO),
 ) -> list[ModelResults]:
     """Score every model on every suite task; a model whose tasks are all cached is not loaded.
     `samples_dir`: write each model's per-item samples to samples_dir/<label>/<task>.jsonl.
@@ -89,22 +94,31 @@ def run_suite(
                 keys = _model_cache_keys(
                     ref, results.fingerprint, scoring_code, backend, identities, runtime, batch_sizes
                 )
-            found = _read_cached(cache, keys, log)
+            found = _read_cached(cache, keys, lambda message: _write(message, logging.WARNING))
             results.cached = list(found)
             cached = share(runtime, list(found))
             progress.total -= sum(items[task] for task in cached)  # the time left counts what is scored
             progress.refresh()
             missing = [task for task in suite.tasks if task.task not in cached]
+            expected = progress.n  # the bar moves by items as they are scored, and by a task's items in all
             for task, scored in _score_tasks(
-                ref, missing, backend, manager, prepared, runtime, batch_sizes, log, progress
+                ref, missing, backend, manager, prepared, runtime, batch_sizes, log, progress, items
             ):
                 found[task] = scored
-                progress.update(items[task])
+                expected += items[task]
+                progress.update(expected - progress.n)
                 if cache is not None:  # as each task is scored: a failure later keeps it
                     write_cache(cache / f"{keys[task]}.json", *scored)
             if main:
                 everything.append(_collect(results, found, suite, prepared, samples_dir, log))
     return everything
+
+
+def _write(message: str, level: int) -> None:
+    """A line of the `ladder` logger's (information on stdout, warnings on stderr; -q keeps the
+    warnings), written around the progress bar."""
+    if ladder_log.isEnabledFor(level):
+        tqdm.write(message, file=sys.stdout if level < logging.WARNING else sys.stderr)
 
 
 def _task_identities(suite: Suite, prepared: dict[str, dict], cache_dir: Path) -> dict[str, dict]:
@@ -165,6 +179,7 @@ def _score_tasks(
     batch_sizes: dict[str, int | str],
     log: Callable[[str], None],
     progress: tqdm,
+    items_of: dict[str, int],
 ) -> Iterator[tuple[str, Scored]]:
     """Load the model once (not at all when `tasks` is empty) and score it on `tasks`, yielding
     each suite task's (record, samples) as it is scored; nothing on the processes other than 0."""
@@ -172,20 +187,53 @@ def _score_tasks(
         return
     log(f"loading {ref.label} ({runtime.dtype} on {runtime.describe()['device']}, {runtime.processes} process(es))")
     lm = backend.load_lm(ref, runtime)
-    for number, task in enumerate(tasks, 1):
-        progress.set_postfix_str(f"task {number}/{len(tasks)} {task.task}")
-        items = "all items" if task.limit is None else f"at most {task.limit} items"
-        items += f", one in {task.every}" if task.every > 1 else ""
-        items += f", a share of {task.fraction:g}" if task.fraction is not None else ""
-        log(f"scoring {ref.label} on {task.task} ({items})")
-        lm.batch_size_per_gpu = batch_sizes[task.task]
-        started = time.monotonic()
-        output = evaluate_task(lm, task, manager, prepared[task.task]["sizes"], runtime)
-        log(f"scored {ref.label} on {task.task} in {time.monotonic() - started:.0f} s")
-        if output is not None:
-            yield task.task, output
+    counter = ItemProgress(lm, progress)
+    with TemplateWorker() as worker:  # started by the first chat, if any
+        for number, task in enumerate(tasks, 1):
+            if task.apply_chat_template:
+                bound_chat_template(lm, ref, worker, task.apply_chat_template)
+            progress.set_postfix_str(f"task {number}/{len(tasks)} {task.task}")
+            items = "all items" if task.limit is None else f"at most {task.limit} items"
+            items += f", one in {task.every}" if task.every > 1 else ""
+            items += f", a share of {task.fraction:g}" if task.fraction is not None else ""
+            log(f"scoring {ref.label} on {task.task} ({items})")
+            lm.batch_size_per_gpu = batch_sizes[task.task]
+            started = time.monotonic()
+            counter.items = items_of[task.task]
+            output = evaluate_task(lm, task, manager, prepared[task.task]["sizes"], runtime)
+            log(f"scored {ref.label} on {task.task} in {time.monotonic() - started:.0f} s")
+            if output is not None:
+                yield task.task, output
     del lm
     gc.collect()
+
+
+class ItemProgress(CacheHook):
+    """lm-eval's cache hook, which its scoring loops tell of each request scored (and the hf
+    backend's scorer of each batch, `scored`): the run's bar moves by items as they are scored,
+    an item being one request or several (its choices), counted when lm-eval hands them over."""
+
+    def __init__(self, lm, progress: tqdm):
+        super().__init__(None)
+        self.progress, self.items, self.per_request, self.pending = progress, 0, 0.0, 0.0
+        lm.set_cache_hook(self)
+        for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
+            setattr(lm, name, self.counting(getattr(lm, name)))
+
+    def counting(self, method: Callable) -> Callable:
+        def counted(requests, *args, **kwargs):
+            self.per_request, self.pending = self.items / max(len(requests), 1), 0.0
+            return method(requests, *args, **kwargs)
+
+        return counted
+
+    def add_partial(self, attr, req, res) -> None:
+        self.scored(1)
+
+    def scored(self, count: int) -> None:
+        self.pending += count * self.per_request
+        self.progress.update(int(self.pending))  # whole items: the bar shows counts
+        self.pending -= int(self.pending)
 
 
 def _collect(

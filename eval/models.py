@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ladder.chat_template import check_template_budget
-from ladder.errors import UsageError
+from jinja2 import TemplateError
+
+from ladder.chat_template import PROBE_CHAT, TemplateLimitExceeded, TemplateWorker
+from ladder.errors import UsageError, first_line
 from ladder.io.loading import check_llama_checkpoint, load_tokenizer, model_name, resolve_model_path
 
 from .suite import Suite
@@ -51,19 +53,53 @@ def resolve_models(specs: list[str]) -> list[ModelRef]:
 
 def check_chat_templates(models: list[ModelRef], suite: Suite) -> None:
     """A suite task with apply_chat_template needs a tokenizer with a chat template that renders a
-    short chat within its budget (`ladder.chat_template`): say so before anything is scored, not
-    after the first model."""
+    short chat within its limits (`ladder.chat_template`): say so before anything is scored, not
+    after the first model. Any other failure is left to the prompt that meets it (a template may
+    refuse a chat without a system message, say)."""
     if not any(task.apply_chat_template for task in suite.tasks):
         return
-    for ref in models:
-        templates = load_tokenizer(ref.path).chat_template
-        if not templates:
-            raise UsageError(
-                f"{ref.label} ({ref.path}) has no chat template: drop --apply-chat-template (or the suite's "
-                "apply_chat_template) for a base model"
-            )
-        for template in templates.values() if isinstance(templates, dict) else [templates]:
-            check_template_budget(template, f"{ref.label} ({ref.path})")
+    with TemplateWorker() as worker:
+        for ref in models:
+            tokenizer = load_tokenizer(ref.path)
+            templates = tokenizer.chat_template
+            if not templates:
+                raise UsageError(
+                    f"{ref.label} ({ref.path}) has no chat template: drop --apply-chat-template (or the suite's "
+                    "apply_chat_template) for a base model"
+                )
+            for template in templates.values() if isinstance(templates, dict) else [templates]:
+                try:
+                    worker.render(template, PROBE_CHAT, add_generation_prompt=True, **tokenizer.special_tokens_map)
+                except TemplateLimitExceeded as error:
+                    raise UsageError(f"the chat template of {ref.label} ({ref.path}): {error}") from None
+                except TemplateError:
+                    pass
+
+
+def bound_chat_template(lm, ref: ModelRef, worker: TemplateWorker, chat_template: bool | str) -> None:
+    """lm-eval renders prompts with `lm.apply_chat_template` (the tokenizer's, unbounded): here the
+    same template with the same arguments renders in `worker`, and a prompt past its limits, or
+    one it fails on even without the system message (lm-eval's retry), is one line naming the model."""
+    template = lm.chat_template(chat_template)
+    options = {**lm.tokenizer.special_tokens_map, **getattr(lm, "chat_template_args", {})}
+
+    def apply_chat_template(chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        for chat in (chat_history, [message for message in chat_history if message["role"] != "system"]):
+            try:
+                return worker.render(
+                    template,
+                    chat,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=not add_generation_prompt,
+                    **options,
+                )
+            except TemplateLimitExceeded as error:
+                raise UsageError(f"the chat template of {ref.label} ({ref.path}): {error}") from None
+            except TemplateError as error:
+                failure = first_line(error)
+        raise UsageError(f"the chat template of {ref.label} ({ref.path}) failed on a prompt: {failure}")
+
+    lm.apply_chat_template = apply_chat_template
 
 
 def lm_eval_json(results: ModelResults) -> dict:

@@ -1,140 +1,124 @@
-"""A chat template compiled with a budget. A template comes with the model and is code: transformers
-runs it in jinja's sandbox, which stops it reaching Python's internals but not using the machine
-up. Nested `range(100000)` loops, or `'x' * 10**9`, grew adapt's tokenizer workers past 8-10 GB.
-Here every render has a time limit (checked at each call, attribute lookup, operator and piece of
-output) and an output limit (the rendering, and any one string or list that `*` or `+` would
-make); a template past either fails that render with `TemplateBudgetExceeded`, a jinja
-TemplateError, which the renderer turns into one line naming the template. adapt renders every
-chat this way; eval, whose chats lm-eval renders through transformers, first renders a short chat
-this way (`check_template_budget`).
-
-The environment is transformers' own (its filters, globals such as `raise_exception` and
-`namespace`, and extensions such as `{% generation %}`), rebuilt on a sandbox that keeps count."""
+"""Chat templates rendered in a worker process that the operating system bounds. A template comes
+with the model and is code: transformers renders it in jinja's sandbox, which stops it reaching
+Python's internals but not using the machine up (`'x'.center(2*10**9)`, nested `range` loops,
+macro recursion). Counting inside jinja is a race that the next filter wins; a process is not.
+`TemplateWorker` renders each chat with transformers' own `render_jinja_template` (its sandbox,
+filters and globals) in a process whose address space is capped (`RLIMIT_AS`, MAX_RENDER_BYTES),
+and waits at most MAX_RENDER_SECONDS for each chat; past either, the worker is killed and the
+render fails with `TemplateLimitExceeded`, a jinja TemplateError whose one line names the limit.
+adapt renders every chat this way, eval every prompt lm-eval renders (and a probe chat before
+any model loads)."""
 
 from __future__ import annotations
 
-import math
-import operator
-import time
+import json
+import os
+import resource
+import subprocess
+import sys
+from multiprocessing.connection import Connection
 from typing import Any
 
 from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ladder.errors import UsageError
-
-# Far above what a chat template makes of one chat (a few kB of markup around its messages).
-MAX_RENDER_CHARS = 16 << 20
+# Far above what a chat template needs for one chat (a few kB of markup around its messages); the
+# worker's own Python with transformers' template code takes about 200 MB of address space.
+MAX_RENDER_BYTES = 1 << 30
 MAX_RENDER_SECONDS = 10.0
-
-_OPERATORS = {"*": operator.mul, "+": operator.add, "**": operator.pow}
-
-
-class TemplateBudgetExceeded(TemplateError):
-    """A render went past MAX_RENDER_CHARS or MAX_RENDER_SECONDS."""
-
-
-class BudgetedEnvironment(ImmutableSandboxedEnvironment):
-    """transformers' sandbox that checks the clock at every call, lookup and intercepted operator,
-    and refuses `*`, `+` and `**` whose result would exceed the output limit."""
-
-    intercepted_binops = frozenset(_OPERATORS)
-
-    def start(self) -> None:
-        self.deadline = time.monotonic() + MAX_RENDER_SECONDS
-
-    def check_clock(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise TemplateBudgetExceeded(f"it ran past {MAX_RENDER_SECONDS:g} s on one chat")
-
-    def call_binop(self, context, operator_name: str, left: Any, right: Any) -> Any:
-        self.check_clock()
-        size = _result_size(operator_name, left, right)
-        if size > MAX_RENDER_CHARS:
-            raise TemplateBudgetExceeded(
-                f"`{operator_name}` would make a value of about {size:.3g} items, past {MAX_RENDER_CHARS:,}"
-            )
-        return _OPERATORS[operator_name](left, right)
-
-    def call(self, context, obj, /, *args, **kwargs):  # positional: a template's keywords may be any name
-        self.check_clock()
-        return super().call(context, obj, *args, **kwargs)
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        self.check_clock()
-        return super().getattr(obj, attribute)
-
-    def getitem(self, obj: Any, argument: Any) -> Any:
-        self.check_clock()
-        return super().getitem(obj, argument)
-
-
-def _result_size(operator_name: str, left: Any, right: Any) -> float:
-    """About how many characters or items (for `**`: digits) the operator's result holds."""
-    sized = (str, list, tuple, bytes)
-    if operator_name == "*":
-        for sequence, count in ((left, right), (right, left)):
-            if isinstance(sequence, sized) and isinstance(count, int):
-                return len(sequence) * max(count, 0)
-    if operator_name == "+" and isinstance(left, sized) and isinstance(right, sized):
-        return len(left) + len(right)
-    if operator_name == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
-        return right * math.log10(abs(left))
-    return 0
-
-
-def compile_budgeted(template: str):
-    """`template` compiled as transformers compiles a chat template, in a `BudgetedEnvironment`."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    # transformers' environment, from an empty template: compiling `template` there would run its
-    # constant expressions ('x' * 10**9) at compile time, where nothing intercepts them.
-    reference = _compile_jinja_template("").environment
-    environment = BudgetedEnvironment(
-        trim_blocks=reference.trim_blocks,
-        lstrip_blocks=reference.lstrip_blocks,
-        extensions=[type(extension) for extension in reference.extensions.values()],
-    )
-    environment.filters.update(reference.filters)
-    environment.globals.update(reference.globals)
-    return environment.from_string(template)
-
-
-def render_budgeted(compiled, **context: Any) -> str:
-    """`compiled.render(**context)` within the budget, output counted as it is produced."""
-    environment = compiled.environment
-    environment.start()
-    pieces, length = [], 0
-    for piece in compiled.generate(**context):
-        length += len(piece)
-        if length > MAX_RENDER_CHARS:
-            raise TemplateBudgetExceeded(f"it rendered past {MAX_RENDER_CHARS:,} characters of one chat")
-        environment.check_clock()
-        pieces.append(piece)
-    return "".join(pieces)
-
+# The worker's start (Python and transformers' template module): not counted in a chat's time.
+START_SECONDS = 120.0
 
 # A short chat that any chat template renders.
 PROBE_CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
 
 
-def check_template_budget(template: str, owner: str) -> None:
-    """Render PROBE_CHAT with `template` within the budget: one past it is a UsageError naming
-    `owner`. Any other failure is left to the rendering that meets it (a template may refuse a
-    chat without a system message, say)."""
-    try:
-        render_budgeted(compile_budgeted(template), messages=PROBE_CHAT, add_generation_prompt=True)
-    except TemplateBudgetExceeded as error:
-        raise UsageError(f"the chat template of {owner} exceeds its budget: {error}") from None
-    except (TemplateError, TypeError, ValueError, RecursionError, OverflowError):
-        pass
+class TemplateLimitExceeded(TemplateError):
+    """A render went past MAX_RENDER_BYTES or MAX_RENDER_SECONDS (its worker was stopped)."""
 
 
-__all__ = [
-    "MAX_RENDER_CHARS",
-    "MAX_RENDER_SECONDS",
-    "TemplateBudgetExceeded",
-    "check_template_budget",
-    "compile_budgeted",
-    "render_budgeted",
-]
+class TemplateWorker:
+    """A process rendering chat templates under MAX_RENDER_BYTES and MAX_RENDER_SECONDS (read at
+    its start), started on the first render and again after a limit stopped it."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> TemplateWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def render(self, template: str, messages: list[dict], **options: Any) -> str:
+        """`render_jinja_template([messages], chat_template=template, **options)`'s text, as
+        `tokenizer.apply_chat_template(messages, tokenize=False, **options)` gives it when options
+        hold the special tokens. The template's own failure is a TemplateError with its first line."""
+        if self.process is None:
+            self._start()
+        try:
+            self.requests.send_bytes(
+                json.dumps({"template": template, "messages": messages, "options": options}).encode()
+            )
+            if not self.replies.poll(self.seconds):
+                raise TemplateLimitExceeded(f"it ran past {self.seconds:g} s on one chat (its time limit)")
+            reply = json.loads(self.replies.recv_bytes())
+        except (EOFError, OSError):
+            reply = {"limit": "memory"}  # the worker died: only a limit ends it
+        except TemplateLimitExceeded:
+            self.close()
+            raise
+        if "limit" in reply:
+            self.close()
+            raise TemplateLimitExceeded(f"it went past {self.memory >> 20:,} MB of memory (its memory limit)")
+        if "error" in reply:
+            raise TemplateError(reply["error"])
+        return reply["text"]
+
+    def _start(self) -> None:
+        self.memory, self.seconds = MAX_RENDER_BYTES, MAX_RENDER_SECONDS
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", f"from ladder.chat_template import serve; serve({self.memory})"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # a dying interpreter's last words are not the user's line
+        )
+        self.requests = Connection(os.dup(self.process.stdin.fileno()), readable=False)
+        self.replies = Connection(os.dup(self.process.stdout.fileno()), writable=False)
+        if not self.replies.poll(START_SECONDS) or json.loads(self.replies.recv_bytes()) != "ready":
+            self.close()
+            raise OSError("the chat template worker did not start")
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            for stream in (self.requests, self.replies, self.process.stdin, self.process.stdout):
+                stream.close()
+            self.process = None
+
+
+def serve(memory: int) -> None:
+    """The worker: render each request on stdin, reply on stdout, within `memory` bytes of address space."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    requests, replies = Connection(os.dup(0), writable=False), Connection(os.dup(1), readable=False)
+    os.dup2(2, 1)  # whatever a library prints stays out of the replies
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    replies.send_bytes(json.dumps("ready").encode())
+    while True:
+        try:
+            request = json.loads(requests.recv_bytes())
+        except EOFError:
+            return
+        try:
+            text = render_jinja_template([request["messages"]], chat_template=request["template"], **request["options"])
+            reply = json.dumps({"text": text[0][0]})
+        except MemoryError:
+            reply = json.dumps({"limit": "memory"})
+        except Exception as error:  # the template's own failure (raise_exception, a type error, ...)
+            lines = str(error).strip().splitlines()
+            reply = json.dumps({"error": lines[0] if lines else type(error).__name__})
+        replies.send_bytes(reply.encode())
+
+
+__all__ = ["MAX_RENDER_BYTES", "MAX_RENDER_SECONDS", "PROBE_CHAT", "TemplateLimitExceeded", "TemplateWorker"]

@@ -58,16 +58,14 @@ class LoadedHFLM(HFLM):
         if batch_size == "auto":
             longest = max(range(len(requests)), key=lambda index: len(requests[index][1]) + len(requests[index][2]))
             batch_size = self._detect_batch_size(requests=requests, pos=longest)
-        answers = score_continuations(
+        return score_continuations(
             self.model.model,
             self.model.lm_head,
             [(context, continuation) for _, context, continuation in requests],
             max_length=self.max_length,
             batch_size=batch_size,
+            done=getattr(self.cache_hook, "scored", lambda count: None),  # the run's progress (harness.ItemProgress)
         )
-        for (request, _, _), answer in zip(requests, answers):
-            self.cache_hook.add_partial("loglikelihood", request, answer)
-        return answers
 
 
 def load_lm(ref: ModelRef, runtime: Runtime) -> HFLM:

@@ -19,7 +19,7 @@ padded context from the cache, the padded keys are masked out.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -34,12 +34,17 @@ Group = tuple[tuple[int, ...], list[int]]  # (context tokens, indices of the req
 
 
 def score_continuations(
-    backbone: nn.Module, head: nn.Module, requests: Sequence[Request], max_length: int, batch_size: int
+    backbone: nn.Module,
+    head: nn.Module,
+    requests: Sequence[Request],
+    max_length: int,
+    batch_size: int,
+    done: Callable[[int], None] = lambda count: None,
 ) -> list[tuple[float, bool]]:
     """(sum of the continuation's log-probabilities, whether greedy decoding would produce it) for
     each request, in order. `backbone` maps token ids to the final-normed hidden states (a Llama's
     `model.model`), `head` maps those to logits (`lm_head`). A batch holds `batch_size` contexts
-    and all their continuations, or `batch_size` whole requests."""
+    and all their continuations, or `batch_size` whole requests. `done(count)` follows each batch."""
     groups: dict[tuple[int, ...], list[int]] = {}
     continuations = []
     for index, (context, continuation) in enumerate(requests):
@@ -69,9 +74,11 @@ def score_continuations(
     shared.sort(key=lambda group: (-len(group[0]), group[0]))
     for start in range(0, len(shared), batch_size):
         _score_shared(backbone, head, shared[start : start + batch_size], continuations, results)
+        done(sum(len(members) for _, members in shared[start : start + batch_size]))
     whole_requests.sort(key=lambda request: (-len(request[0]) - len(continuations[request[1]]), request))
     for start in range(0, len(whole_requests), batch_size):
         _score_whole(backbone, head, whole_requests[start : start + batch_size], continuations, results)
+        done(len(whole_requests[start : start + batch_size]))
     return results  # type: ignore[return-value]
 
 
