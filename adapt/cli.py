@@ -8,13 +8,15 @@ Several processes (DDP or FSDP, on GPUs or on CPU over gloo):
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import shlex
 import sys
 
+from ladder.cli_types import float_in, positive_int
 from ladder.errors import ArgumentParser, UsageError, run_command
 from ladder.log import log
-from ladder.plan.speed import device_names, device_profile
-from ladder.units import parse_size
+from ladder.plan.speed import DEFAULT_HARDWARE, device_names, device_profile
 
 from .recipe import Recipe, dump_recipe, load_recipe
 
@@ -34,27 +36,21 @@ def build_parser() -> ArgumentParser:
         action="store_true",
         help="tokenize and cache the data only (every core, no weights; a killed prepare continues), then exit",
     )
-    plan = parser.add_argument_group("plan (adapt/plan.py): memory, recompute, FLOPs and cost, reading no weights")
-    plan.add_argument("--plan", action="store_true", help="print the plan of the recipe's training and exit")
-    plan.add_argument(
+    cost = parser.add_argument_group("--plan (training_cost.py): memory, recompute, FLOPs and cost, reading no weights")
+    cost.add_argument("--plan", action="store_true", help="print what the recipe's training costs and exit")
+    cost.add_argument(
         "--hardware",
         help=f"the device, as `ladder plan` names it: {', '.join(device_names())} (this machine), "
         "FLOPS,BANDWIDTH,MEMORY (e.g. 989e12,3.35e12,80GB) or a `ladder plan --calibrate` .json "
-        "(default: this machine)",
+        f"(default {DEFAULT_HARDWARE}, as `ladder plan`)",
     )
-    plan.add_argument(
-        "--devices", "--gpus", type=int, default=None, help="how many (FSDP over them when more than one; default 1)"
+    cost.add_argument(
+        "--train-devices", type=positive_int, help="how many (FSDP over them when more than one; default 1)"
     )
-    plan.add_argument(
-        "--gpu-memory", help="bytes per device, e.g. 80GB, 80GiB or 8e10 (default: --hardware's, else this machine's)"
+    cost.add_argument(
+        "--utilisation", type=float_in(0.01, 1.0), help="share of the peak reached (default 0.35, compiled 0.40)"
     )
-    plan.add_argument(
-        "--gpu-flops", type=float, default=None, help="peak FLOP/s per device (default: --hardware's, else this CPU's)"
-    )
-    plan.add_argument(
-        "--utilisation", type=float, default=None, help="share of the peak reached (default 0.35, compiled 0.40)"
-    )
-    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    cost.add_argument("--json", action="store_true", help="print the cost as one JSON object")
     return parser
 
 
@@ -80,47 +76,19 @@ def main(argv: list[str]) -> int:
         return prepare_data(recipe)
     if args.plan:
         return print_plan(recipe, args)
-    planning = (args.hardware, args.devices, args.gpu_memory, args.gpu_flops, args.utilisation)
-    if any(value is not None for value in planning) or args.json:
-        raise UsageError("--hardware, --devices, --gpu-memory, --gpu-flops, --utilisation and --json go with --plan")
+    if any(value is not None for value in (args.hardware, args.train_devices, args.utilisation)) or args.json:
+        raise UsageError("--hardware, --train-devices, --utilisation and --json go with --plan")
     return train(recipe, args.recipe, args.overrides)
 
 
 def print_plan(recipe: Recipe, args: argparse.Namespace) -> int:
-    """The plan of the recipe's training (adapt/plan.py), as text or one JSON object."""
-    from .plan import format_plan, plan_json, recipe_plan
+    """What the recipe's training costs (training_cost.py), as text or one JSON object."""
+    from .training_cost import format_cost, recipe_cost
 
-    if args.devices is not None and args.devices < 1:
-        raise UsageError("--devices must be at least 1")
-    if args.gpu_flops is not None and not args.gpu_flops > 0:
-        raise UsageError("--gpu-flops must be positive")
-    if args.utilisation is not None and not 0 < args.utilisation <= 1:
-        raise UsageError("--utilisation must be in (0, 1]")
-    memory, flops, accelerator = plan_device(args)
-    plan = recipe_plan(recipe, args.devices or 1, memory, flops, args.utilisation, accelerator)
-    print(plan_json(plan) if args.json else format_plan(plan, recipe))
+    device = device_profile(args.hardware or DEFAULT_HARDWARE, "--hardware")
+    cost = recipe_cost(recipe, device, args.train_devices or 1, args.utilisation)
+    print(json.dumps(dataclasses.asdict(cost), indent=1) if args.json else format_cost(cost, recipe))
     return 0
-
-
-def plan_device(args: argparse.Namespace) -> tuple[float | None, float | None, bool | None]:
-    """(memory, FLOP/s, accelerator) of the devices the plan trains on: --hardware's figures, each
-    overridden by --gpu-memory or --gpu-flops; without --hardware, both of those or neither (this
-    machine). A partial description is refused: it would price GPUs at this CPU's rate."""
-    from .plan import device_figures
-
-    memory = parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
-    if args.hardware is not None:
-        hardware_memory, hardware_flops, accelerator = device_figures(device_profile(args.hardware, "--hardware"))
-        return memory or hardware_memory, args.gpu_flops or hardware_flops, accelerator
-    given = {"--devices": args.devices, "--gpu-memory": memory, "--gpu-flops": args.gpu_flops}
-    if (memory is None) != (args.gpu_flops is None) or (args.devices is not None and memory is None):
-        named = " and ".join(flag for flag, value in given.items() if value is not None)
-        raise UsageError(
-            f"{named} describe the devices only in part (the rest would be this CPU's): name them with "
-            f"--hardware ({', '.join(device_names())}: `--hardware cpu` is this machine), or give both --gpu-memory "
-            "and --gpu-flops"
-        )
-    return memory, args.gpu_flops, None
 
 
 def prepare_data(recipe: Recipe) -> int:

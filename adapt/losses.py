@@ -33,7 +33,7 @@ from accelerate.utils import extract_model_from_parallel
 # each chunk reads the whole head weight (1 GB in bf16) three times (logits, the hidden states'
 # gradient, the weight's), so chunks must be long enough for those matmuls to be bound by compute
 # (a few hundred positions per weight read on an H100) and few: 8 per 8k-token micro-batch instead
-# of 63. adapt/plan.py counts the chunk in the peak.
+# of 63. adapt/training_cost.py counts the chunk in the peak.
 CPU_CHUNK_BYTES = 16 * 2**20
 ACCELERATOR_CHUNK_BYTES = 512 * 2**20
 IGNORE_INDEX = -100

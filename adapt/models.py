@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, init_empty_weights
 from accelerate.utils import DistributedType
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 import ladder
 from ladder.errors import UsageError, first_line
-from ladder.io.loading import from_pretrained_arguments, gguf_parsed_once, load_model, load_tokenizer
+from ladder.io.loading import gguf_parsed_once, load_config, load_model, load_tokenizer
 from ladder.io.model_card import SourceFacts, source_facts
 from ladder.layers import parse_ladder_layers
 
@@ -63,8 +63,7 @@ def empty_model(source: Path) -> PreTrainedModel:
     load computes them, so that FSDP's preparation, which receives only the state dict, keeps them."""
     import ladder.model.auto  # noqa: F401  (registers the ladder model with the Auto classes)
 
-    location, extra = from_pretrained_arguments(source)
-    config = AutoConfig.from_pretrained(location, **extra)
+    config = load_config(source)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
@@ -84,7 +83,7 @@ def load_teacher(
 
 def configure_student(model: torch.nn.Module, spec: ModelSpec, checkpointing: str = "none") -> None:
     """Attention implementation, activation checkpointing (`checkpointing`: model.activation_checkpointing
-    resolved, adapt/plan.py) and compilation, as model.* asks."""
+    resolved, adapt/training_cost.py) and compilation, as model.* asks."""
     model.set_attn_implementation(spec.attn_implementation)
     if checkpointing != "none":
         model.activation_checkpointing_enable(

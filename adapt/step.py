@@ -187,7 +187,7 @@ def step_metrics(
     peak_flops: float | None,
 ) -> dict[str, float]:
     """What a step's log line adds: tokens/s per device (all, and those trained on), the model-FLOPs
-    utilisation against `peak_flops` (per device; adapt/plan.py counts the FLOPs), the peak memory
+    utilisation against `peak_flops` (per device; adapt/training_cost.py counts the FLOPs), the peak memory
     (the device's allocator, or the process's RSS on CPU) and the share of the step this process
     spent getting its data."""
     devices = accelerator.num_processes

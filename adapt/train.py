@@ -67,7 +67,6 @@ from .models import (
     weights_from_main,
 )
 from .optimizer import build_optimizer
-from .plan import checkpointing_policy, flops_per_token, model_shape, peak_flops, setting_of
 from .preemption import Preempted, StopSignals
 from .preflight import (
     ModelSources,
@@ -81,6 +80,7 @@ from .preflight import (
 )
 from .recipe import RECIPE_FILE, Recipe, dump_recipe
 from .step import TrainingStep, step_metrics
+from .training_cost import checkpointing_policy, flops_per_token, model_shape, peak_flops, setup_of
 
 # The ladder logger (ladder/log.py) through accelerate's adapter: it speaks on the main process only.
 log = get_logger("ladder")
@@ -235,14 +235,14 @@ class AdaptRun:
         return model
 
     def setup_mfu(self, model: torch.nn.Module) -> None:
-        """The model FLOPs per token and the peak the log lines' MFU is measured against (adapt/plan.py)."""
+        """The model FLOPs per token and the peak the log lines' MFU is measured against (training_cost.py)."""
         accelerator = self.accelerator
         shape = model_shape(model.config)
         layers = self.trained_layers if self.recipe.trainable.mode == "ladder" else None
-        setting = setting_of(
+        setup = setup_of(
             self.recipe, shape, accelerator.num_processes, accelerator.device.type == "cuda", self.fsdp, layers
         )
-        self.flops_per_token = flops_per_token(shape, setting, self.checkpointing)[0]
+        self.flops_per_token = flops_per_token(shape, setup, self.checkpointing)[0]
         self.peak_flops = peak_flops(self.recipe, accelerator.device)
 
     def setup_optimizer(self, model: torch.nn.Module) -> None:

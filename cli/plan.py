@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
+import os
+import signal
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from ladder.cli_types import positive_int, positive_ints
 from ladder.errors import ArgumentParser, UsageError
 from ladder.io.loading import EMBEDDED, model_name
-from ladder.layers import format_layers, parse_auto_layers, parse_ladder_layers
-from ladder.plan.costs import ModelShape
+from ladder.layers import AutoLayers, format_layers, parse_layer_choice
+from ladder.plan.costs import ModelShape, forward_cost
 from ladder.plan.models import ModelConfig, model_config, own_ladder_layers
 from ladder.plan.speed import (
+    DEFAULT_HARDWARE,
     Device,
     Prediction,
     Setting,
@@ -41,6 +45,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 RECIPE_SUFFIXES = (".yaml", ".yml")
 # The TP degrees whose refusals every plan lists, besides --tp and the divisors of the head counts.
 LISTED_DEGREES = (1, 2, 4, 8, 16)
+# Share of a device's memory the weights and the KV cache may fill: vLLM's default gpu_memory_utilization.
+USABLE_MEMORY = 0.9
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -48,9 +54,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "model", nargs="?",
         help="a checkpoint folder, its config.json, a .gguf file, 'embedded', a Hub ID (its config.json in the "
-        "local cache, or a published Llama 3.x shape: ladder/plan/llama3.tsv), or a recipe (its model.path)",
+        "local cache, or a published shape: ladder/plan/models.tsv), or a recipe (its model.path)",
     )  # fmt: skip
-    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (default 8)")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value",
+        help="recipe overrides, as `ladder adapt RECIPE key=value` takes them (e.g. trainable.mode=ladder)",
+    )  # fmt: skip
+    parser.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel degree (default 8)")
     parser.add_argument(
         "--engine", choices=tuple(ENGINES), default="vllm",
         help="what runs the model: vllm (`ladder serve`: hides a ladder layer's attention all-reduce, and its "
@@ -62,19 +72,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "(default: the --hardware calibration's link, else nvlink; --hardware cpu needs one)",
     )  # fmt: skip
     parser.add_argument(
-        "--hardware", default="h100",
+        "--hardware", default=DEFAULT_HARDWARE,
         help=f"{', '.join(device_names())}, FLOPS,BANDWIDTH[,MEMORY] (per second; a size such as 80GB), or a "
-        "--calibrate .json (default h100)",
+        f"--calibrate .json (default {DEFAULT_HARDWARE}, as `ladder adapt --plan`)",
     )  # fmt: skip
-    parser.add_argument("--device", dest="hardware", help=argparse.SUPPRESS)  # its old name
-    parser.add_argument("--batch", default="1,16,64", help="batch sizes, comma-separated (default 1,16,64)")
-    parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens (default 1024)")
-    parser.add_argument("--new", type=int, default=512, help="new tokens (default 512)")
     parser.add_argument(
-        "--layers",
-        help="layer choices, comma-separated: N (the upper N), all, auto:N (a contiguous window of N), or a "
-        "set of ranges joined by + (0-3+8-11); default: a quarter, half and all of the layers",
+        "--batch-size", type=positive_ints, default=[1, 16, 64], help="batch sizes, comma-separated (default 1,16,64)"
     )
+    parser.add_argument("--prompt", type=positive_int, default=1024, help="prompt tokens (default 1024)")
+    parser.add_argument("--new", type=positive_int, default=512, help="new tokens (default 512)")
+    parser.add_argument(
+        "--layers", action="append",
+        help="ladder layers, as `ladder convert --layers` takes them: N (the upper N), a range 16-31, a list 3,5,7 "
+        "or auto:N (a contiguous window of N); repeated for several choices (default: a quarter, half and all)",
+    )  # fmt: skip
     parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), help="default bfloat16 (float32 on --hardware cpu)")
     parser.add_argument("--eager", action="store_true", help="kernels launched one by one (no CUDA graphs)")
     parser.add_argument(
@@ -88,11 +99,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "when it is a recipe, or the recipe.yaml in MODEL's folder, where `ladder adapt` left one)",
     )
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="a recipe override, as `ladder adapt RECIPE KEY=VALUE` takes it (repeatable; e.g. trainable.mode=ladder)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--train-devices", type=int, help="devices the retraining runs on (default: --tp); needs --recipe"
+        "--train-devices",
+        type=positive_int,
+        help="devices the retraining runs on (default 1, as `ladder adapt --plan`)",
     )
     parser.add_argument("--json", action="store_true", help="print the predictions as JSON")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's profile (no MODEL)")
@@ -101,28 +110,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="with --calibrate: loopback, or a rate such as 100mbit (loopback shaped by tc; needs root)",
     )  # fmt: skip
     parser.add_argument("--out", help="where --calibrate writes (default runs/plan/calibration-LINK.json)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if not args.calibrate and args.model is None:
         raise UsageError(
             "name a MODEL (a checkpoint folder, a config.json, a .gguf file, 'embedded', a Hub ID or a recipe), "
             "or pass --calibrate"
         )
-    for name in ("tp", "prompt", "new", "train_devices"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if (args.link != "loopback" or args.out is not None) and not args.calibrate:
         raise UsageError("--link and --out go with --calibrate")
     if args.piecewise and (args.engine != "vllm" or args.eager):
         raise UsageError("--piecewise is a mode of vLLM's CUDA graphs: it goes with --engine vllm, without --eager")
-    args.batches = _positive_ints(args.batch, "--batch")
     return args
-
-
-def _positive_ints(text: str, flag: str) -> list[int]:
-    parts = text.split(",")
-    if not all(part.strip().isdigit() and int(part) > 0 for part in parts):
-        raise UsageError(f"{flag} {text!r} must be positive integers, comma-separated")
-    return [int(part) for part in parts]
 
 
 # --- Reading the model's config and its measured damage --------------------------------------------
@@ -137,13 +135,14 @@ def read_model(args: argparse.Namespace) -> tuple[ModelConfig, list[int]]:
         return model, own_ladder_layers(model.config)
     from ladder.adapt.recipe import load_recipe, model_path
 
-    recipe = load_recipe(args.model, args.set)
+    recipe = load_recipe(args.model, args.overrides)
     args.recipe = args.recipe or args.model
     model = model_config(model_path(recipe.model.path) or EMBEDDED)
     layers, chosen = own_ladder_layers(model.config), recipe.model.ladder_layers
     num_layers = ModelShape.from_config(model.config).num_layers
-    if not layers and chosen is not None and parse_auto_layers(chosen, num_layers, "model.ladder_layers") is None:
-        layers = parse_ladder_layers(chosen, num_layers, "model.ladder_layers")
+    if not layers and chosen is not None:
+        choice = parse_layer_choice(chosen, num_layers, "model.ladder_layers")
+        layers = [] if isinstance(choice, AutoLayers) else choice
     return model, layers
 
 
@@ -179,34 +178,31 @@ def _json_or_empty(path: Path) -> dict:
 # --- Layer choices -----------------------------------------------------------------------------------
 
 
-def layer_choices(spec: str | None, num_layers: int, own: list[int] | None = None) -> dict[str, list[int]]:
-    """Label -> layers for each comma-separated choice; default: the model's own ladder layers (`own`,
-    when it has some), then a quarter, half and all of the layers."""
-    default = spec is None
+def layer_choices(specs: list[str] | None, num_layers: int, own: list[int] | None = None) -> dict[str, list[int]]:
+    """Label -> layers for each --layers spec (convert's: N, a range, a list, auto:N); default: the
+    model's own ladder layers (`own`, when it has some), then a quarter, half and all of the layers."""
+    default = specs is None
     if default:
-        counts = sorted({max(1, num_layers // 4), max(1, num_layers // 2), num_layers})
-        spec = ",".join(map(str, counts))
+        specs = [str(count) for count in sorted({max(1, num_layers // 4), max(1, num_layers // 2), num_layers})]
     choices = {}
-    for part in (part.strip() for part in spec.split(",")):
-        if part == "all":
-            part = str(num_layers)
-        auto = parse_auto_layers(part, num_layers, "--layers")
-        if auto is not None:
+    for spec in specs:
+        choice = parse_layer_choice(spec, num_layers, "--layers")
+        if isinstance(choice, AutoLayers):
             # Any contiguous window of N has the same speed; its damage differs (a layer search measures it).
-            choices[str(auto)] = list(range(num_layers - auto.count, num_layers))
-        elif re.fullmatch(r"\d+", part):
-            layers = parse_ladder_layers(int(part), num_layers, "--layers")
-            choices[f"upper {len(layers)}" if len(layers) < num_layers else f"all {num_layers}"] = layers
+            choices[str(choice)] = list(range(num_layers - choice.count, num_layers))
         else:
-            layers = parse_ladder_layers(part.replace("+", ","), num_layers, "--layers")
-            choices[format_layers(layers)] = layers
+            choices[_label(choice, num_layers)] = choice
     if not (default and own):
         return choices
-    label = next((label for label, layers in choices.items() if layers == own), None)
-    label = label or (
-        f"upper {len(own)}" if own == list(range(num_layers - len(own), num_layers)) else format_layers(own)
-    )
+    label = next((label for label, layers in choices.items() if layers == own), _label(own, num_layers))
     return {f"{label} (its own)": own} | {label: layers for label, layers in choices.items() if layers != own}
+
+
+def _label(layers: list[int], num_layers: int) -> str:
+    """`upper 8`, `all 32`, or the layers themselves (`3-5,9`)."""
+    if layers != list(range(num_layers - len(layers), num_layers)):
+        return format_layers(layers)
+    return f"all {num_layers}" if len(layers) == num_layers else f"upper {len(layers)}"
 
 
 # --- Output ------------------------------------------------------------------------------------------
@@ -223,25 +219,28 @@ def plan(args: argparse.Namespace, model: ModelConfig, own_layers: list[int]) ->
             f"--tp {args.tp}: {ENGINES[args.engine]} refuses this model: {problem}{other}; "
             f"{ENGINES[args.engine]} runs it at TP={fits}"
         )
-    if args.interconnect is None and args.hardware == "cpu":  # nvlink, the default, joins GPUs, not CPUs
-        raise UsageError(
+    device = device_profile(args.hardware)
+    if args.interconnect is None and device.on_cpu and not args.hardware.endswith(".json"):
+        raise UsageError(  # nvlink, the default, joins GPUs, not CPUs
             "--hardware cpu needs --interconnect (BANDWIDTH,LATENCY_US), or plan from this machine's calibration: "
             "`ladder plan --calibrate`, then --hardware runs/plan/calibration-LINK.json"
         )
     # A calibration measured a device and a link together: one file names both.
-    interconnect = args.interconnect or (args.hardware if args.hardware.endswith(".json") else "nvlink")
-    device, link = device_profile(args.hardware), link_profile(interconnect)
+    link = link_profile(args.interconnect or (args.hardware if args.hardware.endswith(".json") else "nvlink"))
     dtype = args.dtype or ("float32" if device.on_cpu else "bfloat16")
     graphs = not (args.eager or device.on_cpu)
     full_graph = graphs and not args.piecewise  # how a decode step runs (vLLM: a uniform batch, one graph)
     choices = layer_choices(args.layers, shape.num_layers, own_layers)
     damage = recorded_damage(model.folder)
     recipe = args.recipe or adapted_recipe(model.folder)
-    if (args.train_devices is not None or args.set) and recipe is None:
-        raise UsageError("--train-devices and --set go with --recipe (or a MODEL folder with its recipe.yaml)")
+    if (args.train_devices is not None or args.overrides) and recipe is None:
+        raise UsageError(
+            "--train-devices and key=value overrides go with --recipe (or a MODEL folder with its recipe.yaml)"
+        )
     retraining = retraining_costs(args, recipe, shape, device, choices) if recipe else {}
+    memory = memory_fit(shape, args, DTYPE_BYTES[dtype], device, degrees)
     rows = []
-    for batch in args.batches:
+    for batch in args.batch_size:
         setting = Setting(
             device, link, args.tp, batch, args.prompt, args.new, DTYPE_BYTES[dtype], graphs, args.engine, args.piecewise
         )
@@ -253,8 +252,30 @@ def plan(args: argparse.Namespace, model: ModelConfig, own_layers: list[int]) ->
         overlapped={engine: list(overlapped_reductions(engine, device, full_graph)) for engine in ENGINES},
         piecewise=args.piecewise, device=asdict(device),
         interconnect=asdict(link), dtype=dtype, cuda_graphs=graphs, prompt=args.prompt, new_tokens=args.new,
-        rows=rows, recipe=recipe, tp_degrees=[dict(tp=tp, refused=refused) for tp, refused in degrees.items()],
+        memory=memory, fits=memory["fits"], rows=rows, recipe=recipe,
+        tp_degrees=[dict(tp=tp, refused=refused) for tp, refused in degrees.items()],
     )  # fmt: skip
+
+
+def memory_fit(shape: ModelShape, args: argparse.Namespace, dtype_bytes: int, device: Device, degrees: dict) -> dict:
+    """Whether the weights and the KV cache of prompt + new tokens fit each device at every batch, and
+    when not, the smallest TP degree the engine runs at which they do, and the largest batch that fits."""
+    from ladder.plan.calibrate import machine_memory
+
+    usable = USABLE_MEMORY * (device.memory or machine_memory())
+    embedding = 0 if shape.tied_embeddings else dtype_bytes * shape.vocab_size * shape.hidden_size
+
+    def per_device(tp: int, batch: int) -> float:
+        return forward_cost(shape, batch, 1, args.prompt + args.new, tp, dtype_bytes).bytes + embedding
+
+    needed = {batch: per_device(args.tp, batch) for batch in args.batch_size}
+    fits, fits_with = max(needed.values()) <= usable, {}
+    if not fits:
+        runs = [tp for tp, refused in degrees.items() if refused[args.engine] is None and tp > args.tp]
+        fits_with["tp"] = next((tp for tp in runs if per_device(tp, max(args.batch_size)) <= usable), None)
+        weights, sequence = per_device(args.tp, 0), per_device(args.tp, 1) - per_device(args.tp, 0)
+        fits_with["batch_size"] = int((usable - weights) // sequence) if usable > weights + sequence else None
+    return dict(bytes_per_device=needed, usable_bytes=usable, fits=fits, fits_with=fits_with or None)
 
 
 def tp_degrees(shape: ModelShape, tp: int) -> dict[int, dict[str, str | None]]:
@@ -280,24 +301,24 @@ def adapted_recipe(folder: Path | None) -> str | None:
 def retraining_costs(
     args: argparse.Namespace, recipe_path: str, shape: ModelShape, device: Device, choices: dict
 ) -> dict[str, dict]:
-    """Choice -> the recipe's retraining plan for it (adapt/plan.py, what `ladder adapt RECIPE --plan`
-    prints) on --train-devices devices of --device: under trainable.mode ladder only the chosen layers
-    train, so fewer ladder layers cost less; under `all` every choice costs the same."""
-    from ladder.adapt.plan import device_figures, shape_plan
+    """Choice -> what the recipe's retraining costs with its layers (adapt/training_cost.py, what `ladder
+    adapt RECIPE --plan` prints) on --train-devices devices of --hardware: under trainable.mode ladder only
+    the chosen layers train, so fewer ladder layers cost less; under `all` every choice costs the same."""
     from ladder.adapt.recipe import load_recipe
+    from ladder.adapt.training_cost import recipe_cost
 
-    recipe = load_recipe(recipe_path, args.set)
-    devices = args.train_devices or args.tp
-    memory, flops, accelerator = device_figures(device)  # the same figures `ladder adapt --plan --hardware` uses
+    recipe = load_recipe(recipe_path, args.overrides)
+    devices = args.train_devices or 1
     costs = {}
     for label, layers in choices.items():
-        plan = shape_plan(recipe, shape, devices, memory, flops, accelerator, ladder_layers=layers)
+        cost = recipe_cost(recipe, device, devices, shape=shape, ladder_layers=layers)
         costs[label] = dict(
             recipe=recipe.name, tokens=recipe.budget, trainable=recipe.trainable.mode, devices=devices,
-            device_hours=plan.device_hours, hours=plan.device_hours / devices,
-            activation_checkpointing=plan.activation_checkpointing, peak_bytes_per_device=plan.peak_bytes_per_device,
-            tokens_per_second=plan.tokens_per_second, utilisation=plan.utilisation,
-            utilisation_source=plan.utilisation_source,
+            device_hours=cost.device_hours, hours=cost.device_hours / devices,
+            anchor_device_hours=cost.anchor_device_hours, fits=cost.fits, fits_with=cost.fits_with,
+            activation_checkpointing=cost.activation_checkpointing, peak_bytes_per_device=cost.peak_bytes_per_device,
+            tokens_per_second=cost.tokens_per_second, utilisation=cost.utilisation, mfu=cost.mfu,
+            anchor_mfu=cost.anchor_mfu, utilisation_source=cost.utilisation_source,
         )  # fmt: skip
     return costs
 
@@ -320,6 +341,7 @@ def render(result: dict) -> str:
         f"{shape['num_heads']} heads / {shape['num_kv_heads']} KV; TP={result['tp']} on {result['device']['name']} "
         f"over {result['interconnect']['name']}, {result['dtype']}, prompt {result['prompt']} + {result['new_tokens']} "
         f"new tokens, {'CUDA graphs' if result['cuda_graphs'] else 'eager launches'} (predicted, not measured)",
+        memory_note(result["memory"], result["tp"]),
         f"engine: {ENGINES[engine]} (--engine {engine}): {_overlap(result['overlapped'][engine], engine)}; "
         + "; ".join(f"{ENGINES[e]}: {_overlap(o, e)}" for e, o in result["overlapped"].items() if e != engine),
         "TP degrees each engine runs (ladder/tp/degrees.py):",
@@ -332,7 +354,7 @@ def render(result: dict) -> str:
     for row in result["rows"]:
         name = row["choice"] if row["choice"] == row["layers"] else f"{row['choice']} ({row['layers']})"
         cost = row["retraining"]
-        retraining = f"{cost['device_hours']:>7,.1f} {unit}-h  " if cost else ""
+        retraining = f"{cost['device_hours']:>7,.1f} {unit}-h{' ' if cost['fits'] else '*'} " if cost else ""
         lines.append(
             f"{row['batch']:>5}  {name:<30} {row['hidden_all_reduces']:>4}/{row['all_reduces']:<4} "
             f"{row['standard_ms_per_token']:>7.2f} ms {row['ladder_ms_per_token']:>7.2f} ms {row['speedup']:>7.2f}x "
@@ -347,6 +369,19 @@ def render(result: dict) -> str:
     if result["recipe"]:
         lines.append(retraining_note([row["retraining"] for row in result["rows"]], result["device"]["name"]))
     return "\n".join(lines)
+
+
+def memory_note(memory: dict, tp: int) -> str:
+    """Whether the weights and KV cache fit each device, and when not, what does."""
+    needed, gib = memory["bytes_per_device"], 2**30
+    line = (
+        f"memory per device (weights + KV cache): {min(needed.values()) / gib:.1f} to {max(needed.values()) / gib:.1f} "
+        f"GiB of {memory['usable_bytes'] / gib:.1f} GiB usable ({USABLE_MEMORY:.0%}, vLLM's gpu_memory_utilization): "
+    )
+    if memory["fits"]:
+        return line + "fits"
+    options = [f"--{key.replace('_', '-')} {value}" for key, value in memory["fits_with"].items() if value]
+    return line + f"does NOT fit at TP={tp}; the smallest setting that fits: {' or '.join(options) or 'none listed'}"
 
 
 def _overlap(overlapped: list[str], engine: str) -> str:
@@ -370,12 +405,22 @@ def _degree(entry: dict) -> str:
 
 
 def retraining_note(costs: list[dict], device: str) -> str:
+    from ladder.adapt.training_cost import ANCHOR_SOURCE, smallest_setting
+
     cost, recompute = costs[0], sorted({cost["activation_checkpointing"] for cost in costs})
-    return (
+    anchor = [cost["anchor_device_hours"] for cost in costs]
+    unfit = [cost["fits_with"] for cost in costs if not cost["fits"]]
+    note = (
         f"retraining: device-hours of {cost['recipe']} ({cost['tokens']:.3g} tokens, trainable {cost['trainable']}) "
-        f"on {cost['devices']} x {device} at {cost['utilisation']:.0%} utilisation ({cost['utilisation_source']}), "
-        f"recompute {' or '.join(recompute)}; predicted, as `ladder adapt RECIPE --plan` prints it."
+        f"on {cost['devices']} x {device} at {cost['utilisation']:.0%} utilisation ({cost['utilisation_source']}): "
+        f"MFU {cost['mfu']:.1%}; at the measured anchor's MFU {cost['anchor_mfu']:.1%} ({ANCHOR_SOURCE}): "
+        f"{min(anchor):,.1f} to {max(anchor):,.1f}; recompute {' or '.join(recompute)}; predicted, as `ladder adapt "
+        "RECIPE --plan` prints it."
     )
+    if unfit:
+        worst = None if None in unfit else max(unfit, key=lambda found: found["train_devices"])
+        note += f" *: does not fit; the smallest setting that fits every choice: {smallest_setting(worst)}"
+    return note
 
 
 def run_calibration(out: str, link_rate: str) -> None:
@@ -411,5 +456,9 @@ def main(argv: list[str]) -> int:
         result["model"] = model_name(model.folder)
     else:  # a GGUF file, or a published shape
         result["model"] = Path(model.source).stem if model.source.endswith(".gguf") else model.source.split()[0]
-    print(json.dumps(result, indent=2) if args.json else render(result))
+    try:
+        print(json.dumps(result, indent=2) if args.json else render(result), flush=True)
+    except BrokenPipeError:  # `ladder plan ... | head -1`: the reader has gone, as `yes | head` ends
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return 128 + signal.SIGPIPE
     return 0

@@ -14,14 +14,12 @@ from ladder.cli import main
 from ladder.layers import LADDER_MODEL_TYPE, overlapped_all_reduces
 from ladder.plan.calibrate import fit_latency_bandwidth
 from ladder.plan.costs import ModelShape, forward_cost, parameter_counts
+from ladder.plan.models import published_config
 from ladder.plan.speed import KERNELS, Link, replay
 from ladder.tp.shard import LlamaShard, ShardShape
 from tiny import NUM_LAYERS, random_ids, tiny_config
 
-LLAMA_8B = dict(
-    model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-    num_hidden_layers=32, vocab_size=128256, rms_norm_eps=1e-5,
-)  # fmt: skip
+LLAMA_8B = published_config("meta-llama/Llama-3.1-8B")
 
 
 def runtime_hidden_all_reduces(ladder_layers: list[int]) -> list[int]:
@@ -178,18 +176,17 @@ def llama_8b_folder(tmp_path):
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["--tp", "0"], "--tp must be at least 1"),
-        (["--batch", "1,x"], "must be positive integers"),
+        (["--tp", "0"], "argument --tp: '0' is not a positive integer"),
+        (["--batch-size", "1,x"], "argument --batch-size: 'x' is not a positive integer"),
         (["--layers", "40"], "the model has 32 layers"),
         (["--layers", "auto:0"], "needs 1 <= N <= 32"),
         (["--hardware", "tpu9"], "--hardware 'tpu9' is not one of"),
-        (["--device", "tpu9"], "--hardware 'tpu9' is not one of"),  # its old name
         (["--hardware", "cpu"], "--hardware cpu needs --interconnect"),
         (["--hardware", "989e12,3.35e12,80GX"], "--hardware MEMORY '80GX' is not a size like"),
         (["--engine", "trt"], "argument --engine: invalid choice"),
         (["--interconnect", "carrier-pigeon"], "--interconnect 'carrier-pigeon' is not one of"),
         (["--interconnect", "/no/such.json"], "is not a calibration"),
-        (["--tp", "two"], "invalid int value"),
+        (["--tp", "two"], "'two' is not a positive integer"),
         (["--link", "100mbit"], "--link and --out go with --calibrate"),
     ],
 )
@@ -214,7 +211,8 @@ def test_plan_refuses_a_model_it_cannot_read(capsys, model, message):
 
 
 def test_plan_json_shape_and_damage_beside_its_layers(llama_8b_folder, capsys):
-    arguments = ["plan", str(llama_8b_folder), "--tp", "8", "--batch", "1,64", "--layers", "8,16,all,auto:4,0-3+8-11"]
+    layers = [item for spec in ("8", "16", "32", "auto:4", "0-3,8-11") for item in ("--layers", spec)]
+    arguments = ["plan", str(llama_8b_folder), "--tp", "8", "--batch-size", "1,64", *layers]
     arguments += ["--engine", "tp-runtime"]
     assert main([*arguments, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -235,7 +233,7 @@ def test_plan_json_shape_and_damage_beside_its_layers(llama_8b_folder, capsys):
 
 
 def test_plan_prints_a_table(llama_8b_folder, capsys):
-    assert main(["plan", str(llama_8b_folder), "--interconnect", "pcie", "--batch", "1"]) == 0
+    assert main(["plan", str(llama_8b_folder), "--interconnect", "pcie", "--batch-size", "1"]) == 0
     out = capsys.readouterr().out
     assert "TP=8 on h100 over pcie" in out and "upper 8" in out and "all 32" in out and "predicted" in out
 
@@ -244,27 +242,27 @@ def test_plan_prices_each_choice_s_retraining_as_adapt_plan_does(llama_8b_folder
     """--recipe: each choice's retraining is the recipe's `ladder adapt --plan` with that choice's layers
     (the CPU recipe trains only its ladder layers, so more of them cost more)."""
     recipe = "recipes/smollm2-135m-ladder-cpu.yaml"
-    plan = ["plan", str(llama_8b_folder), "--tp", "2", "--batch", "1", "--layers", "8,all", "--recipe", recipe]
+    plan = ["plan", str(llama_8b_folder), "--tp", "2", "--batch-size", "1", "--layers", "8", "--layers", "32"]
+    plan += ["--recipe", recipe, "--train-devices", "2"]
     assert main([*plan, "--json"]) == 0
     upper, every = (row["retraining"] for row in json.loads(capsys.readouterr().out)["rows"])
-    adapt = ["adapt", recipe, f"model.path={llama_8b_folder}", "--plan", "--json", "--gpus", "2"]
-    adapt += ["--gpu-memory", "80e9", "--gpu-flops", "989e12"]
-    assert main(adapt) == 0  # the recipe's own ladder_layers: the upper 8
+    adapt = ["adapt", recipe, f"model.path={llama_8b_folder}", "--plan", "--json", "--train-devices", "2"]
+    assert main(adapt) == 0  # the recipe's own ladder_layers: the upper 8; both on h100 by default
     assert upper["device_hours"] == pytest.approx(json.loads(capsys.readouterr().out)["device_hours"], rel=1e-9)
     assert every["device_hours"] > upper["device_hours"] and every["devices"] == upper["devices"] == 2
     assert main(plan) == 0
     assert "GPU-h" in capsys.readouterr().out
     # A folder `ladder adapt` wrote carries its recipe.yaml: its cost shows without --recipe.
     (llama_8b_folder / "recipe.yaml").write_text(Path(recipe).read_text())
-    assert main([*plan[: plan.index("--recipe")], "--json"]) == 0
+    assert main([*plan[: plan.index("--recipe")], "--train-devices", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"][0]["retraining"] == upper
 
 
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (["--train-devices", "4"], "--train-devices and --set go with --recipe"),
-        (["--recipe", "recipes/smollm2-135m-ladder-cpu.yaml", "--set", "trainable.mode=most"], "trainable.mode"),
+        (["--train-devices", "4"], "--train-devices and key=value overrides go with --recipe"),
+        (["--recipe", "recipes/smollm2-135m-ladder-cpu.yaml", "trainable.mode=most"], "trainable.mode"),
         (["--recipe", "recipes/nope.yaml"], "does not exist"),
         (["--recipe", "recipes/smollm2-135m-ladder-cpu.yaml", "--hardware", "1e12,1e12"], "memory of device 1e12"),
     ],
@@ -294,10 +292,7 @@ def test_calibration_measures_this_machine_and_plans_from_it(tmp_path, capsys):
 
 # --- Engines, TP degrees, the model's own layers, models named without a download -----------------
 
-SMOLLM2 = dict(
-    model_type="llama", hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-    num_hidden_layers=30, vocab_size=49152, rms_norm_eps=1e-5, tie_word_embeddings=True,
-)  # fmt: skip
+SMOLLM2 = published_config("HuggingFaceTB/SmolLM2-135M")
 
 
 @pytest.fixture
@@ -333,7 +328,7 @@ def test_plan_refuses_the_tp_degrees_its_engine_refuses(smollm2_ladder8_folder, 
 def test_plan_marks_each_tp_degree_an_engine_refuses_with_the_engines_own_rule(smollm2_ladder8_folder, capsys):
     """Issue 38 item 4: TP=2 for 9 heads and TP=4 for 3 KV heads are marked, with the engine and why; the
     TP runtime's verdicts are its own shard's (ShardShape.of raises exactly where the plan says it refuses)."""
-    assert main(["plan", str(smollm2_ladder8_folder), "--tp", "3", "--batch", "1", "--json"]) == 0
+    assert main(["plan", str(smollm2_ladder8_folder), "--tp", "3", "--batch-size", "1", "--json"]) == 0
     degrees = {entry["tp"]: entry["refused"] for entry in json.loads(capsys.readouterr().out)["tp_degrees"]}
     assert {1, 2, 3, 4, 8, 9, 16} <= set(degrees)
     assert "9 attention heads are not divisible by TP=2" in degrees[2]["vllm"] and degrees[2]["tp-runtime"] is None
@@ -347,7 +342,7 @@ def test_plan_marks_each_tp_degree_an_engine_refuses_with_the_engines_own_rule(s
         else:
             with pytest.raises(ValueError, match="needs at least one KV head per rank"):
                 ShardShape.of(config, 0, tp)
-    assert main(["plan", str(smollm2_ladder8_folder), "--tp", "3", "--batch", "1"]) == 0
+    assert main(["plan", str(smollm2_ladder8_folder), "--tp", "3", "--batch-size", "1"]) == 0
     table = capsys.readouterr().out
     assert "TP=2   vllm refuses: its 9 attention heads are not divisible by TP=2; tp-runtime runs it" in table
 
@@ -357,7 +352,19 @@ def test_plan_prices_what_each_engine_overlaps(llama_8b_folder, capsys):
     (ladder/serving/model.py) the attention output's, and the MLP output's only in a decode step that
     runs as one full CUDA graph (not in prefill, nor with piecewise graphs or none); on a CPU none. The
     plan says which engine it predicts for."""
-    plan = ["plan", str(llama_8b_folder), "--tp", "8", "--batch", "1", "--layers", "16,all", "--json"]
+    plan = [
+        "plan",
+        str(llama_8b_folder),
+        "--tp",
+        "8",
+        "--batch-size",
+        "1",
+        "--layers",
+        "16",
+        "--layers",
+        "32",
+        "--json",
+    ]
 
     def rows(*arguments: str) -> list[dict]:
         assert main([*plan, *arguments]) == 0
@@ -389,7 +396,7 @@ def test_plan_prices_what_each_engine_overlaps(llama_8b_folder, capsys):
 
 def test_plan_default_rows_include_the_checkpoint_s_own_layers_with_their_damage(smollm2_ladder8_folder, capsys):
     """Issue 38 item 4: a conversion with its upper 8 layers showed upper 7, 15 and all 30, damage empty."""
-    arguments = ["plan", str(smollm2_ladder8_folder), "--tp", "3", "--batch", "1", "--json"]
+    arguments = ["plan", str(smollm2_ladder8_folder), "--tp", "3", "--batch-size", "1", "--json"]
     assert main(arguments) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [row["choice"] for row in rows] == ["upper 8 (its own)", "upper 7", "upper 15", "all 30"]
@@ -413,7 +420,7 @@ PUBLISHED_PARAMETERS = {
 def test_plan_knows_the_published_llama3_shapes_without_a_download(hub_cache, capsys, model_id):
     """Issue 38 item 3: `ladder plan meta-llama/Llama-3.1-8B-Instruct` needed the config in the local cache
     (gated). The shipped shapes give the parameter count the Hub publishes for each repository."""
-    assert main(["plan", model_id, "--batch", "1", "--layers", "all", "--json"]) == 0
+    assert main(["plan", model_id, "--batch-size", "1", "--layers", "4", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     shape = ModelShape(**result["shape"])
     assert parameter_counts(shape).total(shape.num_layers) == PUBLISHED_PARAMETERS[model_id]
@@ -423,12 +430,12 @@ def test_plan_knows_the_published_llama3_shapes_without_a_download(hub_cache, ca
 def test_plan_reads_a_config_json_and_a_recipe(llama_8b_folder, tmp_path, capsys):
     """Issue 38 item 3: a config.json path and a recipe (its model.path, a Hub ID not downloaded) plan too; a
     recipe also prices each choice's retraining."""
-    assert main(["plan", str(llama_8b_folder / "config.json"), "--batch", "1", "--json"]) == 0
+    assert main(["plan", str(llama_8b_folder / "config.json"), "--batch-size", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["shape"]["num_layers"] == 32
     recipe = tmp_path / "recipe.yaml"
     text = Path("recipes/smollm2-135m-ladder-cpu.yaml").read_text()
     recipe.write_text(text.replace("path: embedded", "path: meta-llama/Llama-3.2-1B-Instruct", 1))
-    assert main(["plan", str(recipe), "--batch", "1", "--hardware", "h100", "--json"]) == 0
+    assert main(["plan", str(recipe), "--batch-size", "1", "--hardware", "h100", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["shape"]["num_layers"] == 16 and result["recipe"] == str(recipe)
     assert all(row["retraining"]["device_hours"] > 0 for row in result["rows"])

@@ -1,11 +1,16 @@
-"""What a Llama costs to run, from its config alone: parameter counts, and the FLOPs and bytes each
-module moves for a given number of tokens, per tensor-parallel rank. Pure arithmetic (no torch), shared
-by `ladder plan` (inference speed) and `ladder adapt --plan` (training cost, adapt/plan.py).
+"""What a Llama-family model (Llama, Mistral, Qwen2, Qwen3) costs to run, from its config alone: parameter
+counts, and the FLOPs and bytes each module moves for a given number of tokens, per tensor-parallel rank. Pure arithmetic (no torch), shared
+by `ladder plan` (inference speed) and `ladder adapt --plan` (training cost, adapt/training_cost.py).
 
 Counting convention: a multiply-add is 2 FLOPs; a linear layer of P weights on t tokens costs 2 t P
 FLOPs forward (and twice that backward); attention scores and values cost 2 * 2 * t * heads * head_dim
 * context. Under tensor parallelism (Megatron, as ladder/tp/shard.py shards it) every rank holds its share
 of q/k/v/o and gate/up/down; the embedding, the final norm and the LM head are replicated.
+
+The families differ inside attention only: Qwen2's q/k/v biases (and o's, for a Llama with attention_bias)
+are weights read and added once per token (1 FLOP each, counted as 2 like a weight: small, but counted),
+sharded with their heads; Qwen3's per-head q and k RMSNorms are two head_dim weights, replicated, applied
+to every head; Mistral's sliding window bounds the positions a token attends (and the cache it reads).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from ..errors import UsageError
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The numbers of a Llama config.json that decide its cost."""
+    """The numbers of a config.json that decide its cost."""
 
     hidden_size: int
     intermediate_size: int
@@ -28,10 +33,25 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     tied_embeddings: bool
+    qkv_bias: bool = False  # Qwen2's q, k and v projections
+    o_bias: bool = False  # a Llama with attention_bias: o_proj's too
+    qk_norm: bool = False  # Qwen3's per-head q and k RMSNorms
+    sliding_window: int | None = None  # Mistral v0.1's: positions each token attends, at most
+
+    def attention_extras(self, heads: int, kv_heads: int) -> int:
+        """Bias and q/k norm weights of one layer's attention holding `heads` and `kv_heads` heads."""
+        d = self.head_dim
+        biases = (heads + 2 * kv_heads) * d * (self.qkv_bias or self.o_bias) + self.hidden_size * self.o_bias
+        return biases + 2 * d * self.qk_norm
+
+    def attended(self, context: int) -> int:
+        """Positions a token attends among `context`: all of them, or the sliding window's."""
+        return min(context, self.sliding_window or context)
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
-        """From a config.json's dict; a missing or non-positive size is a UsageError naming the key."""
+        """From a config.json's dict; a missing or non-positive size is a UsageError naming the key.
+        The family (model_type) decides the extra operators; `ladder.plan.models.check_family` refuses others."""
 
         def size(key: str, default: int | None = None) -> int:
             value = config.get(key, default)
@@ -41,7 +61,8 @@ class ModelShape:
                 raise UsageError(f"config.json: {key} must be a positive integer, not {value!r}")
             return value
 
-        hidden, heads = size("hidden_size"), size("num_attention_heads")
+        hidden, heads, family = size("hidden_size"), size("num_attention_heads"), config.get("model_type")
+        window = config.get("sliding_window") if family == "mistral" or config.get("use_sliding_window") else None
         return cls(
             hidden_size=hidden,
             intermediate_size=size("intermediate_size"),
@@ -51,6 +72,10 @@ class ModelShape:
             head_dim=size("head_dim", hidden // heads),
             vocab_size=size("vocab_size"),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(config.get("attention_bias")),
+            o_bias=family != "qwen2" and bool(config.get("attention_bias")),
+            qk_norm=family == "qwen3",
+            sliding_window=size("sliding_window") if window is not None else None,
         )
 
 
@@ -73,11 +98,14 @@ class ParameterCounts:
 
 
 def parameter_counts(shape: ModelShape) -> ParameterCounts:
-    """Parameter counts of a Llama (what `sum(p.numel() for p in LlamaForCausalLM(config).parameters())`
-    adds up to, with tied embeddings counted once)."""
+    """Parameter counts (what `sum(p.numel() for p in model.parameters())` adds up to for the family's
+    transformers model, with tied embeddings counted once)."""
     h, q_width, kv_width = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     return ParameterCounts(
-        attention=h * (q_width + 2 * kv_width) + q_width * h + h,
+        attention=h * (q_width + 2 * kv_width)
+        + q_width * h
+        + h
+        + shape.attention_extras(shape.num_heads, shape.num_kv_heads),
         mlp=3 * h * shape.intermediate_size + h,
         embedding=shape.vocab_size * h,
         lm_head=0 if shape.tied_embeddings else shape.vocab_size * h,
@@ -147,14 +175,17 @@ def forward_cost(
     rank = RankShape.of(shape, tp)
     h, d, tokens = shape.hidden_size, shape.head_dim, batch * query_tokens
     q_width, kv_width = rank.heads * d, rank.kv_heads * d
-    attention_weights = h * (q_width + 2 * kv_width) + q_width * h + h
+    attention_weights = (
+        h * (q_width + 2 * kv_width) + q_width * h + h + shape.attention_extras(rank.heads, rank.kv_heads)
+    )
+    attended = shape.attended(context)
     mlp_weights = 3 * h * rank.intermediate + h
     head_weights = shape.vocab_size * h + h
     return ForwardCost(
         attention=ModuleCost(
-            flops=2 * tokens * attention_weights + 4 * tokens * rank.heads * d * context,
+            flops=2 * tokens * attention_weights + 4 * tokens * rank.heads * d * attended,
             weight_bytes=dtype_bytes * attention_weights,
-            kv_bytes=dtype_bytes * 2 * batch * kv_width * context,
+            kv_bytes=dtype_bytes * 2 * batch * kv_width * attended,
         ),
         mlp=ModuleCost(flops=2 * tokens * mlp_weights, weight_bytes=dtype_bytes * mlp_weights),
         head=ModuleCost(flops=2 * tokens * head_weights, weight_bytes=dtype_bytes * head_weights),

@@ -1,21 +1,30 @@
 """The config a plan prices, from whatever names the model, with nothing downloaded and no weight read:
 a checkpoint folder, its config.json, a .gguf file or `embedded`, or a Hub ID (its config in the local
-Hugging Face cache, else the published Llama 3.x shapes shipped in llama3.tsv). Shared by `ladder plan`
-(which also takes a recipe, for its model.path) and `ladder adapt --plan`."""
+Hugging Face cache, else the published shapes shipped in models.tsv: Llama 3.x, Qwen3, Qwen2.5, Mistral).
+Shared by `ladder plan` (which also takes a recipe, for its model.path) and `ladder adapt --plan`; the
+one table of published shapes every benchmark and test reads too (`published_config`)."""
 
 from __future__ import annotations
 
 import csv
+import difflib
 import functools
 import json
+import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..io.loading import EMBEDDED, HUB_MODEL_ID, embedded_model_path
-from ..layers import check_llama_model_type
+from ..layers import LLAMA_MODEL_TYPES
 
-PUBLISHED = Path(__file__).resolve().parent / "llama3.tsv"
+PUBLISHED = Path(__file__).resolve().parent / "models.tsv"
+# The families whose shapes and extra operators ladder/plan/costs.py prices (Qwen2's q/k/v biases, Qwen3's
+# per-head q/k norms, Mistral's sliding window), besides the ladder Llama's own model type.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# What the offline hint fetches: the config alone (never Meta's consolidated original/ weights).
+HINT = "`hf download {repo} config.json --exclude 'original/*'`"
 
 
 @dataclass(frozen=True)
@@ -30,21 +39,41 @@ class ModelConfig:
 
 @functools.cache
 def published_shapes() -> dict[str, dict]:
-    """Hub ID (lower case) -> the config.json values llama3.tsv publishes for it, with their source."""
+    """Hub ID (lower case) -> the config.json values models.tsv publishes for it, with their source."""
     lines = [line for line in PUBLISHED.read_text().splitlines() if line and not line.startswith("#")]
     shapes = {}
     for row in csv.DictReader(lines, delimiter="\t"):
         config = {key: int(value) for key, value in row.items() if value.isdigit()}
-        config |= dict(rope_theta=float(row["rope_theta"]), tie_word_embeddings=row["tie_word_embeddings"] == "true")
-        config |= dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, source=row["source"])
+        config |= dict(rope_theta=float(row["rope_theta"]), rms_norm_eps=float(row["rms_norm_eps"]))
+        config |= dict(tie_word_embeddings=row["tie_word_embeddings"] == "true", hidden_act="silu")
+        config |= dict(model_type=row["model_type"], name=row["repo"], source=row["source"])
+        config["sliding_window"] = config.get("sliding_window")  # "null": none
         shapes[row["repo"].lower()] = config
     return shapes
 
 
+def published_repo(name: str) -> str | None:
+    """The Hub ID in models.tsv that `name` means: the ID itself in any case, its name without the
+    organisation (`Llama-3.1-70B`), or Meta's earlier name for a 3.1 repository (`Meta-Llama-3.1-70B`)."""
+    shapes, key = published_shapes(), name.split("@")[0].lower()
+    if key in shapes:
+        return shapes[key]["name"]
+    wanted = {key.split("/")[-1], re.sub(r"^meta-(llama-3\.\d)", r"\1", key.split("/")[-1])}
+    found = [shape["name"] for repo, shape in shapes.items() if repo.split("/")[-1] in wanted]
+    return found[0] if len(found) == 1 else None
+
+
 def published_config(model_id: str) -> dict | None:
-    """The published config of a Llama 3.x Hub repository (llama3.tsv), or None."""
-    found = published_shapes().get(model_id.split("@")[0].lower())
-    return None if found is None else {key: value for key, value in found.items() if key != "source"}
+    """The published config of a Hub repository in models.tsv (see `published_repo`), or None."""
+    repo = published_repo(model_id)
+    found = published_shapes()[repo.lower()] if repo else None
+    return None if found is None else {key: value for key, value in found.items() if key not in ("name", "source")}
+
+
+def check_family(model_type: object, where: str) -> None:
+    """Refuse a config whose family the plan cannot price, naming the ones it can."""
+    if model_type not in (*FAMILIES, *LLAMA_MODEL_TYPES):
+        raise UsageError(f"{where} has model_type {model_type!r}; the plan prices {', '.join(FAMILIES)}")
 
 
 def model_config(model: str) -> ModelConfig:
@@ -60,15 +89,19 @@ def model_config(model: str) -> ModelConfig:
         if not (path / "config.json").is_file():
             raise UsageError(f"{model} is a folder without config.json: it is not a Hugging Face checkpoint")
         return ModelConfig(_json_config(path / "config.json"), str(path), path)
-    if not path.exists() and (match := HUB_MODEL_ID.fullmatch(model)):
-        if (cached := _cached_hub_config(match["repo"], match["revision"])) is not None:
-            return ModelConfig(_json_config(cached), model, cached.parent)
-        if (published := published_config(model)) is not None:
-            return ModelConfig(published, f"{model} (published shape, {PUBLISHED.name})")
+    match = HUB_MODEL_ID.fullmatch(model)
+    if not path.exists() and match and (cached := _cached_hub_config(match["repo"], match["revision"])):
+        return ModelConfig(_json_config(cached), model, cached.parent)
+    if not path.exists() and (repo := published_repo(model)) is not None:
+        return ModelConfig(published_config(repo), f"{repo} (published shape, {PUBLISHED.name})")
+    if not path.exists() and (match or "/" not in model):
+        names = [shape["name"] for shape in published_shapes().values()]
+        close = difflib.get_close_matches(model, names, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
         raise UsageError(
-            f"{model}: its config.json is not in the local Hugging Face cache nor among the published Llama 3.x "
-            f"shapes ({PUBLISHED.name}); `hf download {match['repo']} config.json` fetches just that file, and "
-            "planning downloads nothing"
+            f"{model}: its config.json is not in the local Hugging Face cache nor among the published shapes "
+            f"({PUBLISHED.name}); {hint}{HINT.format(repo=match['repo'] if match else 'ORG/' + model)} fetches "
+            "just that file, and planning downloads nothing"
         )
     raise UsageError(f"{model} is not a folder with config.json, a config.json, a .gguf file, 'embedded' or a Hub ID")
 
@@ -80,7 +113,7 @@ def _json_config(path: Path) -> dict:
         raise UsageError(f"cannot read {path}: {str(error)[:200]}") from None
     if not isinstance(config, dict):
         raise UsageError(f"{path} is not a JSON object")
-    check_llama_model_type(config.get("model_type"), str(path))
+    check_family(config.get("model_type"), str(path))
     return config
 
 
@@ -98,9 +131,10 @@ def _gguf_config(path: Path) -> dict:
 
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
-    except (OSError, ValueError, KeyError) as error:
-        raise UsageError(f"cannot read the config embedded in {path}: {str(error).splitlines()[0]}") from None
-    check_llama_model_type(config.get("model_type"), str(path))
+    # A malformed file fails inside gguf-py's or transformers' parsing with whatever its bytes provoke.
+    except (OSError, ValueError, KeyError, IndexError, TypeError, struct.error, ArithmeticError) as error:
+        raise UsageError(f"cannot read the config embedded in {path}: {first_line(error)}") from None
+    check_family(config.get("model_type"), str(path))
     return config
 
 
@@ -115,4 +149,4 @@ def own_ladder_layers(config: dict) -> list[int]:
         raise UsageError(f"config.json: {error}") from None
 
 
-__all__ = ["ModelConfig", "model_config", "own_ladder_layers", "published_config", "published_shapes"]
+__all__ = ["FAMILIES", "ModelConfig", "model_config", "own_ladder_layers", "published_config", "published_shapes"]

@@ -19,17 +19,24 @@ Device and link figures are data: devices.tsv and links.tsv beside this file, ea
 
 from __future__ import annotations
 
+import argparse
 import csv
 import functools
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..cli_types import float_in
 from ..errors import UsageError
 from ..units import parse_size
 from .costs import ForwardCost, ModelShape, ModuleCost, forward_cost
 
 PROFILES = Path(__file__).resolve().parent
+# What `ladder plan` and `ladder adapt --plan` price when no --hardware is named.
+DEFAULT_HARDWARE = "h100"
+# The range of each figure a command line may give (per second; microseconds), physical with room.
+FIGURE_RANGES = {"FLOPS": (1e6, 1e18), "BANDWIDTH": (1e3, 1e15), "LATENCY_US": (1e-3, 1e6)}
 
 # Kernels (GPU, compiled) or eager operators (CPU) each module launches; each costs the device's
 # per-kernel overhead beyond its roofline time. Compiled counts follow gpt-fast's fused graph (norm,
@@ -119,52 +126,61 @@ def link_names() -> list[str]:
     return list(_table("links.tsv"))
 
 
-def _numbers(text: str, *counts: int) -> list[float] | None:
-    parts = text.split(",")
+def _figures(parts: list[str], flag: str, names: tuple[str, ...]) -> list[float]:
+    """Figures given on the command line, each finite and in its stated range (FIGURE_RANGES): a typo
+    such as 1e999, 1e-300 or nan is one UsageError line, never a priced cell."""
     try:
-        values = [float(part) for part in parts]
-    except ValueError:
-        return None
-    return values if len(values) in counts and min(values) > 0 else None
+        return [float_in(*FIGURE_RANGES[name])(part) for part, name in zip(parts, names)]
+    except argparse.ArgumentTypeError as error:
+        raise UsageError(f"{flag} {','.join(parts)!r}: {' and '.join(names)}: {error}") from None
 
 
 def device_profile(spec: str, flag: str = "--hardware") -> Device:
-    """A device by name (devices.tsv), `FLOPS,BANDWIDTH,MEMORY` (per second, and a size, e.g.
+    """A device by name (devices.tsv, any case), `FLOPS,BANDWIDTH,MEMORY` (per second, and a size, e.g.
     989e12,3.35e12,80GB; without MEMORY it prices decoding but not a retraining), or a JSON file
     `ladder plan --calibrate` wrote. `flag` names the option in errors."""
-    if spec in _table("devices.tsv"):
-        return _profile(Device, _table("devices.tsv")[spec])
-    *rates, memory = spec.split(",") if spec.count(",") == 2 else [*spec.split(","), None]
-    if (values := _numbers(",".join(rates), 2)) is not None:
-        size = parse_size(memory, f"{flag} MEMORY") if memory is not None else 0.0
-        return Device(spec, values[0], values[1], 1.0, 1.0, 4.5, size, "given on the command line")
+    if (row := _table("devices.tsv").get(spec.lower())) is not None:
+        return _profile(Device, row)
     if spec.endswith(".json"):
         return Device(**_calibration(spec)["device"])
-    raise UsageError(
-        f"{flag} {spec!r} is not one of {', '.join(device_names())}, FLOPS,BANDWIDTH[,MEMORY] "
-        "(e.g. 989e12,3.35e12,80GB) or a calibration .json"
-    )
+    parts = spec.split(",")
+    if len(parts) not in (2, 3):
+        raise UsageError(
+            f"{flag} {spec!r} is not one of {', '.join(device_names())}, FLOPS,BANDWIDTH[,MEMORY] "
+            "(e.g. 989e12,3.35e12,80GB) or a calibration .json"
+        )
+    flops, bandwidth = _figures(parts[:2], flag, ("FLOPS", "BANDWIDTH"))
+    memory = parse_size(parts[2], f"{flag} MEMORY") if len(parts) == 3 else 0.0
+    return Device(spec, flops, bandwidth, 1.0, 1.0, 4.5, memory, "given on the command line")
 
 
 def link_profile(spec: str) -> Link:
-    """An interconnect by name (links.tsv), `BANDWIDTH,LATENCY_US` (bus bytes/s and microseconds,
-    e.g. 370e9,20), or a JSON file `ladder plan --calibrate` wrote."""
-    if spec in _table("links.tsv"):
-        return _profile(Link, _table("links.tsv")[spec])
-    if (values := _numbers(spec, 2)) is not None:
-        return Link(spec, values[1], 0.0, values[0], 0.0, 0.0, source="given on the command line")
+    """An interconnect by name (links.tsv, any case), `BANDWIDTH,LATENCY_US` (bus bytes/s and
+    microseconds, e.g. 370e9,20), or a JSON file `ladder plan --calibrate` wrote."""
+    if (row := _table("links.tsv").get(spec.lower())) is not None:
+        return _profile(Link, row)
     if spec.endswith(".json"):
         return Link(**_calibration(spec)["links"][0])
-    raise UsageError(
-        f"--interconnect {spec!r} is not one of {', '.join(link_names())}, BANDWIDTH,LATENCY_US "
-        "(e.g. 370e9,20) or a calibration .json"
-    )
+    parts = spec.split(",")
+    if len(parts) != 2:
+        raise UsageError(
+            f"--interconnect {spec!r} is not one of {', '.join(link_names())}, BANDWIDTH,LATENCY_US "
+            "(e.g. 370e9,20) or a calibration .json"
+        )
+    bandwidth, latency = _figures(parts, "--interconnect", ("BANDWIDTH", "LATENCY_US"))
+    return Link(spec, latency, 0.0, bandwidth, 0.0, 0.0, source="given on the command line")
 
 
 def _calibration(path: str) -> dict:
     try:
         data = json.loads(Path(path).read_text())
-        Device(**data["device"]), [Link(**link) for link in data["links"]]
+        device, *links = Device(**data["device"]), *(Link(**link) for link in data["links"])
+        figures = [
+            value for profile in (device, *links) for value in asdict(profile).values() if not isinstance(value, str)
+        ]
+        rates = [device.flops, device.bandwidth, device.efficiency, *(link.bus_bandwidth for link in links)]
+        if not links or any(math.isnan(value) or value < 0 for value in figures) or min(rates) <= 0:
+            raise ValueError("a figure is missing, negative, nan, or a rate 0")  # inf: a rate too fast to measure
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise UsageError(f"{path} is not a calibration `ladder plan --calibrate` wrote ({error})") from None
     return data
@@ -400,12 +416,9 @@ def predict(shape: ModelShape, setting: Setting, ladder_layers: list[int]) -> Pr
     )
 
 
-def profile_dict(profile: Device | Link) -> dict:
-    return asdict(profile)
-
-
 __all__ = [
     "BOTH",
+    "DEFAULT_HARDWARE",
     "KERNELS",
     "Device",
     "Link",
@@ -418,7 +431,6 @@ __all__ = [
     "link_profile",
     "overlapped_reductions",
     "predict",
-    "profile_dict",
     "replay",
     "step_times",
 ]

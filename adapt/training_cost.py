@@ -1,5 +1,6 @@
-"""`ladder adapt RECIPE --plan`: what a recipe's training costs before it runs, from the model's
-config alone (its sizes and parameter counts from ladder/plan/costs.py: no weight is read).
+"""What a recipe's training costs before it runs (`ladder adapt RECIPE --plan`, and each layer choice's
+retraining in `ladder plan --recipe`), from the model's config alone (its sizes and parameter counts
+from ladder/plan/costs.py: no weight is read).
 
 Memory per device, by part: the parameters (fp32 master weights), the trained parameters' gradients
 and AdamW's two moments (all three sharded over the devices under FSDP), the activations each
@@ -7,35 +8,37 @@ decoder layer saves for its backward pass at the recipe's micro-batch and seq_le
 recompute policy, the head's logits chunks and gradients, and buffers (FSDP's gathered bf16 units,
 one layer's backward); on a GPU the caching allocator's reserve above what is allocated, and what
 the process holds outside it (the CUDA context, NCCL's buffers; on a CPU the runtime: Python,
-torch, the tokenizer and the data). FLOPs per token: the model FLOPs (forward, backward; MFU counts these) and
-the hardware FLOPs (plus recompute; time is spent on these), with causal attention, and the backward
-only where gradients flow (below the lowest trained layer nothing flows). Tokens/s at a stated
-utilisation of the device's peak, device-hours for the budget.
+torch, the tokenizer and the data). Whether that fits the device, and when not, the fewest devices
+(then the micro-batch) that fit. FLOPs per token: the model FLOPs (forward, backward; MFU counts
+these) and the hardware FLOPs (plus recompute; time is spent on these), with causal attention, and
+the backward only where gradients flow (below the lowest trained layer nothing flows). Tokens/s at
+an assumed utilisation of the device's peak, beside the measured anchor (torchtitan's 8B MFU);
+device-hours for the budget at both.
 
 Saved activations per trained layer and token, as autograd keeps them with adapt/memory.py's lean
-MLP and norms and sdpa (tests/test_plan.py counts them with saved-tensor hooks): the layer's two
+MLP and norms and sdpa (tests/test_adapt_plan.py counts them with saved-tensor hooks): the layer's two
 stream inputs (kept for the recomputed norms), the normed inputs of the attention and of the MLP
 (q/k/v and gate/up read them), q, k, v, the attention output (o_proj reads it), the attention's
 log-sum-exp (fp32, one per head), gate and up (SwiGLUDown). Under `full` recompute a layer keeps its
 two input streams; `selective` recomputes every other layer (transformers' every_n_layers=2).
 
 The memory model is checked against the one published measurement of an 8B FSDP run, torchtitan's
-(benchmarks/plan_check.py, docs/retraining.md): `TORCHTITAN` describes how that program holds memory
+(`torchtitan_reserved_bytes`, docs/retraining.md): `TORCHTITAN` describes how that program holds memory
 where it differs from adapt (one residual stream, its `op` recompute policy, an unchunked fp32 loss).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from ladder.errors import UsageError
 from ladder.layers import parse_ladder_layers
 from ladder.plan.calibrate import machine_memory, matmul_peak
 from ladder.plan.costs import ModelShape, parameter_counts
+from ladder.plan.models import published_config
 from ladder.plan.speed import Device
 
 from .recipe import Recipe
@@ -43,9 +46,11 @@ from .recipe import Recipe
 POLICIES = ("none", "selective", "full")
 # torchtitan's selective "op" policy (not one adapt runs; priced for its published check, see Program).
 TORCHTITAN_OP_POLICY = "op"
-# Share of a device's memory a plan may fill. The plan counts the allocator's reserve, the CUDA context
-# and NCCL; the rest is for what it does not (the spread of the reserve, a transient it misses).
+# Share of a device's memory a training may fill. The count includes the allocator's reserve, the CUDA
+# context and NCCL; the rest is for what it does not (the spread of the reserve, a transient it misses).
 MEMORY_MARGIN = 0.95
+# The most devices a training that does not fit is tried on, looking for the fewest that fit.
+MAX_DEVICES = 1024
 # The CUDA caching allocator's peak reserve above its peak allocation, as a share of the allocation.
 # From torchtitan's own tables (benchmarks/llama3_h100_202412_torchtitan.md): going from 8 to 128 GPUs
 # shrinks only the sharded fp32 parameters, gradients and AdamW moments, by 14.0 GiB per GPU, and the
@@ -58,16 +63,23 @@ ALLOCATOR_RESERVE = 0.10
 CUDA_CONTEXT_BYTES = 0.5 * 2**30
 NCCL_BYTES = 0.75 * 2**30
 # The process's own memory on a CPU, whatever the batch: Python, torch and transformers, the tokenizer
-# and the run's tokenized data (benchmarks/plan_memory.py measures it: 541-1,095 MiB, 555 beside the CPU
-# recipe's own setting, 2026-12-04/05).
+# and the run's tokenized data (measured 541-1,095 MiB, 555 beside the CPU recipe's own setting,
+# 2026-12-04/05: docs/retraining.md).
 CPU_RUNTIME_BYTES = 550 * 2**20
-# Share of the device's peak FLOP/s spent on the plan's hardware FLOPs, assumed on accelerators.
-# torchtitan publishes 5,762 tokens/s per H100 (96 GB parts at 500 W) for Llama-3.1-8B (8 GPUs, FSDP2,
-# seq_len 8192) in eager mode and 6,667 compiled: by this module's count 0.30 and 0.35 MFU, and
+# Share of the device's peak FLOP/s spent on the hardware FLOPs (recompute included), assumed on
+# accelerators. The measured anchor, torchtitan's Llama-3.1-8B (8 H100s, FSDP2, seq_len 8192), is
+# 5,762 tokens/s per GPU eager and 6,667 compiled (ANCHOR): MFU 0.30 and 0.35 by this module's count,
 # 0.35-0.39 and 0.40-0.46 of the 989 TFLOP/s peak once its recompute (selective to full) is counted.
-# The lower ends:
+# The assumption is the low end of the latter, so its tokens/s lie above the anchor's MFU.
 UTILISATION = {"eager": 0.35, "compiled": 0.40}
-UTILISATION_SOURCE = "assumed: the low end of torchtitan's published Llama-3.1-8B FSDP2 throughput, {mode}"
+UTILISATION_SOURCE = "assumed, {mode}"
+# torchtitan's published throughput (its benchmarks/llama3_h100_202412_torchtitan.md, commit 9dec370 of
+# 2024-12-26, Table 1): Llama-3.1-8B, FSDP2 over 8 H100s, local batch 2 x 8192 tokens, compiled.
+ANCHOR = dict(model="meta-llama/Llama-3.1-8B", gpus=8, tokens_per_second_per_gpu=6667, peak_flops=989e12)
+ANCHOR_SOURCE = "torchtitan's Llama-3.1-8B on 8 H100s, FSDP2, compiled: 6,667 tokens/s/GPU, measured"
+# torchtitan's published peak memory per GPU, same document (Tables 1 and 3), on H100s of 96 GB at
+# 500 W: `max_reserved` in GiB, (name, GPUs, eager, compiled).
+PUBLISHED_MEMORY = [("torchtitan 8B, 8 GPUs", 8, 82.4, 77.0), ("torchtitan 8B, 128 GPUs", 128, 67.0, 62.0)]
 # What one node's processes write together per second into a checkpoint (each its shard), assumed: a
 # network filesystem every node sees (multi-node runs need one); a node's local NVMe writes faster.
 CHECKPOINT_WRITE_RATE = 1e9
@@ -77,20 +89,6 @@ GPUS_PER_NODE = 8
 def model_shape(config) -> ModelShape:
     """The shape of a transformers config (ladder/plan/costs.py counts its parameters)."""
     return ModelShape.from_config(config.to_dict())
-
-
-def read_model_config(path: Path):
-    """The config of a checkpoint directory or of the Llama inside a GGUF file; no weight is read."""
-    from transformers import AutoConfig
-
-    import ladder.model.auto  # noqa: F401  (the ladder model type)
-    from ladder.io.loading import from_pretrained_arguments
-
-    location, extra = from_pretrained_arguments(path)
-    try:
-        return AutoConfig.from_pretrained(location, **extra)
-    except (OSError, ValueError, KeyError) as error:
-        raise UsageError(f"cannot read the config of {path}: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -140,8 +138,8 @@ def layer_saved_bytes(
 
 
 @dataclass(frozen=True)
-class Setting:
-    """A recipe's training as the plan reads it."""
+class TrainingSetup:
+    """A recipe's training as its cost is priced."""
 
     micro_batch: int
     seq_len: int
@@ -156,14 +154,14 @@ class Setting:
     program: Program = ADAPT
 
 
-def setting_of(
+def setup_of(
     recipe: Recipe,
     shape: ModelShape,
     devices: int,
     accelerator: bool,
     fsdp: bool | None = None,
     ladder_layers: list[int] | None = None,
-) -> Setting:
+) -> TrainingSetup:
     """The recipe's training on `devices` devices (FSDP over them by default when more than one);
     `ladder_layers`: the model's, where a run knows them (a ladder checkpoint's own, or auto:N's choice)."""
     mode = recipe.trainable.mode
@@ -179,7 +177,7 @@ def setting_of(
         trained, head = parse_ladder_layers(recipe.trainable.layers, shape.num_layers, "trainable.layers"), False
     else:  # lora: adapters on every layer, base weights frozen
         trained, head = [], False
-    return Setting(
+    return TrainingSetup(
         micro_batch=recipe.batch.micro_batch,
         seq_len=recipe.data.seq_len,
         devices=devices,
@@ -193,19 +191,19 @@ def setting_of(
     )
 
 
-def memory_parts(shape: ModelShape, setting: Setting, policy: str, chunk_positions: int) -> dict[str, float]:
+def memory_parts(shape: ModelShape, setup: TrainingSetup, policy: str, chunk_positions: int) -> dict[str, float]:
     """Bytes per device by part, at the peak (the last layer's backward of a micro-batch), each part
     at its own largest: the sum errs high where two do not coincide."""
-    n, program = setting.devices, setting.program
-    tokens = setting.micro_batch * setting.seq_len
+    n, program = setup.devices, setup.program
+    tokens = setup.micro_batch * setup.seq_len
     counts = parameter_counts(shape)
     total = counts.total(shape.num_layers)
-    trained = counts.per_layer * len(setting.trained) + (counts.embedding + counts.lm_head) * setting.head_trained
-    compute_bytes = 2 if setting.bf16 else 4
+    trained = counts.per_layer * len(setup.trained) + (counts.embedding + counts.lm_head) * setup.head_trained
+    compute_bytes = 2 if setup.bf16 else 4
     # Under FSDP's bf16 policy the residual streams are bf16 too; under autocast alone they stay fp32.
-    stream_bytes = 2 if setting.bf16 and setting.fsdp else 4
+    stream_bytes = 2 if setup.bf16 and setup.fsdp else 4
     # Autograd keeps activations for every layer from the lowest trained one up.
-    saving = shape.num_layers - setting.grads_from
+    saving = shape.num_layers - setup.grads_from
     per_layer = layer_saved_bytes(shape, tokens, policy, compute_bytes, stream_bytes, program.streams)
     # One layer's backward: its recomputed activations (when recomputed) and the gradients flowing through it.
     backward = (
@@ -221,15 +219,15 @@ def memory_parts(shape: ModelShape, setting: Setting, policy: str, chunk_positio
     else:
         # The chunk's logits and their gradient; the hidden states and theirs.
         head = chunk_positions * shape.vocab_size * 4 * 2 + tokens * shape.hidden_size * 4 * 2
-        if setting.head_trained:
+        if setup.head_trained:
             # The head's gradient, built in the forward: a float32 sum; in bf16 also each chunk's float32
             # product and the sum's cast to the weight's dtype (adapt/losses.py).
-            head += head_weight * (4 + 4 + compute_bytes if setting.bf16 else 4)
+            head += head_weight * (4 + 4 + compute_bytes if setup.bf16 else 4)
     # FSDP2 leaves the root unit (the embedding and the head) gathered from its forward to its backward;
     # a layer's unit is gathered, the next one prefetched, and a layer's gradients reduce-scattered in
     # float32.
     root = counts.embedding + counts.lm_head
-    buffers = ((root + 2 * counts.per_layer) * compute_bytes + counts.per_layer * 4) if setting.fsdp else 0
+    buffers = ((root + 2 * counts.per_layer) * compute_bytes + counts.per_layer * 4) if setup.fsdp else 0
     allocated = {
         "parameters": total * 4 / n,
         "gradients": trained * 4 / n,
@@ -239,7 +237,7 @@ def memory_parts(shape: ModelShape, setting: Setting, policy: str, chunk_positio
         "head_loss": head,
         "buffers": buffers,
     }
-    if setting.accelerator:
+    if setup.accelerator:
         # The caching allocator reserves more than it allocates; the CUDA context and NCCL sit outside it.
         reserve = ALLOCATOR_RESERVE * sum(allocated.values())
         runtime = CUDA_CONTEXT_BYTES + NCCL_BYTES * (n > 1)
@@ -248,17 +246,17 @@ def memory_parts(shape: ModelShape, setting: Setting, policy: str, chunk_positio
     return allocated | {"allocator_reserve": reserve, "runtime": runtime}
 
 
-def flops_per_token(shape: ModelShape, setting: Setting, policy: str) -> tuple[float, float]:
+def flops_per_token(shape: ModelShape, setup: TrainingSetup, policy: str) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per trained token: forward everywhere, backward where gradients
     flow (weights' gradients only for trained layers), plus the recomputed forwards."""
     matmul = 2 * (parameter_counts(shape).per_layer - 2 * shape.hidden_size)  # a layer's matmuls (its norms are not)
-    attention = 2 * setting.seq_len * shape.num_heads * shape.head_dim  # causal: QK and AV over s/2 keys each
+    attention = 2 * setup.seq_len * shape.num_heads * shape.head_dim  # causal: QK and AV over s/2 keys each
     layer_forward = matmul + attention
     head_forward = 2 * shape.hidden_size * shape.vocab_size
-    flowing = shape.num_layers - setting.grads_from
-    trained = len(setting.trained)
+    flowing = shape.num_layers - setup.grads_from
+    trained = len(setup.trained)
     backward = flowing * (matmul + 2 * attention) + trained * matmul  # input grads, weight grads
-    backward += head_forward * ((flowing > 0) + setting.head_trained)
+    backward += head_forward * ((flowing > 0) + setup.head_trained)
     model = shape.num_layers * layer_forward + head_forward + backward
     if policy == TORCHTITAN_OP_POLICY:  # k, o and up recomputed (op_policy_bytes_per_token)
         kv = shape.num_kv_heads * shape.head_dim
@@ -269,7 +267,7 @@ def flops_per_token(shape: ModelShape, setting: Setting, policy: str) -> tuple[f
 
 
 @dataclass
-class Plan:
+class TrainingCost:
     devices: int
     device_memory: float
     device_flops: float
@@ -280,12 +278,16 @@ class Plan:
     memory: dict[str, float]
     peak_by_policy: dict[str, float]
     saved_activation_bytes_per_layer: float
+    fits: bool  # the peak within MEMORY_MARGIN of the device's memory
+    fits_with: dict | None  # when it does not: the fewest devices (then micro-batch 1) that fit, or None
     model_flops_per_token: float
     flops_per_token: float  # hardware FLOPs, with recompute
     tokens_per_second: float  # all devices
     tokens_per_second_per_device: float
     mfu: float
     device_hours: float
+    anchor_mfu: float  # the measured anchor's (ANCHOR) MFU by this module's count
+    anchor_device_hours: float  # the budget's device-hours at that MFU
 
 
 def choose_policy(peaks: dict[str, float], device_memory: float) -> str:
@@ -296,127 +298,129 @@ def choose_policy(peaks: dict[str, float], device_memory: float) -> str:
     return "full"
 
 
-def make_plan(
+def smallest_fit(shape: ModelShape, setup: TrainingSetup, device_memory: float, policy: str, chunk: int) -> dict | None:
+    """The fewest devices (FSDP over them) on which the training fits, at its micro-batch, else at
+    micro-batch 1; None when not even MAX_DEVICES hold it."""
+    policies = POLICIES if policy == "auto" else (policy,)
+    for micro_batch in dict.fromkeys((setup.micro_batch, 1)):
+        for devices in range(setup.devices, MAX_DEVICES + 1):
+            trial = dataclasses.replace(setup, micro_batch=micro_batch, devices=devices, fsdp=setup.fsdp or devices > 1)
+            peak = min(sum(memory_parts(shape, trial, p, chunk).values()) for p in policies)
+            if peak <= MEMORY_MARGIN * device_memory:
+                return dict(train_devices=devices) | ({} if micro_batch == setup.micro_batch else dict(micro_batch=1))
+    return None
+
+
+def training_cost(
     shape: ModelShape,
-    setting: Setting,
+    setup: TrainingSetup,
     device_memory: float,
     device_flops: float,
     utilisation: float = UTILISATION["eager"],
     utilisation_source: str = UTILISATION_SOURCE.format(mode="eager"),
     policy: str = "auto",
     chunk_positions: int | None = None,
-) -> Plan:
+) -> TrainingCost:
     from .losses import chunk_positions as positions_for
 
-    chunk = chunk_positions or positions_for(shape.vocab_size, "cuda" if setting.accelerator else "cpu")
+    chunk = chunk_positions or positions_for(shape.vocab_size, "cuda" if setup.accelerator else "cpu")
     priced = POLICIES if policy in ("auto", *POLICIES) else (*POLICIES, policy)
-    parts = {p: memory_parts(shape, setting, p, chunk) for p in priced}
+    parts = {p: memory_parts(shape, setup, p, chunk) for p in priced}
     peaks = {p: sum(parts[p].values()) for p in priced}
     chosen = choose_policy(peaks, device_memory) if policy == "auto" else policy
-    model, hardware = flops_per_token(shape, setting, chosen)
+    fits = peaks[chosen] <= MEMORY_MARGIN * device_memory
+    model, hardware = flops_per_token(shape, setup, chosen)
     per_device = utilisation * device_flops / hardware
-    tokens_per_second = per_device * setting.devices
-    return Plan(
-        devices=setting.devices,
-        device_memory=device_memory,
-        device_flops=device_flops,
-        utilisation=utilisation,
-        utilisation_source=utilisation_source,
-        activation_checkpointing=chosen,
-        peak_bytes_per_device=peaks[chosen],
-        memory=parts[chosen],
-        peak_by_policy=peaks,
+    tokens_per_second = per_device * setup.devices
+    compute_bytes, stream_bytes = (2 if setup.bf16 else 4), (2 if setup.bf16 and setup.fsdp else 4)
+    tokens = setup.micro_batch * setup.seq_len
+    return TrainingCost(
+        devices=setup.devices, device_memory=device_memory, device_flops=device_flops, utilisation=utilisation,
+        utilisation_source=utilisation_source, activation_checkpointing=chosen, peak_bytes_per_device=peaks[chosen],
+        memory=parts[chosen], peak_by_policy=peaks,
         saved_activation_bytes_per_layer=layer_saved_bytes(
-            shape,
-            setting.micro_batch * setting.seq_len,
-            chosen,
-            2 if setting.bf16 else 4,
-            2 if setting.bf16 and setting.fsdp else 4,
-            setting.program.streams,
+            shape, tokens, chosen, compute_bytes, stream_bytes, setup.program.streams
         ),
-        model_flops_per_token=model,
-        flops_per_token=hardware,
-        tokens_per_second=tokens_per_second,
-        tokens_per_second_per_device=per_device,
-        mfu=model * per_device / device_flops,
-        device_hours=setting.tokens / tokens_per_second / 3600 * setting.devices,
-    )
+        fits=fits, fits_with=None if fits else smallest_fit(shape, setup, device_memory, policy, chunk),
+        model_flops_per_token=model, flops_per_token=hardware, tokens_per_second=tokens_per_second,
+        tokens_per_second_per_device=per_device, mfu=model * per_device / device_flops,
+        device_hours=setup.tokens / tokens_per_second / 3600 * setup.devices,
+        anchor_mfu=anchor_mfu(), anchor_device_hours=setup.tokens * model / (anchor_mfu() * device_flops) / 3600,
+    )  # fmt: skip
 
 
-def recipe_plan(
+def torchtitan_setup(gpus: int) -> tuple[ModelShape, TrainingSetup]:
+    """torchtitan's published Llama-3.1-8B runs (ANCHOR, PUBLISHED_MEMORY): FSDP2 over `gpus` GPUs,
+    local batch 2 x 8192 tokens, every weight trained, its own program (TORCHTITAN)."""
+    shape = ModelShape.from_config(published_config(ANCHOR["model"]))
+    layers = list(range(shape.num_layers))
+    setup = TrainingSetup(
+        micro_batch=2, seq_len=8192, devices=gpus, fsdp=True, bf16=True, trained=layers, grads_from=0,
+        head_trained=True, accelerator=True, tokens=1.0, program=TORCHTITAN,
+    )  # fmt: skip
+    return shape, setup
+
+
+@functools.cache
+def anchor_mfu() -> float:
+    """The anchor's measured tokens/s per GPU as MFU, by this module's model FLOPs (0.35)."""
+    shape, setup = torchtitan_setup(ANCHOR["gpus"])
+    return ANCHOR["tokens_per_second_per_gpu"] * flops_per_token(shape, setup, "none")[0] / ANCHOR["peak_flops"]
+
+
+def torchtitan_reserved_bytes(gpus: int) -> float:
+    """The peak per GPU of torchtitan's published Llama-3.1-8B runs, less what is held outside the
+    caching allocator (torchtitan reports the allocator's peak reserve)."""
+    shape, setup = torchtitan_setup(gpus)
+    cost = training_cost(shape, setup, device_memory=96e9, device_flops=989e12, policy=TORCHTITAN_OP_POLICY)
+    return cost.peak_bytes_per_device - cost.memory["runtime"]
+
+
+def recipe_cost(
     recipe: Recipe,
+    device: Device,
     devices: int = 1,
-    device_memory: float | None = None,
-    device_flops: float | None = None,
     utilisation: float | None = None,
-    accelerator: bool | None = None,
-) -> Plan:
-    """The plan of `recipe` on `devices` devices of `device_memory` bytes and `device_flops` peak
-    FLOP/s each (accelerators, unless `accelerator` says otherwise); without them, this machine (its
-    RAM; its measured fp32 matmul peak)."""
-    import torch
-
-    from ladder.io.loading import EMBEDDED
-    from ladder.plan.models import model_config
-
-    from .recipe import model_path
-
-    # Nothing is downloaded: a Hub ID plans from its cached config.json or its published shape.
-    shape = ModelShape.from_config(model_config(model_path(recipe.model.path) or EMBEDDED).config)
-    if accelerator is None:  # planning for GPUs (their flops given), or for this machine
-        accelerator = device_flops is not None or torch.accelerator.is_available()
-    return shape_plan(recipe, shape, devices, device_memory, device_flops, accelerator, utilisation)
-
-
-def device_figures(device: Device) -> tuple[float | None, float | None, bool]:
-    """(memory, FLOP/s, accelerator) of a training on `device` (a ladder/plan/devices.tsv row, a
-    FLOPS,BANDWIDTH,MEMORY description or a calibration), as `ladder adapt --plan --hardware` and
-    `ladder plan --recipe` read it. A CPU trains with every core: its measured matmul peak (None, the
-    default of shape_plan), not the one-core decode rate its profile holds, and this machine's RAM
-    unless a calibration recorded it. A GPU whose memory is not known is refused, never guessed."""
-    if device.on_cpu:
-        return device.memory or None, None, False
-    if not device.memory:
+    shape: ModelShape | None = None,
+    ladder_layers: list[int] | None = None,
+) -> TrainingCost:
+    """The cost of `recipe`'s training on `devices` of `device` (a ladder/plan/devices.tsv row, a
+    FLOPS,BANDWIDTH,MEMORY description or a calibration, as `ladder adapt --plan --hardware` and `ladder
+    plan --recipe` name it), for the recipe's model (nothing downloaded: a Hub ID is priced from its
+    cached config.json or its published shape) or one of `shape`, whose `ladder_layers` train under
+    trainable.mode ladder. A CPU trains with every core: its measured matmul peak, not the one-core
+    decode rate its profile holds, and this machine's RAM unless a calibration recorded it. A GPU whose
+    memory is not known is refused, never guessed."""
+    if not (device.on_cpu or device.memory):
         raise UsageError(
             f"the memory of device {device.name} is not known: give it as FLOPS,BANDWIDTH,MEMORY "
             "(e.g. 989e12,3.35e12,80GB)"
         )
-    return device.memory, device.flops, True
+    if shape is None:
+        from ladder.io.loading import EMBEDDED
+        from ladder.plan.models import model_config
 
+        from .recipe import model_path
 
-def shape_plan(
-    recipe: Recipe,
-    shape: ModelShape,
-    devices: int,
-    device_memory: float | None,
-    device_flops: float | None,
-    accelerator: bool,
-    utilisation: float | None = None,
-    ladder_layers: list[int] | None = None,
-) -> Plan:
-    """The plan of `recipe`'s training of a model of this shape; a memory or FLOP rate not given is this
-    machine's (its RAM; its measured fp32 matmul peak). `ladder plan --recipe` plans each layer choice
-    with its `ladder_layers`, which decide what trains under trainable.mode ladder."""
-    mode = "compiled" if recipe.model.compiles(accelerator) else "eager"
-    source = UTILISATION_SOURCE.format(mode=mode)
-    if device_flops is None:
-        device_flops, source = matmul_peak(), f"of this machine's measured fp32 matmul peak; {source}"
-    if utilisation is not None:
-        source = "given"
-    return make_plan(
+        shape = ModelShape.from_config(model_config(model_path(recipe.model.path) or EMBEDDED).config)
+    mode = "compiled" if recipe.model.compiles(not device.on_cpu) else "eager"
+    flops, source = device.flops, UTILISATION_SOURCE.format(mode=mode)
+    if device.on_cpu:
+        flops, source = matmul_peak(), f"of this machine's measured fp32 matmul peak; {source}"
+    return training_cost(
         shape,
-        setting_of(recipe, shape, devices, accelerator, ladder_layers=ladder_layers),
-        device_memory or machine_memory(),
-        device_flops,
+        setup_of(recipe, shape, devices, not device.on_cpu, ladder_layers=ladder_layers),
+        device.memory or machine_memory(),
+        flops,
         UTILISATION[mode] if utilisation is None else utilisation,
-        source,
+        source if utilisation is None else "given",
         policy=recipe.model.checkpointing(),
     )
 
 
 def checkpointing_policy(recipe: Recipe, config, processes: int, fsdp: bool) -> str:
-    """The recompute policy a run uses: the recipe's, or for `auto` the plan's choice for this
-    machine's device (its memory; the RAM on a CPU) and this many processes."""
+    """The recompute policy a run uses: the recipe's, or for `auto` the least that fits this
+    machine's device (its memory; the RAM on a CPU) with this many processes."""
     import torch
 
     policy = recipe.model.checkpointing()
@@ -428,8 +432,8 @@ def checkpointing_policy(recipe: Recipe, config, processes: int, fsdp: bool) -> 
     else:
         memory = machine_memory()
     shape = model_shape(config)
-    return make_plan(
-        shape, setting_of(recipe, shape, processes, accelerator, fsdp), memory, 1.0
+    return training_cost(
+        shape, setup_of(recipe, shape, processes, accelerator, fsdp), memory, 1.0
     ).activation_checkpointing
 
 
@@ -448,85 +452,46 @@ def peak_flops(recipe: Recipe, device) -> float | None:
     return matmul_peak(seconds=0.5) if device.type == "cpu" else None
 
 
-def measured_saved_bytes(model, input_ids, layer_index: int) -> int:
-    """Bytes autograd keeps for backward inside decoder layer `layer_index` in a forward of `model`
-    on `input_ids`, counted with saved-tensor hooks (each storage once, parameters not counted)."""
-    import torch
-
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    inside, kept = [False], {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if inside[0] and storage.data_ptr() not in parameters:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    layer = model.model.layers[layer_index]
-    handles = [
-        layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True)),
-        layer.register_forward_hook(lambda *_: inside.__setitem__(0, False)),
-    ]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model(input_ids=input_ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return sum(kept.values())
+def smallest_setting(found: dict | None) -> str:
+    """A `fits_with` as the flags and overrides that ask for it."""
+    if found is None:
+        return f"none, up to {MAX_DEVICES} devices at micro-batch 1"
+    return f"--train-devices {found['train_devices']}" + (" batch.micro_batch=1" if "micro_batch" in found else "")
 
 
-def stop_seconds(plan: Plan, recipe: Recipe) -> dict[str, float]:
-    """What a preempted run needs after SIGTERM or SIGUSR1 (adapt/preemption.py): the step in progress,
-    then a checkpoint of it, written by every process at once: its shard of the fp32 parameters and of
-    AdamW's moments, a node's share at CHECKPOINT_WRITE_RATE. torchrun's shutdown timeout
-    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default) must exceed their sum, or it kills the
-    processes mid-write (recipes/accelerate/*.yaml)."""
-    step_tokens = recipe.batch.micro_batch * recipe.batch.grad_accum * recipe.data.seq_len * plan.devices
-    per_device = plan.memory["parameters"] + plan.memory["optimizer_state"]
-    write = per_device * min(plan.devices, GPUS_PER_NODE) / CHECKPOINT_WRITE_RATE
-    return {"step": step_tokens / plan.tokens_per_second, "checkpoint_write": write}
+def fit_note(cost: TrainingCost) -> str:
+    """Whether the training fits its devices, and when not, the smallest setting that does."""
+    peak, memory = f"peak {cost.peak_bytes_per_device / 2**30:.1f} GiB per device", cost.device_memory / 1e9
+    if cost.fits:
+        return f"fits: yes, {peak} of {memory:.1f} GB"
+    return (
+        f"fits: NO, {peak} is above {MEMORY_MARGIN:.0%} of {memory:.1f} GB; the smallest setting that fits: "
+        + smallest_setting(cost.fits_with)
+    )
 
 
-def format_plan(plan: Plan, recipe: Recipe) -> str:
+def format_cost(cost: TrainingCost, recipe: Recipe) -> str:
     gib = 2**30
     lines = [
-        f"plan for {recipe.name}: {plan.devices} device(s) of {plan.device_memory / 1e9:.1f} GB and "
-        f"{plan.device_flops / 1e12:.3g} TFLOP/s; micro-batch {recipe.batch.micro_batch} x {recipe.data.seq_len} "
+        f"cost of {recipe.name}: {cost.devices} device(s) of {cost.device_memory / 1e9:.1f} GB and "
+        f"{cost.device_flops / 1e12:.3g} TFLOP/s; micro-batch {recipe.batch.micro_batch} x {recipe.data.seq_len} "
         f"tokens, trainable {recipe.trainable.mode}, precision {recipe.precision}",
-        f"activation checkpointing: {plan.activation_checkpointing} (peak per device: "
-        + ", ".join(f"{p} {plan.peak_by_policy[p] / gib:.1f} GiB" for p in POLICIES)
+        fit_note(cost),
+        f"activation checkpointing: {cost.activation_checkpointing} (peak per device: "
+        + ", ".join(f"{p} {cost.peak_by_policy[p] / gib:.1f} GiB" for p in POLICIES)
         + f"; fits when at most {MEMORY_MARGIN:.0%} of the device)",
         "memory per device: "
-        + ", ".join(f"{name.replace('_', ' ')} {value / gib:.2f} GiB" for name, value in plan.memory.items())
-        + f"; peak {plan.peak_bytes_per_device / gib:.2f} GiB",
-        f"saved activations per trained layer: {plan.saved_activation_bytes_per_layer / 2**20:.1f} MiB",
-        f"FLOPs per token: {plan.model_flops_per_token / 1e9:.1f} G (model), {plan.flops_per_token / 1e9:.1f} G "
+        + ", ".join(f"{name.replace('_', ' ')} {value / gib:.2f} GiB" for name, value in cost.memory.items())
+        + f"; peak {cost.peak_bytes_per_device / gib:.2f} GiB",
+        f"saved activations per trained layer: {cost.saved_activation_bytes_per_layer / 2**20:.1f} MiB",
+        f"FLOPs per token: {cost.model_flops_per_token / 1e9:.1f} G (model), {cost.flops_per_token / 1e9:.1f} G "
         "with recompute",
-        f"tokens/s: {plan.tokens_per_second:,.0f} ({plan.tokens_per_second_per_device:,.0f} per device) at "
-        f"{plan.utilisation:.0%} utilisation ({plan.utilisation_source}); MFU {plan.mfu:.1%}",
-        f"device-hours for {recipe.budget:.3g} tokens: {plan.device_hours:,.1f} "
-        f"({plan.device_hours / plan.devices:,.1f} h on {plan.devices})",
+        f"tokens/s: {cost.tokens_per_second:,.0f} ({cost.tokens_per_second_per_device:,.0f} per device) at "
+        f"{cost.utilisation:.0%} of the peak on the hardware FLOPs ({cost.utilisation_source}): MFU {cost.mfu:.1%}",
+        f"MFU basis: model FLOPs / peak FLOP/s; the measured anchor ({ANCHOR_SOURCE}) is MFU "
+        f"{cost.anchor_mfu:.1%} by this count: {cost.anchor_device_hours:,.1f} device-hours here at it",
+        f"device-hours for {recipe.budget:.3g} tokens: {min(cost.device_hours, cost.anchor_device_hours):,.1f} to "
+        f"{max(cost.device_hours, cost.anchor_device_hours):,.1f} (the assumption: {cost.device_hours:,.1f}, "
+        f"{cost.device_hours / cost.devices:,.1f} h on {cost.devices}; the anchor's MFU: {cost.anchor_device_hours:,.1f})",
     ]
     return "\n".join(lines)
-
-
-def plan_json(plan: Plan) -> str:
-    return json.dumps(dataclasses.asdict(plan), indent=1)
-
-
-__all__ = [
-    "POLICIES",
-    "Plan",
-    "checkpointing_policy",
-    "device_figures",
-    "format_plan",
-    "layer_saved_bytes",
-    "make_plan",
-    "measured_saved_bytes",
-    "model_shape",
-    "plan_json",
-    "recipe_plan",
-    "shape_plan",
-    "stop_seconds",
-]
