@@ -29,7 +29,7 @@ BACKEND ?=
 OWN_VARIABLES := PYTHON SHARED LADDER_DATA MODEL LAYERS OUT RECIPE SUITE BASELINE LIMIT ARGS TP PORT BACKEND
 RECIPE_OVERRIDES := $(filter-out $(addsuffix =%,$(OWN_VARIABLES)),$(-*-command-variables-*-))
 
-.PHONY: help install data compat lint test test-fast convert adapt eval bench demo clean serve-env serve bench-vllm gpu-check
+.PHONY: help install data compat lint test test-fast convert adapt eval bench demo clean serve-env serve bench-vllm gpu-check gpu-wheels gpu-image-env
 
 help:
 	@echo "make install                 create .venv with the package and its test tools"
@@ -47,6 +47,8 @@ help:
 	@echo "make serve MODEL= [TP= PORT=]    OpenAI-compatible vLLM server on 127.0.0.1 (ARGS= go to vllm serve)"
 	@echo "make bench-vllm              vLLM decode latency, standard vs ladder, TP=2 on CPU"
 	@echo "make gpu-check               everything one GPU can verify (docs/gpu.md); without a GPU one line, exit 0"
+	@echo "make gpu-wheels              the wheels gpu-check installs on the lent GPU machine, into .gpu-wheels"
+	@echo "make gpu-image-env           gpu-check's course on this CPU, in a copy of the lent machine's packages"
 
 install: $(STAMP)
 
@@ -149,11 +151,41 @@ serve: $(SERVE_STAMP)
 bench-vllm: $(SERVE_STAMP)
 	$(SERVE_BIN)/python -m benchmarks.vllm_speed $(ARGS)
 
-# On a GPU machine this checkout is not installed there: its own python (CUDA torch) runs the check.
+# On a GPU machine this checkout is not installed there: its own python (CUDA torch) runs the check,
+# with the wheels of $(GPU_WHEELS) (docs/gpu.md). Without a GPU: one line, exit 0.
 GPU_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 
 gpu-check:
 	$(GPU_PYTHON) -m benchmarks.gpu_check $(ARGS)
+
+# The packages the lent machine's image holds in versions below this package's ranges, as pure-Python
+# wheels of the versions constraints.txt pins (about 15 MB; the device tool carries 64 MiB a call).
+GPU_WHEELS := .gpu-wheels
+GPU_CARRIED := transformers accelerate peft
+
+gpu-wheels: $(GPU_WHEELS)/.downloaded
+
+$(GPU_WHEELS)/.downloaded: constraints.txt Makefile
+	rm -rf $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
+	    $(foreach name,$(GPU_CARRIED),$(shell grep -i '^$(name)==' constraints.txt))
+	touch $@
+
+# The lent image's versions (docs/gpu.md) of what the GPU checks import, and nothing else, on this
+# CPU: torch is the CPU build on this machine's disk, 2.13 (pip finds no CPU build of the image's
+# 2.11). `make gpu-image-env` runs `make gpu-check`'s whole course in it with --cpu.
+GPU_IMAGE_VENV := .venv-gpu-image
+GPU_IMAGE_PACKAGES := torch==2.13.0 transformers==5.17.0 accelerate==1.15.0 peft==0.18.1 safetensors==0.8.0 \
+    tokenizers==0.23.2 huggingface_hub==1.33.0 numpy pytest pyyaml tabulate tqdm packaging psutil setuptools wheel
+
+$(GPU_IMAGE_VENV)/.installed: Makefile
+	test -x $(GPU_IMAGE_VENV)/bin/python || $(PYTHON) -m venv $(GPU_IMAGE_VENV)
+	$(GPU_IMAGE_VENV)/bin/pip install --quiet $(GPU_IMAGE_PACKAGES)
+	touch $@
+
+gpu-image-env: $(GPU_IMAGE_VENV)/.installed $(GPU_WHEELS)/.downloaded
+	$(GPU_IMAGE_VENV)/bin/python -m benchmarks.gpu_check --cpu $(ARGS)
 
 demo: $(STAMP)
 	$(BIN)/ladder demo $(ARGS)
