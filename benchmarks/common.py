@@ -1,59 +1,70 @@
-"""What the benchmarks and their tests share: published Llama shapes the speed benchmarks can build
-with random weights (on GPU machines; each benchmark adds its own CPU-sized shapes), and a
-synthetic checkpoint of any shape written to disk."""
+"""What the benchmarks share: published shapes to build with random weights, a synthetic checkpoint of
+any shape written to disk, the machine a figure was measured on, and how a benchmark's `main` ends.
+Every benchmark runs as `python -m benchmarks.NAME`: a `main(argv)` with argparse that prints its
+ratios and writes one JSON result."""
 
 from __future__ import annotations
 
+import os
+import platform
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ladder.errors import UsageError
 from ladder.io.tensors import TensorSpec, cut_into_shards, write_shards
+from ladder.plan.models import published_config
 
-PUBLISHED_SHAPES = {
-    "smollm2-135m": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        num_hidden_layers=30,
-        vocab_size=49152,
-    ),
-    "llama-3.2-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        num_hidden_layers=16,
-        vocab_size=128256,
-    ),
-    "llama-3.1-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        num_hidden_layers=32,
-        vocab_size=128256,
-    ),
-    "llama-3.1-70b": dict(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        num_hidden_layers=80,
-        vocab_size=128256,
-    ),
-    "llama-3.1-405b": dict(
-        hidden_size=16384,
-        intermediate_size=53248,
-        num_attention_heads=128,
-        num_key_value_heads=8,
-        num_hidden_layers=126,
-        vocab_size=128256,
-    ),
+# The published shapes the speed benchmarks can build with random weights (on GPU machines; each
+# benchmark adds its own CPU-sized shapes), by the short names they take: rows of the one table of
+# published shapes, ladder/plan/models.tsv.
+SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "vocab_size",
+)
+PUBLISHED_REPOS = {
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M",
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
+    "llama-3.1-405b": "meta-llama/Llama-3.1-405B",
 }
+PUBLISHED_SHAPES = {
+    name: {key: published_config(repo)[key] for key in SHAPE_KEYS} for name, repo in PUBLISHED_REPOS.items()
+}
+
+
+def machine() -> dict:
+    """What a figure was measured on: the CPU, its count, the platform, torch, the load average now."""
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), None)
+    return dict(
+        cpu=cpu or platform.processor() or platform.machine(),
+        cpus=os.cpu_count(),
+        platform=platform.platform(),
+        torch=torch.__version__,
+        load_average=os.getloadavg()[0],
+    )
+
+
+def run_benchmark(name: str, measure: Callable[[list[str]], int | None], argv: list[str] | None) -> int:
+    """A benchmark's `main`, as every benchmark ends: bad input is one line `NAME: error: ...` and status 2
+    (before any work), Ctrl-C status 130."""
+    try:
+        return measure(sys.argv[1:] if argv is None else argv) or 0
+    except UsageError as error:
+        print(f"{name}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
 
 
 def write_synthetic_checkpoint(directory: Path, config: LlamaConfig, max_shard_size: int, seed: int = 0) -> None:
@@ -80,4 +91,4 @@ def write_synthetic_checkpoint(directory: Path, config: LlamaConfig, max_shard_s
     staging.rename(directory)
 
 
-__all__ = ["PUBLISHED_SHAPES", "write_synthetic_checkpoint"]
+__all__ = ["PUBLISHED_SHAPES", "machine", "run_benchmark", "write_synthetic_checkpoint"]

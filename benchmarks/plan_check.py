@@ -10,7 +10,7 @@ in one run, and prints them side by side; exits 1 when a row misses its bound.
     405B rows predicted from the H100 and interconnect profiles (devices.tsv, links.tsv), each within
     15%; the no-communication bound beside the published 1.43x.
 (c) published memory (torchtitan's Llama-3.1-8B FSDP runs on H100s of 96 GB, 500 W, end of 2024):
-    adapt/plan.py's peak per GPU set to torchtitan's program and setting, against its peak reserve
+    adapt/training_cost.py's peak per GPU set to torchtitan's program and setting, against its peak reserve
     (the caching allocator's, which leaves out the CUDA context and NCCL), each within 15%.
 
     python -m benchmarks.plan_check                        # as root (the links are shaped namespaces)
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -31,10 +30,10 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
-from benchmarks.common import PUBLISHED_SHAPES
-from benchmarks.tp_speed import BOUND, STANDARD, Plan, Variant, launch, positive_ints
-from ladder.adapt.plan import TORCHTITAN, TORCHTITAN_OP_POLICY, make_plan
-from ladder.adapt.plan import Setting as TrainingSetting
+from benchmarks.common import PUBLISHED_SHAPES, machine, run_benchmark
+from benchmarks.tp_speed import BOUND, STANDARD, Variant, Workload, launch
+from ladder.adapt.training_cost import PUBLISHED_MEMORY, torchtitan_reserved_bytes
+from ladder.cli_types import positive_ints
 from ladder.errors import UsageError
 from ladder.io.files import atomic_write
 from ladder.plan.calibrate import measure_link
@@ -63,12 +62,6 @@ PUBLISHED = [
     ("405B TP=16 two nodes batch 1", "llama-3.1-405b", 16, "ib", 1, (1.31, 1.39)),
 ]
 PUBLISHED_BOUND = ("70B TP=8 NVLink batch 1, no-communication bound", 110.6 / 77.4)
-
-# torchtitan's published peak memory per GPU (its benchmarks/llama3_h100_202412_torchtitan.md, commit
-# 9dec370 of 2024-12-26): Llama-3.1-8B, FSDP2 over N GPUs, local batch 2 x 8192 tokens, selective "op"
-# recompute, bf16 parameters; H100s of 96 GB HBM2e at the default 500 W. `max_reserved` of
-# torch.cuda.memory_stats, in GiB: (name, GPUs, eager, compiled). Tables 1 (8 GPUs) and 3 (128 GPUs).
-PUBLISHED_MEMORY = [("torchtitan 8B, 8 GPUs", 8, 82.4, 77.0), ("torchtitan 8B, 128 GPUs", 128, 67.0, 62.0)]
 
 
 @dataclass
@@ -110,7 +103,7 @@ def check_here(args: argparse.Namespace, config: LlamaConfig, report: dict) -> l
     variants = [Variant(STANDARD, [], "all-reduce")]
     variants += [Variant(f"ladder ({name})", chosen, "all-reduce") for name, chosen in wirings.items()]
     variants.append(Variant(BOUND, [], "none"))  # shown beside, to tell a compute error from a communication one
-    plan = Plan(
+    plan = Workload(
         model="synthetic:plan-check", config=config.to_dict(), tp=2, batches=args.batches,
         prompt_length=args.prompt_length, new_tokens=args.new_tokens, repeats=args.repeats, warmup=1,
         dtype="float32", device="cpu", threads=1, compile=False, cuda_graphs=False,
@@ -195,19 +188,6 @@ def check_published() -> list[Row]:
     return rows
 
 
-def torchtitan_reserved_bytes(gpus: int) -> float:
-    """adapt/plan.py's peak per GPU for torchtitan's published Llama-3.1-8B runs, less what the plan
-    holds outside the caching allocator (torchtitan reports the allocator's peak reserve)."""
-    shape = ModelShape.from_config(PUBLISHED_SHAPES["llama-3.1-8b"])
-    layers = list(range(shape.num_layers))
-    setting = TrainingSetting(
-        micro_batch=2, seq_len=8192, devices=gpus, fsdp=True, bf16=True, trained=layers, grads_from=0,
-        head_trained=True, accelerator=True, tokens=1.0, program=TORCHTITAN,
-    )  # fmt: skip
-    plan = make_plan(shape, setting, device_memory=96e9, device_flops=989e12, policy=TORCHTITAN_OP_POLICY)
-    return plan.peak_bytes_per_device - plan.memory["runtime"]
-
-
 def check_memory_published() -> list[Row]:
     rows = []
     for name, gpus, eager, compiled in PUBLISHED_MEMORY:
@@ -239,7 +219,7 @@ def table(rows: list[Row]) -> str:
         "predicted/observed: ladder's decode speed-up over standard (the bound row: the no-communication bound's); "
         "observed = measured here (median over rounds of the per-round ratio) or published; bound: the model's "
         "no-communication bound; spread: (max - min) / median of the measured per-round ratios; "
-        "tt rows (G): adapt/plan.py's peak memory per GPU in GiB against torchtitan's published peak reserve."
+        "tt rows (G): the training cost's peak memory per GPU in GiB against torchtitan's published peak reserve."
     )
     return "\n".join(lines)
 
@@ -247,7 +227,7 @@ def table(rows: list[Row]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--links", default=f"{LOOPBACK},400mbit,100mbit", help="link settings (default %(default)s)")
-    parser.add_argument("--batch", default="1,4", help="batch sizes (default %(default)s)")
+    parser.add_argument("--batch", type=positive_ints, default="1,4", help="batch sizes (default %(default)s)")
     parser.add_argument("--prompt-length", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds per link (default %(default)s)")
@@ -255,45 +235,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="runs/bench/plan_check.json")
     args = parser.parse_args(argv)
     args.links = [check_rate(link.strip()) for link in args.links.split(",") if link.strip()]
-    args.batches = positive_ints(args.batch, "--batch")
+    args.batches = args.batch
     if args.repeats < 1 or args.new_tokens < 2 or args.prompt_length < 1:
         raise UsageError("--repeats and --prompt-length must be at least 1, --new-tokens at least 2")
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(argv)
-        started, load = time.time(), os.getloadavg()[0]
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), platform.processor())  # fmt: skip
-        print(f"machine: {cpu}, {os.cpu_count()} CPUs, load average {load:.2f} at start", flush=True)
-        report = dict(machine=dict(cpu=cpu, cpus=os.cpu_count(), load_at_start=load), links=[])
-        rows = (
-            [] if args.published_only else check_here(args, LlamaConfig(**CPU_SHAPE, tie_word_embeddings=False), report)
-        )
-        rows += check_published() + check_memory_published()
-        print(table(rows))
+def measure(argv: list[str]) -> int:
+    args = parse_args(argv)
+    started, load = time.time(), os.getloadavg()[0]
+    report = dict(machine=machine(), links=[])
+    print(f"machine: {report['machine']['cpu']}, {os.cpu_count()} CPUs, load average {load:.2f} at start", flush=True)
+    rows = [] if args.published_only else check_here(args, LlamaConfig(**CPU_SHAPE, tie_word_embeddings=False), report)
+    rows += check_published() + check_memory_published()
+    print(table(rows))
+    print(f"{time.time() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at the end (started at {load:.2f})")
+    report["rows"] = [asdict(row) | {"error": row.error, "passed": row.passed} for row in rows]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(args.out, json.dumps(report, indent=2) + "\n")
+    loads = [load, os.getloadavg()[0]] + [link["load_after"] for link in report["links"]]
+    if report["links"] and max(loads) > 1.5 * os.cpu_count():  # the two ranks alone make about one per CPU here
         print(
-            f"{time.time() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at the end (started at {load:.2f})"
+            f"plan_check: warning: load average up to {max(loads):.1f} on {os.cpu_count()} CPUs: other jobs ran "
+            "beside the measurement, so its ratios are noisy; rerun on a quiet machine",
+            file=sys.stderr,
         )
-        report["rows"] = [asdict(row) | {"error": row.error, "passed": row.passed} for row in rows]
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.out, json.dumps(report, indent=2) + "\n")
-        loads = [load, os.getloadavg()[0]] + [link["load_after"] for link in report["links"]]
-        if report["links"] and max(loads) > 1.5 * os.cpu_count():  # the two ranks alone make about one per CPU here
-            print(
-                f"plan_check: warning: load average up to {max(loads):.1f} on {os.cpu_count()} CPUs: other jobs ran "
-                "beside the measurement, so its ratios are noisy; rerun on a quiet machine",
-                file=sys.stderr,
-            )
-        missed = [row for row in rows if not row.passed]
-        if missed:
-            print(f"plan_check: {len(missed)} of {len(rows)} rows miss their bound", file=sys.stderr)
-        return 1 if missed else 0
-    except UsageError as error:
-        print(f"plan_check: error: {error}", file=sys.stderr)
-        return 2
+    missed = [row for row in rows if not row.passed]
+    if missed:
+        print(f"plan_check: {len(missed)} of {len(rows)} rows miss their bound", file=sys.stderr)
+    return 1 if missed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_benchmark("plan_check", measure, argv)
 
 
 if __name__ == "__main__":

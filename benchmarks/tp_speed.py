@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,9 +34,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from benchmarks.common import PUBLISHED_SHAPES
-from benchmarks.tp_report import BOUND, STANDARD, add_ratios, table
-from ladder.errors import UsageError
+from benchmarks.common import PUBLISHED_SHAPES, machine, run_benchmark
+from ladder.cli_types import non_negative_int, positive_int, positive_ints
+from ladder.errors import ArgumentParser, UsageError
 from ladder.io.files import atomic_write
 from ladder.io.loading import DTYPES
 from ladder.plan.emulated_link import LOOPBACK, check_rate, emulated_link
@@ -73,6 +72,55 @@ SHAPES = {
     **PUBLISHED_SHAPES,
 }
 SYNTHETIC = "synthetic:"
+STANDARD, BOUND = "standard", "no-comm bound"  # the variants every other is compared with
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Per (link, batch): speed-up over standard, share of the bound's gain, and the communication share."""
+    summaries = []
+    for key in dict.fromkeys((row["link"], row["batch"]) for row in rows):
+        group = [row for row in rows if (row["link"], row["batch"]) == key]
+        standard = next(row for row in group if row["variant"] == STANDARD)["decode_ms_per_token"]
+        bound = next((row["decode_ms_per_token"] for row in group if row["variant"] == BOUND), None)
+        # A bound within 2% of standard leaves no gain to share out: the ratio would be noise.
+        bound_gain = standard - bound if bound is not None and standard - bound > 0.02 * standard else None
+        for row in group:
+            row["speedup_vs_standard"] = standard / row["decode_ms_per_token"]
+            row["share_of_bound_gain"] = (standard - row["decode_ms_per_token"]) / bound_gain if bound_gain else None
+        summaries.append(
+            dict(
+                link=key[0],
+                batch=key[1],
+                communication_share_of_standard=None if bound is None else 1 - bound / standard,
+            )
+        )
+    return summaries
+
+
+def table(rows: list[dict], summaries: list[dict]) -> str:
+    header = f"{'link':<10} {'batch':>5}  {'variant':<18} {'decode ms/tok':>13} {'spread':>6} {'tok/s':>8} {'vs standard':>11} {'bound gain':>10} {'prefill ms':>10}"
+    lines = [header, "-" * len(header)]
+    for summary in summaries:
+        for row in rows:
+            if (row["link"], row["batch"]) != (summary["link"], summary["batch"]):
+                continue
+            share = row["share_of_bound_gain"]
+            lines.append(
+                f"{row['link']:<10} {row['batch']:>5}  {row['variant'] + (' *' if row['variant'] == BOUND else ''):<18} "
+                f"{row['decode_ms_per_token']:>13.2f} {row['decode_spread']:>6.0%} {row['tokens_per_s']:>8.1f} "
+                f"{row['speedup_vs_standard']:>10.2f}x {'n/a' if share is None else f'{share:.0%}':>10} {row['prefill_ms']:>10.1f}"
+            )
+        if summary["communication_share_of_standard"] is not None:
+            lines.append(
+                f"{summary['link']:<10} {summary['batch']:>5}  communication share of standard decode (1 - bound/standard): {summary['communication_share_of_standard']:.0%}"
+            )
+        lines.append("")
+    lines.append(
+        f"* {BOUND}: all-reduces skipped, so its OUTPUTS ARE WRONG; it only times a free interconnect.\n"
+        "spread: (max - min) / median over the repeats; bound gain: (standard - variant) / (standard - bound), "
+        "n/a when the bound is within 2% of standard."
+    )
+    return "\n".join(lines)
 
 
 @dataclass
@@ -83,8 +131,8 @@ class Variant:
 
 
 @dataclass
-class Plan:
-    """Everything a rank needs, written to JSON by the launcher and read by each rank."""
+class Workload:
+    """Everything a rank runs, written to JSON by the launcher and read by each rank."""
 
     model: str
     config: dict
@@ -104,7 +152,7 @@ class Plan:
     variants: list[Variant] = field(default_factory=list)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
+    def from_json(cls, text: str) -> Workload:
         values = json.loads(text)
         values["variants"] = [Variant(**variant) for variant in values["variants"]]
         return cls(**values)
@@ -145,7 +193,7 @@ def timed(function, device: torch.device) -> tuple[float, object]:
     return elapsed.item(), result
 
 
-def run_rank(plan: Plan, result_path: Path) -> None:
+def run_rank(workload: Workload, result_path: Path) -> None:
     import torch.distributed as dist
 
     from ladder.tp.runtime import (
@@ -158,17 +206,17 @@ def run_rank(plan: Plan, result_path: Path) -> None:
         prefill,
     )
 
-    rank, tp_size, device = init_distributed(cuda=plan.device == "cuda")
-    if plan.comm_priority == "realtime" and tp_size > 1 and prioritize_gloo_threads() == 0 and rank == 0:
+    rank, tp_size, device = init_distributed(cuda=workload.device == "cuda")
+    if workload.comm_priority == "realtime" and tp_size > 1 and prioritize_gloo_threads() == 0 and rank == 0:
         print(f"warning: no threads named {GLOO_THREADS}: gloo runs at normal priority", file=sys.stderr)
-    torch.set_num_threads(plan.threads)
+    torch.set_num_threads(workload.threads)
     torch.set_flush_denormal(True)  # random weights must not wander into slow denormal arithmetic
-    dtype = DTYPES[plan.dtype]
-    if plan.model.startswith(SYNTHETIC):
-        shard = synthetic_shard(LlamaConfig(**plan.config), rank, tp_size, dtype, device)
+    dtype = DTYPES[workload.dtype]
+    if workload.model.startswith(SYNTHETIC):
+        shard = synthetic_shard(LlamaConfig(**workload.config), rank, tp_size, dtype, device)
     else:
-        shard = load_shard(plan.model, rank, tp_size, dtype, device)
-    if plan.compile:
+        shard = load_shard(workload.model, rank, tp_size, dtype, device)
+    if workload.compile:
         compile_branches(shard)
 
     def configure(variant: Variant) -> None:
@@ -176,39 +224,43 @@ def run_rank(plan: Plan, result_path: Path) -> None:
         install_communication(shard, variant.communication)
 
     rows, begun = [], time.time()
-    for batch in plan.batches:
-        shard.setup_cache(batch, plan.prompt_length + plan.new_tokens)
+    for batch in workload.batches:
+        shard.setup_cache(batch, workload.prompt_length + workload.new_tokens)
         generator = torch.Generator().manual_seed(batch)  # the same prompts on every rank
-        prompt = torch.randint(0, shard.shape.vocab_size, (batch, plan.prompt_length), generator=generator).to(device)
+        prompt = torch.randint(0, shard.shape.vocab_size, (batch, workload.prompt_length), generator=generator).to(
+            device
+        )
         steps = {}
-        if plan.cuda_graphs:  # one graph per variant (the wiring is baked in), captured before any prefill
-            for variant in plan.variants:
+        if workload.cuda_graphs:  # one graph per variant (the wiring is baked in), captured before any prefill
+            for variant in workload.variants:
                 configure(variant)
                 steps[variant.name] = CUDAGraphStep(shard, batch)
-        samples = {variant.name: ([], []) for variant in plan.variants}
-        rounds = plan.warmup + plan.repeats
+        samples = {variant.name: ([], []) for variant in workload.variants}
+        rounds = workload.warmup + workload.repeats
         for round_index in range(rounds):
             # Variants interleaved within each round, so slow drifts in machine load hit them all alike.
-            for variant in plan.variants:
+            for variant in workload.variants:
                 configure(variant)
                 prefill_s, first = timed(lambda: prefill(shard, prompt), device)
                 step = steps.get(variant.name)
-                decode_s, _ = timed(lambda: decode(shard, first, plan.prompt_length, plan.new_tokens - 1, step), device)
-                if round_index >= plan.warmup:
-                    samples[variant.name][0].append(1e3 * decode_s / (plan.new_tokens - 1))
+                decode_s, _ = timed(
+                    lambda: decode(shard, first, workload.prompt_length, workload.new_tokens - 1, step), device
+                )
+                if round_index >= workload.warmup:
+                    samples[variant.name][0].append(1e3 * decode_s / (workload.new_tokens - 1))
                     samples[variant.name][1].append(1e3 * prefill_s)
             if rank == 0:
                 print(
-                    f"  [{plan.link}] batch {batch}: round {round_index + 1}/{rounds} ({time.time() - begun:.0f} s)",
+                    f"  [{workload.link}] batch {batch}: round {round_index + 1}/{rounds} ({time.time() - begun:.0f} s)",
                     file=sys.stderr,
                     flush=True,
                 )
-        for variant in plan.variants:
+        for variant in workload.variants:
             decode_ms, prefill_ms = samples[variant.name]
             median = statistics.median(decode_ms)
             rows.append(
                 dict(
-                    link=plan.link,
+                    link=workload.link,
                     tp=tp_size,
                     batch=batch,
                     variant=variant.name,
@@ -231,25 +283,27 @@ def run_rank(plan: Plan, result_path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--model",
         default=SYNTHETIC + "cpu",
         help=f"a checkpoint directory (safetensors) or {SYNTHETIC}NAME, NAME in {', '.join(SHAPES)} (default {SYNTHETIC}cpu)",
     )
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree: ranks launched (default 2)")
-    parser.add_argument("--batch", default="1,4", help="batch sizes, comma-separated (default 1,4)")
-    parser.add_argument("--prompt-length", type=int, default=32, help="prompt tokens per sequence (default 32)")
+    parser.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel degree: ranks launched (default 2)")
+    parser.add_argument("--batch", type=positive_ints, default="1,4", help="batch sizes, comma-separated (default 1,4)")
+    parser.add_argument(
+        "--prompt-length", type=positive_int, default=32, help="prompt tokens per sequence (default 32)"
+    )
     parser.add_argument(
         "--new-tokens",
         type=int,
         default=16,
         help="tokens generated per run; decode is timed over all but the first (default 16)",
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds; medians are reported (default 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed rounds; medians are reported (default 5)"
+    )
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed rounds first (default 1)")
     parser.add_argument(
         "--link",
         default=LOOPBACK,
@@ -257,7 +311,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank (default 1)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads per rank (default 1)")
     parser.add_argument(
         "--comm-priority", choices=("realtime", "normal"),
         help="CPU: scheduling of gloo's communication threads (default realtime as root, else normal; see prioritize_gloo_threads)",
@@ -269,29 +323,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--out", default="runs/bench/tp_speed.json", help="JSON results (default runs/bench/tp_speed.json)"
     )
-    parser.add_argument("--worker", nargs=2, metavar=("PLAN", "RESULT"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "RESULT"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def positive_ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise UsageError(f"{name} {text!r} must be positive integers, comma-separated")
-    return values
-
-
-def make_plan(args: argparse.Namespace) -> tuple[Plan, str]:
+def make_workload(args: argparse.Namespace) -> tuple[Workload, str]:
     """Validate every option and the model's shape for every rank before anything is launched."""
     from ladder.tp.runtime import read_config
 
-    for name in ("tp", "prompt_length", "repeats", "threads"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.new_tokens < 2 or args.warmup < 0:
-        raise UsageError("--new-tokens must be at least 2 (the first comes from the prefill) and --warmup at least 0")
+    if args.new_tokens < 2:
+        raise UsageError("--new-tokens must be at least 2 (the first comes from the prefill)")
     if args.device == "cuda":
         if torch.cuda.device_count() < args.tp:
             raise UsageError(f"--tp {args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
@@ -331,11 +372,11 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, str]:
     ]
     if args.tp > 1:  # at TP=1 there is nothing to overlap and the bound equals standard
         variants += [Variant(f"ladder (upper {len(upper_half)})", upper_half, "all-reduce"), Variant(BOUND, [], "none")]
-    plan = Plan(
+    workload = Workload(
         model=args.model,
         config=config.to_dict() if args.model.startswith(SYNTHETIC) else {},
         tp=args.tp,
-        batches=positive_ints(args.batch, "--batch"),
+        batches=args.batch,
         prompt_length=args.prompt_length,
         new_tokens=args.new_tokens,
         repeats=args.repeats,
@@ -348,20 +389,20 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, str]:
         comm_priority=comm_priority,
         variants=variants,
     )
-    return plan, described
+    return workload, described
 
 
-def launch(plan: Plan, prefix: list[str]) -> list[dict]:
+def launch(workload: Workload, prefix: list[str]) -> list[dict]:
     """Run the ranks under torchrun (behind `prefix`, e.g. `ip netns exec NAME`) and collect rank 0's rows."""
     with tempfile.TemporaryDirectory(prefix="tp-speed-") as scratch:
-        plan_path, result_path = Path(scratch, "plan.json"), Path(scratch, "result.json")
-        plan_path.write_text(json.dumps(asdict(plan)))
+        workload_path, result_path = Path(scratch, "workload.json"), Path(scratch, "result.json")
+        workload_path.write_text(json.dumps(asdict(workload)))
         command = prefix + [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.tp}",
-            "-m", "benchmarks.tp_speed", "--worker", str(plan_path), str(result_path),
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workload.tp}",
+            "-m", "benchmarks.tp_speed", "--worker", str(workload_path), str(result_path),
         ]  # fmt: skip
         # OMP_NUM_THREADS set here also silences torchrun's warning; c10d's warnings are noise here.
-        env = os.environ | {"OMP_NUM_THREADS": str(plan.threads), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        env = os.environ | {"OMP_NUM_THREADS": str(workload.threads), "TORCH_CPP_LOG_LEVEL": "ERROR"}
         process = subprocess.Popen(command, env=env, cwd=REPOSITORY)
         try:
             status = process.wait()
@@ -377,70 +418,65 @@ def launch(plan: Plan, prefix: list[str]) -> list[dict]:
         return json.loads(result_path.read_text())["rows"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def measure(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.worker:
-        run_rank(Plan.from_json(Path(args.worker[0]).read_text()), Path(args.worker[1]))
+        run_rank(Workload.from_json(Path(args.worker[0]).read_text()), Path(args.worker[1]))
         return 0
-    try:
-        plan, described = make_plan(args)
-        links = [check_rate(link.strip()) for link in args.link.split(",") if link.strip()] or [LOOPBACK]
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
+    workload, described = make_workload(args)
+    links = [check_rate(link.strip()) for link in args.link.split(",") if link.strip()] or [LOOPBACK]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(
+        f"TP={workload.tp} on {workload.device} ({'NCCL' if workload.device == 'cuda' else f'gloo, {workload.threads} thread(s) per rank, {workload.comm_priority} priority for gloo threads'}), "
+        f"{workload.dtype}, {described}\nbatch {','.join(map(str, workload.batches))}, prompt {workload.prompt_length}, "
+        f"{workload.new_tokens} new tokens, {workload.warmup} warm-up + {workload.repeats} timed rounds; links: {', '.join(links)}"
+        + (f"{' compile' if workload.compile else ''}{' cuda-graphs' if workload.cuda_graphs else ''}"),
+        flush=True,
+    )
+    if workload.tp == 1:
         print(
-            f"TP={plan.tp} on {plan.device} ({'NCCL' if plan.device == 'cuda' else f'gloo, {plan.threads} thread(s) per rank, {plan.comm_priority} priority for gloo threads'}), "
-            f"{plan.dtype}, {described}\nbatch {','.join(map(str, plan.batches))}, prompt {plan.prompt_length}, "
-            f"{plan.new_tokens} new tokens, {plan.warmup} warm-up + {plan.repeats} timed rounds; links: {', '.join(links)}"
-            + (f"{' compile' if plan.compile else ''}{' cuda-graphs' if plan.cuda_graphs else ''}"),
-            flush=True,
+            "TP=1: no communication, so nothing for ladder to hide: a sanity run and kernel timings, not a TP figure."
         )
-        if plan.tp == 1:
-            print(
-                "TP=1: no communication, so nothing for ladder to hide: a sanity run and kernel timings, not a TP figure."
+    if workload.device == "cpu" and workload.tp * workload.threads > (os.cpu_count() or 1):
+        print(
+            f"warning: {workload.tp} ranks x {workload.threads} threads exceed the {os.cpu_count()} CPUs: ranks will steal each other's time",
+            file=sys.stderr,
+        )
+    rows, runs = [], []
+    for link in links:
+        workload.link = link
+        load_before, started = os.getloadavg()[0], time.time()
+        with emulated_link(link) as prefix:
+            rows += launch(workload, prefix)
+        runs.append(
+            dict(
+                link=link,
+                seconds=time.time() - started,
+                load_average_before=load_before,
+                load_average_after=os.getloadavg()[0],
             )
-        if plan.device == "cpu" and plan.tp * plan.threads > (os.cpu_count() or 1):
-            print(
-                f"warning: {plan.tp} ranks x {plan.threads} threads exceed the {os.cpu_count()} CPUs: ranks will steal each other's time",
-                file=sys.stderr,
-            )
-        rows, runs = [], []
-        for link in links:
-            plan.link = link
-            load_before, started = os.getloadavg()[0], time.time()
-            with emulated_link(link) as prefix:
-                link_rows = launch(plan, prefix)
-            rows += link_rows
-            runs.append(
-                dict(
-                    link=link,
-                    seconds=time.time() - started,
-                    load_average_before=load_before,
-                    load_average_after=os.getloadavg()[0],
-                )
-            )
-            summaries = add_ratios(rows)
-            print(
-                table([row for row in rows if row["link"] == link], [s for s in summaries if s["link"] == link]),
-                flush=True,
-            )
-            report = dict(
-                command=["python", "-m", "benchmarks.tp_speed", *(argv if argv is not None else sys.argv[1:])],
-                model=described,
-                plan={key: value for key, value in asdict(plan).items() if key not in ("config", "link")},
-                machine=dict(platform=platform.platform(), cpus=os.cpu_count(), torch=torch.__version__),
-                runs=runs,
-                summaries=summaries,
-                rows=rows,
-            )
-            atomic_write(out, json.dumps(report, indent=2) + "\n")
-        print(f"results: {out}")
-        return 0
-    except UsageError as error:
-        print(f"tp_speed: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("tp_speed: interrupted", file=sys.stderr)
-        return 130
+        )
+        summaries = add_ratios(rows)
+        print(
+            table([row for row in rows if row["link"] == link], [s for s in summaries if s["link"] == link]), flush=True
+        )
+        report = dict(
+            command=["python", "-m", "benchmarks.tp_speed", *argv],
+            model=described,
+            workload={key: value for key, value in asdict(workload).items() if key not in ("config", "link")},
+            machine=machine(),
+            runs=runs,
+            summaries=summaries,
+            rows=rows,
+        )
+        atomic_write(out, json.dumps(report, indent=2) + "\n")
+    print(f"results: {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_benchmark("tp_speed", measure, argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """The tensor-parallel runtime against single-process transformers: TP=2 over a real gloo process group
 on CPU (two spawned ranks), TP=1 in process, and the speed benchmark's command line."""
 
-import importlib
 import json
 import os
 import shutil
@@ -17,7 +16,9 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from ladder import to_ladder
-from ladder.tp.runtime import generate, init_distributed, install_communication, load_shard
+from ladder.errors import UsageError
+from ladder.plan.emulated_link import check_rate
+from ladder.tp.runtime import generate, init_distributed, install_communication, load_shard, read_config
 from tiny import random_ids, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,63 +142,60 @@ def test_tp1_in_process_and_rewiring_in_place(checkpoints):
 # --- The benchmark's command line ----------------------------------------------------------------
 
 
-@pytest.fixture
-def tp_speed():
-    return importlib.import_module("benchmarks.tp_speed")
+def tp_speed(*arguments: object) -> subprocess.CompletedProcess:
+    """`python -m benchmarks.tp_speed ARGUMENTS` (the suite imports no benchmark; it runs them)."""
+    command = [sys.executable, "-m", "benchmarks.tp_speed", *map(str, arguments)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def test_benchmark_refuses_bad_options_in_one_line(tmp_path):
+    result = tp_speed("--new-tokens", "1", "--out", tmp_path / "out.json")
+    assert result.returncode == 2 and result.stderr.startswith("tp_speed: error: --new-tokens must be at least 2")
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.json").exists()
 
 
 @pytest.mark.parametrize(
-    "arguments, message",
+    ("check", "message"),
     [
-        (["--link", "20furlongs"], "is not 'loopback' or a rate"),
-        (["--tp", "3"], "needs at least one KV head per rank"),
-        (["--model", "/no/such/checkpoint"], "not a checkpoint directory"),
-        (["--new-tokens", "1"], "--new-tokens must be at least 2"),
-        (["--batch", "1,x"], "must be positive integers"),
-        (["--model", "synthetic:llama-9"], "unknown synthetic shape"),
+        (lambda: check_rate("20furlongs"), "is not 'loopback' or a rate"),
+        (lambda: read_config("/no/such/checkpoint"), "not a checkpoint directory"),
     ],
+    ids=["link", "model"],
 )
-def test_benchmark_refuses_bad_options_in_one_line(tp_speed, tiny_checkpoint, tmp_path, capsys, arguments, message):
-    model = [] if "--model" in arguments else ["--model", str(tiny_checkpoint)]
-    assert tp_speed.main([*model, *arguments, "--out", str(tmp_path / "out.json")]) == 2
-    error = capsys.readouterr().err.strip()
-    assert message in error and len(error.splitlines()) == 1
-    assert not (tmp_path / "out.json").exists()
+def test_the_benchmark_s_inputs_are_checked_in_one_line(check, message):
+    with pytest.raises(UsageError, match=message) as refused:
+        check()
+    assert "\n" not in str(refused.value)
 
 
-def run_benchmark(tiny_checkpoint, out, link):
-    command = [sys.executable, "-m", "benchmarks.tp_speed", "--model", str(tiny_checkpoint),
-               "--batch", "1,2", "--prompt-length", "8", "--new-tokens", "3", "--repeats", "2", "--warmup", "0",
-               "--link", link, "--out", str(out)]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+def namespaces() -> set[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listing.splitlines() if line.strip()}
+
+
+@pytest.mark.slow  # two ranks under torchrun, once per link
+def test_benchmark_runs_all_variants_on_loopback_and_an_emulated_link(tiny_checkpoint, tmp_path):
+    """As root with iproute2 the same run also times an emulated 1 Gbit/s link (a network namespace),
+    which it removes afterwards."""
+    emulated = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
+    links, before = (["loopback", "1gbit"], namespaces()) if emulated else (["loopback"], set())
+    out = tmp_path / "bench.json"
+    result = tp_speed("--model", tiny_checkpoint, "--batch", "1,2", "--prompt-length", 8, "--new-tokens", 3,
+                      "--repeats", 2, "--warmup", 0, "--link", ",".join(links), "--out", out)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout, json.loads(out.read_text())
-
-
-def test_benchmark_runs_all_variants_on_loopback(tiny_checkpoint, tmp_path):
-    stdout, report = run_benchmark(tiny_checkpoint, tmp_path / "bench.json", "loopback")
+    report = json.loads(out.read_text())
     variants = ["standard", "ladder (all 4)", "ladder (upper 2)", "no-comm bound"]
-    assert [(row["batch"], row["variant"]) for row in report["rows"]] == [(b, v) for b in (1, 2) for v in variants]
+    expected = [(link, b, v) for link in links for b in (1, 2) for v in variants]
+    assert [(row["link"], row["batch"], row["variant"]) for row in report["rows"]] == expected
     for row in report["rows"]:
-        assert row["link"] == "loopback" and row["tp"] == 2 and len(row["decode_ms_samples"]) == 2
+        assert row["tp"] == 2 and len(row["decode_ms_samples"]) == 2
         assert row["tokens_per_s"] == pytest.approx(1e3 * row["batch"] / row["decode_ms_per_token"])
-    assert [summary["batch"] for summary in report["summaries"]] == [1, 2]
-    assert "OUTPUTS ARE WRONG" in stdout and "communication share of standard decode" in stdout
-
-
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")), reason="needs root and iproute2"
-)
-def test_benchmark_on_an_emulated_link_removes_its_namespace(tiny_checkpoint, tmp_path):
-    def namespaces() -> set[str]:
-        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        return {line.split()[0] for line in listing.splitlines() if line.strip()}
-
-    before = namespaces()
-    stdout, report = run_benchmark(tiny_checkpoint, tmp_path / "bench.json", "1gbit")
-    assert {row["link"] for row in report["rows"]} == {"1gbit"}
+    assert [(summary["link"], summary["batch"]) for summary in report["summaries"]] == [
+        (link, b) for link in links for b in (1, 2)
+    ]
+    assert "OUTPUTS ARE WRONG" in result.stdout and "communication share of standard decode" in result.stdout
     # Nothing new is left (stale namespaces of killed runs may have gone: they are cleaned up first).
-    assert namespaces() <= before
+    assert not emulated or namespaces() <= before
 
 
 def test_ladder_all_reduces_are_waited_on_only_after_the_next_branch_launches(checkpoints):
