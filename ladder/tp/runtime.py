@@ -29,6 +29,7 @@ import ladder.model.auto  # noqa: F401  (read_config reads ladder configs throug
 from ladder.errors import UsageError
 from ladder.io.loading import check_llama_checkpoint
 from ladder.io.tensors import LazyTensorLoader, ShardedTensorIndex
+from ladder.serving.ops import InFlight
 from ladder.tp.shard import LlamaShard, Ready, ShardShape, local_sum
 
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -134,19 +135,6 @@ def load_shard(
 # --- Communication -------------------------------------------------------------------------------
 
 
-class InFlight:
-    """An asynchronous all-reduce: `wait()` blocks on its handle and returns the summed tensor."""
-
-    __slots__ = ("tensor", "work")
-
-    def __init__(self, tensor: torch.Tensor, work: dist.Work):
-        self.tensor, self.work = tensor, work
-
-    def wait(self) -> torch.Tensor:
-        self.work.wait()
-        return self.tensor
-
-
 class AllReduce:
     """Sums branch outputs over the group in place: blocking for standard layers; for ladder layers
     launched with `async_op=True`, its handle waited on where the layer loop needs the sum."""
@@ -156,7 +144,7 @@ class AllReduce:
 
     def __call__(self, partial: torch.Tensor, async_op: bool) -> InFlight | Ready:
         work = dist.all_reduce(partial, group=self.group, async_op=async_op)
-        return InFlight(partial, work) if async_op else Ready(partial)
+        return InFlight(partial, partial, work) if async_op else Ready(partial)
 
 
 GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
@@ -277,7 +265,6 @@ __all__ = [
     "GLOO_THREADS",
     "AllReduce",
     "CUDAGraphStep",
-    "InFlight",
     "compile_branches",
     "decode",
     "generate",
