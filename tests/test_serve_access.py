@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from ladder.errors import UsageError
+from ladder.serving.engine import cpu_kv_cache_space, gpu_memory_utilization
 from serving import serve_env_vars, serve_python
 from tiny import save_tiny_checkpoint
 
@@ -59,6 +61,27 @@ ACCEPTED = {
     "every interface with $VLLM_API_KEY": ["--", "--host", "0.0.0.0", "ENV_KEY"],
     "a Unix socket (host ignored)": ["--host", "0.0.0.0", "--", "--uds", "UDS"],
 }
+# What vLLM will run, as its parser reads the passthrough (issue 43 item 1): refused in one line
+# containing the text given, or checked at the TP degree vLLM will run. Its gRPC server reads neither
+# --api-key nor --uds and binds host:port (every interface for ""); its extra is not in .venv-serve.
+RUN_REFUSALS = {
+    "gRPC beyond loopback, with a key": (["--host", "0.0.0.0", "--api-key", KEY, "--", "--grpc"], "asks no API key"),
+    "gRPC with a Unix socket": (["--host", "0.0.0.0", "--", "--uds", "UDS", "--grpc"], "asks no API key"),
+    "gRPC on loopback, not installed": (["--", "--grpc"], "vLLM's gRPC server is not installed"),
+    "passthrough -tp": (["--", "-tp", "3"], "at TP=3"),  # 4 heads do not split over 3 ranks
+    "passthrough --tensor-parallel-size": (["--", "--tensor-parallel-size", "3"], "at TP=3"),
+    "a prefix of --tensor-parallel-size": (["--tp", "2", "--", "--tensor-p", "3"], "at TP=3"),
+    "port above 65535": (["--", "--port", "70000"], "--port 70000: a port is"),
+    "negative port": (["--", "--port", "-1"], "--port -1: a port is"),
+    "our port above 65535": (["--port", "70000"], "--port 70000: a port is"),
+    "passthrough --model": (["--", "--model", "other"], "give no other (--model)"),
+    "--model=": (["--", "--model=other"], "give no other (--model)"),
+    "a second positional model": (["--", "other"], "give no other (--model)"),
+}
+RUN_ACCEPTED = {
+    "the passthrough TP over ours": (["--tp", "3", "--", "-tp", "1"], "at TP=1 "),
+    "passthrough TP 2": (["--", "-tp", "2"], "at TP=2 "),
+}
 
 # Every row in one .venv-serve process (importing vLLM takes 10-20 s): `ladder serve` as the CLI
 # runs it, each row with the session's environment plus its own key.
@@ -68,9 +91,9 @@ from ladder.cli import main
 
 rows, base = json.loads(sys.argv[1]), dict(os.environ)
 results = []
-for argv, env_key in rows:
+for argv, env in rows:
     os.environ.clear()
-    os.environ.update(base, **({"VLLM_API_KEY": env_key} if env_key else {}))
+    os.environ.update(base, **env)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(argv)
@@ -92,12 +115,14 @@ def servable_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 def outcomes(servable_checkpoint, tmp_path_factory) -> dict[str, dict]:
     uds = tmp_path_factory.mktemp("uds") / "server.sock"
     rows = []
-    for arguments in [*REFUSALS.values(), *ACCEPTED.values()]:
-        env_key = KEY if "ENV_KEY" in arguments else None
+    run = [arguments for arguments, _ in [*RUN_REFUSALS.values(), *RUN_ACCEPTED.values()]]
+    for arguments in [*REFUSALS.values(), *ACCEPTED.values(), *run, []]:
+        env = {"VLLM_API_KEY": KEY} if "ENV_KEY" in arguments else {}
         arguments = [str(uds) if arg == "UDS" else arg for arg in arguments if arg != "ENV_KEY"]
         ours = arguments[: arguments.index("--")] if "--" in arguments else arguments
         rest = arguments[len(ours) :]
-        rows.append((["serve", str(servable_checkpoint), *ours, "--check-only", *rest], env_key))
+        rows.append((["serve", str(servable_checkpoint), *ours, "--check-only", *rest], env))
+    rows[-1][1]["VLLM_CPU_KVCACHE_SPACE"] = ""  # unset, as vLLM reads it: `ladder serve` sizes it
     env = serve_env_vars()
     env.pop("VLLM_API_KEY", None)
     done = subprocess.run(
@@ -105,7 +130,7 @@ def outcomes(servable_checkpoint, tmp_path_factory) -> dict[str, dict]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    return dict(zip([*REFUSALS, *ACCEPTED], results, strict=True))
+    return dict(zip([*REFUSALS, *ACCEPTED, *RUN_REFUSALS, *RUN_ACCEPTED, "sized"], results, strict=True))
 
 
 @pytest.mark.parametrize("case", REFUSALS)
@@ -121,6 +146,30 @@ def test_serve_listens_on_loopback_or_with_a_key(outcomes, case):
     outcome = outcomes[case]
     assert outcome["status"] == 0, (case, outcome)
     assert "vLLM can serve" in outcome["stdout"], outcome
+
+
+@pytest.mark.parametrize("case", RUN_REFUSALS)
+def test_serve_refuses_what_vllm_would_run_wrong(outcomes, case):
+    outcome, expected = outcomes[case], RUN_REFUSALS[case][1]
+    assert outcome["status"] == 2, (case, outcome)
+    (line,) = outcome["stderr"].strip().splitlines()
+    assert line.startswith("ladder serve: error: ") and expected in line, line
+
+
+@pytest.mark.parametrize("case", RUN_ACCEPTED)
+def test_serve_checks_the_tp_degree_vllm_will_run(outcomes, case):
+    outcome = outcomes[case]
+    assert outcome["status"] == 0, (case, outcome)
+    assert RUN_ACCEPTED[case][1] in outcome["stdout"], outcome
+
+
+def test_serve_sizes_the_kv_cache_for_this_machine(outcomes, servable_checkpoint):
+    """Issue 44 items 1 and 9: without VLLM_CPU_KVCACHE_SPACE vLLM reserves 92% of the machine's
+    memory and refuses to start where more than 8% is in use; `ladder serve` sets it from the
+    memory available. Clients name the model by its folder's name, not its path."""
+    outcome = outcomes["sized"]
+    assert outcome["status"] == 0, outcome
+    assert f" as {servable_checkpoint.name} (VLLM_CPU_KVCACHE_SPACE=" in outcome["stdout"], outcome
 
 
 # --- a live server on a non-loopback address ----------------------------------------------------------
@@ -198,14 +247,11 @@ def namespace():
         assert ip("netns", "delete", name).returncode == 0
 
 
-def test_served_beyond_loopback_answers_only_with_the_key(namespace, tmp_path):
-    """The embedded SmolLM2 (ladder, upper 8 layers) served at a veth address with `--api-key`: a
+def test_served_beyond_loopback_answers_only_with_the_key(namespace, tmp_path, smollm2_ladder):
+    """The embedded SmolLM2 (ladder, conftest's smollm2_ladder) served at a veth address with `--api-key`: a
     completion with no key or a wrong one gets 401, and so do /invocations and /tokenize with no key
     (they answered before KeyOnEveryPath); one with the key gets an answer."""
-    from ladder.convert.convert import convert_checkpoint
-
-    model = tmp_path / "smollm2-ladder"
-    convert_checkpoint(None, model, ladder_layers="22-29", verify=False)
+    model = smollm2_ladder
     log_path = tmp_path / "server.log"
     serve = [str(REPO / ".venv-serve" / "bin" / "ladder"), "serve", str(model), "--host", ADDRESS]
     serve += ["--api-key", KEY, "--", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
@@ -247,3 +293,17 @@ def test_served_beyond_loopback_answers_only_with_the_key(namespace, tmp_path):
     completion = answers["key"]["body"]
     assert completion["usage"]["completion_tokens"] > 0 and isinstance(completion["choices"][0]["text"], str)
     assert base in log_path.read_text()  # vLLM's own report of where it listens
+
+
+def test_serve_sizes_memory_or_refuses_in_one_line():
+    """Issue 44 item 1, the rule: half of the memory left beside the weights and vLLM's processes
+    for the KV cache on a CPU, the free share of a GPU; a line naming the setting where none fits."""
+    gib = 1 << 30
+    assert cpu_kv_cache_space(12 * gib, gib // 4, tp=1) == 3  # (12 - 0.25 - 4) / 2
+    assert cpu_kv_cache_space(12 * gib, gib // 4, tp=2) == 1  # (12 - 0.25 - 6) / 2 / 2
+    with pytest.raises(UsageError, match=r"no room for a KV cache .*VLLM_CPU_KVCACHE_SPACE"):
+        cpu_kv_cache_space(5 * gib, gib, tp=1)
+    assert gpu_memory_utilization(free=40 * gib, total=80 * gib, weights=16 * gib, tp=1) == 0.48
+    assert gpu_memory_utilization(free=80 * gib, total=80 * gib, weights=16 * gib, tp=1) == 0.92  # vLLM's default
+    with pytest.raises(UsageError, match="--gpu-memory-utilization"):
+        gpu_memory_utilization(free=10 * gib, total=80 * gib, weights=16 * gib, tp=1)

@@ -5,11 +5,49 @@ error."""
 
 from __future__ import annotations
 
+import math
 import os
 
 from ladder.errors import UsageError, first_line
 
 SUPPORTED_VLLM = ("0.32",)  # minor versions; `make serve-env` installs 0.32.0 (CPU or CUDA build)
+GiB = 1 << 30
+# What vLLM's processes take on a CPU besides the weights and the KV cache (torch, vLLM and compiled
+# code): the API server and the engine core together, and each tensor-parallel worker. Measured on
+# the embedded SmolLM2 (resident set sizes after start-up, compiled mode): see docs/serving.md.
+CPU_SERVER_MEMORY = 2 * GiB
+CPU_WORKER_MEMORY = 2 * GiB
+# Left free on each GPU beside vLLM's share (other processes, the CUDA context of the API server).
+GPU_MARGIN = GiB
+VLLM_GPU_MEMORY_UTILIZATION = 0.92  # vLLM's default share of a device
+
+
+def cpu_kv_cache_space(available: int, weights: int, tp: int) -> int:
+    """VLLM_CPU_KVCACHE_SPACE (whole GiB per rank, as vLLM reads it) that fits `available` bytes of
+    memory: half of what is left once the weights and vLLM's processes have theirs. vLLM's own
+    default reserves 92% of the machine's memory and refuses to start when less is free."""
+    spare = available - weights - CPU_SERVER_MEMORY - tp * CPU_WORKER_MEMORY
+    space = spare // 2 // tp // GiB
+    if space < 1:
+        raise UsageError(
+            f"{available / GiB:.1f} GiB of memory is available; the weights take {weights / GiB:.1f} GiB and "
+            f"vLLM's processes about {(CPU_SERVER_MEMORY + tp * CPU_WORKER_MEMORY) / GiB:.0f} GiB: no room for "
+            "a KV cache of 1 GiB per rank (free memory, or set VLLM_CPU_KVCACHE_SPACE in GiB)"
+        )
+    return space
+
+
+def gpu_memory_utilization(free: int, total: int, weights: int, tp: int) -> float:
+    """--gpu-memory-utilization for a device with `free` of `total` bytes free: vLLM refuses to start
+    when its share of the total (0.92 by default) is more than is free, and takes the share for the
+    weights (1/tp of them per device), activations and KV cache."""
+    share = min(VLLM_GPU_MEMORY_UTILIZATION, math.floor((free - GPU_MARGIN) / total * 100) / 100)
+    if share * total < weights / tp + GiB:
+        raise UsageError(
+            f"{free / GiB:.1f} of the GPU's {total / GiB:.1f} GiB are free: not enough for {weights / tp / GiB:.1f} GiB "
+            "of weights per device and a KV cache (free the GPU, or pass -- --gpu-memory-utilization)"
+        )
+    return share
 
 
 def cpu_binding(tp: int, cores: list[int]) -> str:
@@ -60,4 +98,12 @@ def vllm_version_problem(version: str | None = None) -> str | None:
     )
 
 
-__all__ = ["SUPPORTED_VLLM", "cpu_binding", "use_spawn_where_cuda_may_be", "vllm_error_message", "vllm_version_problem"]
+__all__ = [
+    "SUPPORTED_VLLM",
+    "cpu_binding",
+    "cpu_kv_cache_space",
+    "gpu_memory_utilization",
+    "use_spawn_where_cuda_may_be",
+    "vllm_error_message",
+    "vllm_version_problem",
+]

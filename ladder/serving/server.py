@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -22,9 +23,16 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from ladder.cli_types import positive_int
 from ladder.errors import ArgumentParser, UsageError, first_line
-from ladder.io.loading import check_llama_checkpoint, read_config_dict, resolve_model_path
-from ladder.serving.engine import cpu_binding, vllm_error_message, vllm_version_problem
+from ladder.io.loading import HUB_MODEL_ID, check_llama_checkpoint, read_config_dict, resolve_model_path
+from ladder.serving.engine import (
+    cpu_binding,
+    cpu_kv_cache_space,
+    gpu_memory_utilization,
+    vllm_error_message,
+    vllm_version_problem,
+)
 from ladder.tp.degrees import vllm_refusal
 
 DEFAULT_HOST = "127.0.0.1"
@@ -79,10 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("model", metavar="MODEL", help="checkpoint directory (safetensors)")
     parser.add_argument(
-        "--tp", type=int, default=1, metavar="N", help="tensor-parallel degree: worker processes (default 1)"
+        "--tp", type=positive_int, default=1, metavar="N", help="tensor-parallel degree: worker processes (default 1)"
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument("--port", type=positive_int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_VARIABLE),
@@ -93,23 +101,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def served_model_name(given: str, model: Path) -> str:
+    """The name clients send: a Hub ID as given, else the folder's name (vLLM's default is the path)."""
+    return given if HUB_MODEL_ID.fullmatch(given) and not Path(given).expanduser().exists() else model.name
+
+
 def vllm_serve_arguments(model: Path, args: argparse.Namespace, passthrough: list[str]) -> list[str]:
     """The arguments of `vllm serve`: ours first, so that any option the passthrough repeats, in any
     spelling vLLM takes, overrides ours as it would on vLLM's own command line (argparse keeps the last)."""
     ours = ["--host", args.host, "--port", str(args.port), "--tensor-parallel-size", str(args.tp)]
+    ours += ["--served-model-name", served_model_name(args.model, model)]
     ours += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--middleware", f"{__name__}.{KeyOnEveryPath.__name__}"]
     return [str(model), *ours, *passthrough]
 
 
 def parse_vllm_serve(arguments: list[str]) -> argparse.Namespace:
-    """`arguments` as `vllm serve ARGUMENTS` reads them, with the parser of vLLM's own `serve`
-    command: it takes any unambiguous prefix of an option, `_` for `-`, the last of a repeated
-    option and `--config FILE`, so no other reading can tell where the server will listen."""
+    """`arguments` (the model, then options) as `vllm serve ARGUMENTS` reads them, with the parser of
+    vLLM's own `serve` command: it takes any unambiguous prefix of an option, `_` for `-`, the last of
+    a repeated option and `--config FILE`, so no other reading can tell what the server will run."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     class Parser(FlexibleArgumentParser):  # the `serve` subparser is of the same class
         def error(self, message: str):
+            # vLLM moves a `--model M` to the front, as the positional model: ours is then one too many.
+            extras = message.removeprefix("unrecognized arguments: ").split() if "unrecognized" in message else []
+            if arguments[0] in extras or (extras[:1] and not extras[0].startswith("-")):
+                message = f"the model to serve is MODEL ({arguments[0]}): give no other (--model)"
             raise UsageError(f"the arguments for vllm serve: {message}")
 
     parser = Parser(prog="vllm")
@@ -149,6 +167,17 @@ def check_access(serve: argparse.Namespace, environ: Mapping[str, str]) -> None:
     """Refuse to listen beyond this machine (any address but loopback) without an API key: vLLM's
     server otherwise answers anyone who can reach the port. `serve` is what vLLM's parser read and
     `environ` the environment vLLM will start in."""
+    if not 0 < serve.port < 65536:
+        raise UsageError(f"--port {serve.port}: a port is a number from 1 to 65535")
+    if serve.grpc:  # vLLM's serve_grpc binds host:port, "" as every interface, and reads no key and no --uds
+        if not is_loopback(serve.host):
+            raise UsageError(
+                f"--grpc: vLLM's gRPC server asks no API key, so it may listen on loopback only, not on "
+                f"--host {serve.host or '(every interface)'}"
+            )
+        if importlib.util.find_spec("smg_grpc_servicer") is None:
+            raise UsageError("--grpc: vLLM's gRPC server is not installed here: pip install 'vllm[grpc]'")
+        return
     if serve.uds:  # a Unix socket: vLLM ignores the host and the port
         return
     if api_keys(serve, environ) or is_loopback(serve.host):
@@ -222,11 +251,37 @@ def check_servable(model: Path, tp: int) -> None:
             )
 
 
+def size_memory(model: Path, serve: argparse.Namespace, environ: dict[str, str]) -> list[str]:
+    """Size vLLM's memory for this machine unless the user did (VLLM_CPU_KVCACHE_SPACE,
+    --kv-cache-memory-bytes or --gpu-memory-utilization): on a CPU the KV cache, in `environ`; on a
+    GPU the share of its memory, as arguments to add. vLLM's default share, 92% of the memory,
+    refuses to start wherever more than 8% is in use."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    chosen = (
+        serve.kv_cache_memory_bytes is not None or serve.gpu_memory_utilization != EngineArgs.gpu_memory_utilization
+    )
+    if chosen or environ.get("VLLM_CPU_KVCACHE_SPACE") or not (current_platform.is_cpu() or current_platform.is_cuda()):
+        return []
+    weights = sum(path.stat().st_size for path in model.glob("*.safetensors"))
+    if serve.dtype in ("float32", "float") and read_config_dict(model).get("torch_dtype") in ("bfloat16", "float16"):
+        weights *= 2  # widened as it loads
+    tp = serve.tensor_parallel_size
+    if current_platform.is_cpu():
+        import psutil
+
+        environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_space(psutil.virtual_memory().available, weights, tp))
+        return []
+    import torch
+
+    free, total = min(torch.cuda.mem_get_info(device) for device in range(tp))
+    return ["--gpu-memory-utilization", str(gpu_memory_utilization(free, total, weights, tp))]
+
+
 def main(argv: list[str]) -> int:
     ours, passthrough = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = build_parser().parse_args(ours)
-    if args.tp < 1:
-        raise UsageError(f"--tp {args.tp}: the tensor-parallel degree must be at least 1")
     if not args.model:
         raise UsageError("name the checkpoint folder to serve: make serve MODEL=DIR")
     model = resolve_model_path(args.model)
@@ -251,19 +306,28 @@ def main(argv: list[str]) -> int:
     if args.api_key:
         os.environ[API_KEY_VARIABLE] = args.api_key  # vLLM's --api-key default: kept off the printed command
     arguments = vllm_serve_arguments(model, args, passthrough)
-    check_access(parse_vllm_serve(arguments), os.environ)
-    if current_platform.is_cpu() and args.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(args.tp, sorted(os.sched_getaffinity(0)))
-    check_servable(model, args.tp)
+    serve = parse_vllm_serve(arguments)
+    check_access(serve, os.environ)
+    tp = serve.tensor_parallel_size  # what vLLM will run: the passthrough's, in any spelling, over ours
+    if tp < 1:
+        raise UsageError(f"--tensor-parallel-size {tp}: the tensor-parallel degree must be at least 1")
+    check_servable(model, tp)
+    if current_platform.is_cpu() and tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp, sorted(os.sched_getaffinity(0)))
+    sizing = size_memory(model, serve, os.environ)
+    arguments += sizing
+    kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE") if current_platform.is_cpu() else None
+    memory = " ".join(sizing) or (f"VLLM_CPU_KVCACHE_SPACE={kv_cache}" if kv_cache else "")
     if args.check_only:
-        print(f"vLLM can serve {model} at TP={args.tp}")
+        print(f"vLLM can serve {model} at TP={tp} as {serve.served_model_name[0]} ({memory or 'memory as given'})")
         return 0
     if logging_level is None:
         del os.environ["VLLM_LOGGING_LEVEL"]
     else:
         os.environ["VLLM_LOGGING_LEVEL"] = logging_level
     command = [str(Path(sys.executable).parent / "vllm"), "serve", *arguments]
-    print(" ".join(command), file=sys.stderr, flush=True)
+    environment = f"VLLM_CPU_KVCACHE_SPACE={kv_cache} " if kv_cache else ""
+    print(environment + " ".join(command), file=sys.stderr, flush=True)
     os.environ[SERVE_ENV_FLAG] = "1"
     os.execv(command[0], command)
     return 0  # not reached
