@@ -380,7 +380,9 @@ def test_llama31_8b_shape_on_meta_device():
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
 
 
-def test_cli_unknown_command_is_one_line():
-    result = subprocess.run([sys.executable, "-m", "ladder.cli", "frobnicate"], capture_output=True, text=True)
-    assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and "unknown command" in result.stderr
+def test_cli_unknown_command_is_one_line(capsys):
+    from ladder.cli import main
+
+    assert main(["frobnicate"]) == 2
+    error = capsys.readouterr().err
+    assert error.strip().count("\n") == 0 and "unknown command 'frobnicate'" in error
