@@ -312,14 +312,9 @@ def retraining_costs(
     costs = {}
     for label, layers in choices.items():
         cost = recipe_cost(recipe, device, devices, shape=shape, ladder_layers=layers)
-        costs[label] = dict(
-            recipe=recipe.name, tokens=recipe.budget, trainable=recipe.trainable.mode, devices=devices,
-            device_hours=cost.device_hours, hours=cost.device_hours / devices,
-            anchor_device_hours=cost.anchor_device_hours, fits=cost.fits, fits_with=cost.fits_with,
-            activation_checkpointing=cost.activation_checkpointing, peak_bytes_per_device=cost.peak_bytes_per_device,
-            tokens_per_second=cost.tokens_per_second, utilisation=cost.utilisation, mfu=cost.mfu,
-            anchor_mfu=cost.anchor_mfu, utilisation_source=cost.utilisation_source,
-        )  # fmt: skip
+        costs[label] = asdict(cost) | dict(
+            recipe=recipe.name, tokens=recipe.budget, trainable=recipe.trainable.mode, hours=cost.device_hours / devices
+        )
     return costs
 
 

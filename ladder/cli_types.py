@@ -76,13 +76,11 @@ def comma_list(item: Callable[[str], int | float]) -> Callable[[str], list]:
 
 
 positive_ints = comma_list(positive_int)
-int_list = positive_ints
 
 __all__ = [
     "comma_list",
     "finite_float",
     "float_in",
-    "int_list",
     "non_negative_int",
     "positive_float",
     "positive_int",

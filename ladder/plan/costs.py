@@ -192,14 +192,3 @@ def forward_cost(
         all_reduce_bytes=dtype_bytes * tokens * h,
         num_layers=shape.num_layers,
     )
-
-
-__all__ = [
-    "ForwardCost",
-    "ModelShape",
-    "ModuleCost",
-    "ParameterCounts",
-    "RankShape",
-    "forward_cost",
-    "parameter_counts",
-]

@@ -414,23 +414,3 @@ def predict(shape: ModelShape, setting: Setting, ladder_layers: list[int]) -> Pr
         standard_prefill_ms=1e3 * prefill["standard"].seconds,
         ladder_prefill_ms=1e3 * prefill["ladder"].seconds,
     )
-
-
-__all__ = [
-    "BOTH",
-    "DEFAULT_HARDWARE",
-    "KERNELS",
-    "Device",
-    "Link",
-    "Prediction",
-    "Setting",
-    "Timeline",
-    "device_names",
-    "device_profile",
-    "link_names",
-    "link_profile",
-    "overlapped_reductions",
-    "predict",
-    "replay",
-    "step_times",
-]
