@@ -436,7 +436,7 @@ def run_calibration(out: str, link_rate: str) -> None:
         f"all-reduce on {link['name']}: {link['base_us']:.0f} us + bytes / {link['bus_bandwidth'] / 1e9:.3g} GB/s "
         f"(of which {link['host_us']:.0f} us + {link['host_ns_per_byte']:.1f} ns/byte on the CPU); "
         f"load average {profile['machine']['load_average']:.2f}\n"
-        f"written to {out}: use it as --device {out} (its link comes with it)"
+        f"written to {out}: use it as --hardware {out} (its link comes with it)"
     )
 
 

@@ -1,6 +1,6 @@
 """Sizes as people write them: `80GB`, `80GiB`, `500MB`, `8e10` or `80000000000` (bytes). The one
-parser every command that takes a size uses (`ladder convert --max-shard-size`, `ladder adapt
---gpu-memory`, `ladder plan --hardware FLOPS,BANDWIDTH,MEMORY`).
+parser every command that takes a size uses (`ladder convert --max-shard-size`, `ladder plan` and
+`ladder adapt --plan` `--hardware FLOPS,BANDWIDTH,MEMORY`).
 
 transformers' `convert_file_size_to_int` takes neither fractions (`1.5GB`) nor plain numbers in
 scientific notation (`8e10`), which the device tables and datasheets use, hence this small one.

@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ..launch import rank_environment, torchrun
 from .emulated_link import LOOPBACK, emulated_link
 from .speed import KERNELS, Device, Link
 
@@ -203,10 +204,8 @@ def measure_link(name: str, prefix: list[str] | None = None) -> tuple[Device, Li
     it while both run, and the fitted latency-bandwidth link."""
     with tempfile.TemporaryDirectory(prefix="ladder-plan-link-") as scratch:
         out = Path(scratch, "link.json")
-        command = [*(prefix or []), sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc_per_node=2", "-m", "ladder.plan.calibrate", "--link-rank", str(out)]  # fmt: skip
-        env = os.environ | {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        command = [*torchrun(2, prefix), "-m", "ladder.plan.calibrate", "--link-rank", str(out)]
+        result = subprocess.run(command, env=rank_environment(1), capture_output=True, text=True)
         if result.returncode != 0 or not out.is_file():
             raise RuntimeError(f"the link probe failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
         samples = json.loads(out.read_text())
@@ -231,7 +230,7 @@ def measure_link(name: str, prefix: list[str] | None = None) -> tuple[Device, Li
 
 def calibrate(link: str = LOOPBACK) -> dict:
     """This machine's device and a link: plain loopback, or loopback shaped to a rate such as 100mbit
-    (emulated_link.py; needs root); what `--device/--interconnect FILE` read."""
+    (emulated_link.py; needs root); what `--hardware/--interconnect FILE` read."""
     with emulated_link(link) as prefix:
         device, measured = measure_link(link, prefix)
     return {
