@@ -405,28 +405,6 @@ def test_plan_default_rows_include_the_checkpoint_s_own_layers_with_their_damage
     assert [row["choice"] for row in json.loads(capsys.readouterr().out)["rows"]] == ["upper 15"]
 
 
-# Parameter counts the Hub shows for each repository (its safetensors metadata).
-PUBLISHED_PARAMETERS = {
-    "meta-llama/Llama-3.2-1B-Instruct": 1_235_814_400,
-    "meta-llama/Llama-3.2-3B-Instruct": 3_212_749_824,
-    "meta-llama/Llama-3.1-8B-Instruct": 8_030_261_248,
-    "meta-llama/Llama-3.1-70B-Instruct": 70_553_706_496,
-    "meta-llama/Llama-3.3-70B-Instruct": 70_553_706_496,
-    "meta-llama/Llama-3.1-405B-Instruct": 405_853_388_800,
-}
-
-
-@pytest.mark.parametrize("model_id", sorted(PUBLISHED_PARAMETERS))
-def test_plan_knows_the_published_llama3_shapes_without_a_download(hub_cache, capsys, model_id):
-    """Issue 38 item 3: `ladder plan meta-llama/Llama-3.1-8B-Instruct` needed the config in the local cache
-    (gated). The shipped shapes give the parameter count the Hub publishes for each repository."""
-    assert main(["plan", model_id, "--batch-size", "1", "--layers", "4", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    shape = ModelShape(**result["shape"])
-    assert parameter_counts(shape).total(shape.num_layers) == PUBLISHED_PARAMETERS[model_id]
-    assert result["model"] == model_id and not any(hub_cache.rglob("*"))  # nothing was downloaded
-
-
 def test_plan_reads_a_config_json_and_a_recipe(llama_8b_folder, tmp_path, capsys):
     """Issue 38 item 3: a config.json path and a recipe (its model.path, a Hub ID not downloaded) plan too; a
     recipe also prices each choice's retraining."""

@@ -177,9 +177,15 @@ def test_family_parameter_counts_match_transformers(config_class, model_class, e
     assert cost.num_layers * (cost.attention.weight_bytes + cost.mlp.weight_bytes) == 4 * layer_weights
 
 
-# Parameter counts as published: keras-hub's Qwen3 presets (qwen3_14b_en, qwen3_32b_en) and the Hub's
-# safetensors metadata of each repository.
+# Parameter counts as published: the Hub's safetensors metadata of each repository, and keras-hub's
+# Qwen3 presets (qwen3_14b_en, qwen3_32b_en).
 PUBLISHED_PARAMETERS = {
+    "meta-llama/Llama-3.2-1B-Instruct": 1_235_814_400,
+    "meta-llama/Llama-3.2-3B-Instruct": 3_212_749_824,
+    "meta-llama/Llama-3.1-8B-Instruct": 8_030_261_248,
+    "meta-llama/Llama-3.1-70B-Instruct": 70_553_706_496,
+    "meta-llama/Llama-3.3-70B-Instruct": 70_553_706_496,
+    "meta-llama/Llama-3.1-405B-Instruct": 405_853_388_800,
     "Qwen/Qwen3-14B": 14_768_307_200,
     "Qwen/Qwen3-32B": 32_762_123_264,
     "Qwen/Qwen2.5-7B-Instruct": 7_615_616_512,
@@ -191,7 +197,9 @@ PUBLISHED_PARAMETERS = {
 
 
 @pytest.mark.parametrize("model_id", sorted(PUBLISHED_PARAMETERS))
-def test_plan_knows_the_published_qwen_and_mistral_shapes_offline(hub_cache, capsys, model_id):
+def test_plan_knows_the_published_shapes_offline(hub_cache, capsys, model_id):
+    """Issue 38 item 3 (Llama 3.x, gated), issue 45 (Qwen3, Qwen2.5, Mistral): the shipped shapes give the
+    parameter count published for each repository, with nothing downloaded."""
     assert main(["plan", model_id, "--tp", "2", "--layers", "4", "--json"]) == 0
     shape = ModelShape(**json.loads(capsys.readouterr().out)["shape"])
     assert parameter_counts(shape).total(shape.num_layers) == PUBLISHED_PARAMETERS[model_id]
