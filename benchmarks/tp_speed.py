@@ -39,6 +39,7 @@ from ladder.cli_types import non_negative_int, positive_int, positive_ints
 from ladder.errors import ArgumentParser, UsageError
 from ladder.io.files import atomic_write
 from ladder.io.loading import DTYPES
+from ladder.launch import rank_environment, torchrun
 from ladder.plan.emulated_link import LOOPBACK, check_rate, emulated_link
 from ladder.tp.runtime import GLOO_THREADS, prioritize_gloo_threads
 from ladder.tp.shard import LlamaShard, ShardShape
@@ -397,13 +398,9 @@ def launch(workload: Workload, prefix: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="tp-speed-") as scratch:
         workload_path, result_path = Path(scratch, "workload.json"), Path(scratch, "result.json")
         workload_path.write_text(json.dumps(asdict(workload)))
-        command = prefix + [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workload.tp}",
-            "-m", "benchmarks.tp_speed", "--worker", str(workload_path), str(result_path),
-        ]  # fmt: skip
-        # OMP_NUM_THREADS set here also silences torchrun's warning; c10d's warnings are noise here.
-        env = os.environ | {"OMP_NUM_THREADS": str(workload.threads), "TORCH_CPP_LOG_LEVEL": "ERROR"}
-        process = subprocess.Popen(command, env=env, cwd=REPOSITORY)
+        command = [*torchrun(workload.tp, prefix), "-m", "benchmarks.tp_speed", "--worker", str(workload_path)]
+        command.append(str(result_path))
+        process = subprocess.Popen(command, env=rank_environment(workload.threads), cwd=REPOSITORY)
         try:
             status = process.wait()
         except BaseException:  # Ctrl-C: stop the ranks before the namespace goes away
