@@ -29,6 +29,7 @@ where it differs from adapt (one residual stream, its `op` recompute policy, an 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -300,14 +301,18 @@ def choose_policy(peaks: dict[str, float], device_memory: float) -> str:
 
 def smallest_fit(shape: ModelShape, setup: TrainingSetup, device_memory: float, policy: str, chunk: int) -> dict | None:
     """The fewest devices (FSDP over them) on which the training fits, at its micro-batch, else at
-    micro-batch 1; None when not even MAX_DEVICES hold it."""
+    micro-batch 1; None when not even MAX_DEVICES hold it. The peak only falls with more devices."""
     policies = POLICIES if policy == "auto" else (policy,)
+
+    def fits(micro_batch: int, devices: int) -> bool:
+        trial = dataclasses.replace(setup, micro_batch=micro_batch, devices=devices, fsdp=setup.fsdp or devices > 1)
+        peaks = (sum(memory_parts(shape, trial, p, chunk).values()) for p in policies)
+        return min(peaks) <= MEMORY_MARGIN * device_memory
+
+    counts = range(setup.devices, MAX_DEVICES + 1)
     for micro_batch in dict.fromkeys((setup.micro_batch, 1)):
-        for devices in range(setup.devices, MAX_DEVICES + 1):
-            trial = dataclasses.replace(setup, micro_batch=micro_batch, devices=devices, fsdp=setup.fsdp or devices > 1)
-            peak = min(sum(memory_parts(shape, trial, p, chunk).values()) for p in policies)
-            if peak <= MEMORY_MARGIN * device_memory:
-                return dict(train_devices=devices) | ({} if micro_batch == setup.micro_batch else dict(micro_batch=1))
+        if (index := bisect.bisect_left(counts, True, key=functools.partial(fits, micro_batch))) < len(counts):
+            return dict(train_devices=counts[index]) | ({} if micro_batch == setup.micro_batch else dict(micro_batch=1))
     return None
 
 
@@ -427,10 +432,7 @@ def checkpointing_policy(recipe: Recipe, config, processes: int, fsdp: bool) -> 
     if policy != "auto":
         return policy
     accelerator = torch.accelerator.is_available()
-    if accelerator:
-        memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    else:
-        memory = machine_memory()
+    memory = torch.cuda.mem_get_info()[1] if accelerator else machine_memory()  # (free, total) bytes
     shape = model_shape(config)
     return training_cost(
         shape, setup_of(recipe, shape, processes, accelerator, fsdp), memory, 1.0

@@ -409,7 +409,7 @@ def retraining_note(costs: list[dict], device: str) -> str:
         f"retraining: device-hours of {cost['recipe']} ({cost['tokens']:.3g} tokens, trainable {cost['trainable']}) "
         f"on {cost['devices']} x {device} at {cost['utilisation']:.0%} utilisation ({cost['utilisation_source']}): "
         f"MFU {cost['mfu']:.1%}; at the measured anchor's MFU {cost['anchor_mfu']:.1%} ({ANCHOR_SOURCE}): "
-        f"{min(anchor):,.1f} to {max(anchor):,.1f}; recompute {' or '.join(recompute)}; predicted, as `ladder adapt "
+        f"{min(anchor):,.1f} to {max(anchor):,.1f} device-hours; recompute {' or '.join(recompute)}; predicted, as `ladder adapt "
         "RECIPE --plan` prints it."
     )
     if unfit:
