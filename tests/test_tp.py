@@ -19,6 +19,7 @@ from ladder import to_ladder
 from ladder.errors import UsageError
 from ladder.plan.emulated_link import check_rate
 from ladder.tp.runtime import generate, init_distributed, install_communication, load_shard, read_config
+from ladder.tp.shard import LlamaShard, ShardShape
 from tiny import random_ids, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +138,14 @@ def test_tp1_in_process_and_rewiring_in_place(checkpoints):
     torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=0)
     assert torch.equal(tokens, reference_tokens)
     assert load_shard(checkpoints["ladder"]).ladder_layers == LADDER_LAYERS
+
+
+def test_a_shard_reads_the_upper_n_form_of_ladder_layers():
+    """`ladder_layers: N` (the upper N layers, as the published configs write it) on a Llama config
+    was iterated as is: a TypeError before any layer was built."""
+    config = tiny_llama(num_hidden_layers=4).config
+    config.ladder_layers = 2
+    assert LlamaShard(config, ShardShape.of(config)).ladder_layers == [2, 3]
 
 
 # --- The benchmark's command line ----------------------------------------------------------------

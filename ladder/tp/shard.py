@@ -29,6 +29,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from ..model.config_rules import resolve_ladder_layers
 from .degrees import tp_runtime_refusal
 
 
@@ -188,7 +189,7 @@ class LlamaShard(nn.Module):
         super().__init__()
         self.config = config
         self.shape = shape
-        ladder_layers = set(getattr(config, "ladder_layers", None) or ())
+        ladder_layers = set(resolve_ladder_layers(getattr(config, "ladder_layers", None), shape.num_layers))
         self.embed = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(Block(shape, index in ladder_layers) for index in range(shape.num_layers))
         self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
