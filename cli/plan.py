@@ -369,14 +369,16 @@ def render(result: dict) -> str:
 def memory_note(memory: dict, tp: int) -> str:
     """Whether the weights and KV cache fit each device, and when not, what does."""
     needed, gib = memory["bytes_per_device"], 2**30
-    line = (
-        f"memory per device (weights + KV cache): {min(needed.values()) / gib:.1f} to {max(needed.values()) / gib:.1f} "
-        f"GiB of {memory['usable_bytes'] / gib:.1f} GiB usable ({USABLE_MEMORY:.0%}, vLLM's gpu_memory_utilization): "
-    )
+    line = f"memory per device (weights + KV cache): {_span([value / gib for value in needed.values()])} GiB of {memory['usable_bytes'] / gib:.1f} GiB usable ({USABLE_MEMORY:.0%}, vLLM's gpu_memory_utilization): "
     if memory["fits"]:
         return line + "fits"
     options = [f"--{key.replace('_', '-')} {value}" for key, value in memory["fits_with"].items() if value]
     return line + f"does NOT fit at TP={tp}; the smallest setting that fits: {' or '.join(options) or 'none listed'}"
+
+
+def _span(values: list[float]) -> str:
+    """`1.5` or `1.5 to 3.0`."""
+    return f"{min(values):,.1f}" + (f" to {max(values):,.1f}" if max(values) > min(values) else "")
 
 
 def _overlap(overlapped: list[str], engine: str) -> str:
@@ -409,7 +411,7 @@ def retraining_note(costs: list[dict], device: str) -> str:
         f"retraining: device-hours of {cost['recipe']} ({cost['tokens']:.3g} tokens, trainable {cost['trainable']}) "
         f"on {cost['devices']} x {device} at {cost['utilisation']:.0%} utilisation ({cost['utilisation_source']}): "
         f"MFU {cost['mfu']:.1%}; at the measured anchor's MFU {cost['anchor_mfu']:.1%} ({ANCHOR_SOURCE}): "
-        f"{min(anchor):,.1f} to {max(anchor):,.1f} device-hours; recompute {' or '.join(recompute)}; predicted, as `ladder adapt "
+        f"{_span(anchor)} device-hours; recompute {' or '.join(recompute)}; predicted, as `ladder adapt "
         "RECIPE --plan` prints it."
     )
     if unfit:
