@@ -96,12 +96,12 @@ def _write_weights(conversion: Conversion, staging: Path, weights: str, progress
 def _copy_hashed(source: Path, target: Path, bar: tqdm) -> str:
     """Copy a file and return its SHA-256, each byte read once (hashlib and file IO release the GIL,
     so files copied side by side hash on every core)."""
-    digest = hashlib.sha256()
-    with open(source, "rb") as reader, open(target, "wb") as writer:
-        while chunk := reader.read(COPY_CHUNK_BYTES):
-            digest.update(chunk)
-            writer.write(chunk)
-            bar.update(len(chunk))
+    digest, buffer = hashlib.sha256(), memoryview(bytearray(COPY_CHUNK_BYTES))
+    with open(source, "rb", buffering=0) as reader, open(target, "wb") as writer:
+        while size := reader.readinto(buffer):
+            digest.update(buffer[:size])
+            writer.write(buffer[:size])
+            bar.update(size)
     remember_sha256(source, digest.hexdigest())
     return digest.hexdigest()
 

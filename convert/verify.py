@@ -45,28 +45,6 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> li
     return [torch.tensor(tokenizer(prompt)["input_ids"]) for prompt in PROMPTS]
 
 
-@torch.no_grad()
-def measure_damage(original: PreTrainedModel, ladder_model: PreTrainedModel, prompts: list[torch.Tensor]) -> Damage:
-    """Run each prompt alone (no padding) through both models and compare."""
-    first = min(ladder_model.config.ladder_layers, default=None)
-    hidden_diff = logits_diff = kl_sum = 0.0
-    agreements = tokens = 0
-    for ids in prompts:
-        reference = original(ids[None], output_hidden_states=True)
-        converted = ladder_model(ids[None], output_hidden_states=True)
-        # hidden_states[i] is the stream entering layer i, so [: first + 1] is everything before it.
-        compared = slice(None) if first is None else slice(first + 1)
-        for expected, actual in zip(reference.hidden_states[compared], converted.hidden_states[compared], strict=True):
-            hidden_diff = largest(hidden_diff, (expected - actual).abs().max().item())
-        logits_diff = largest(logits_diff, (reference.logits - converted.logits).abs().max().item())
-        log_p = F.log_softmax(reference.logits[0].float(), dim=-1)
-        log_q = F.log_softmax(converted.logits[0].float(), dim=-1)
-        kl_sum += F.kl_div(log_q, log_p, log_target=True, reduction="sum").item()
-        agreements += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
-        tokens += ids.numel()
-    return Damage(len(prompts), tokens, first, hidden_diff, logits_diff, agreements / tokens, kl_sum / tokens)
-
-
 def largest(*values: float) -> float:
     """The largest value, or NaN if any is NaN: Python's `max` keeps a number that comes before a
     NaN, and so would report a NaN difference as the largest number before it."""
@@ -118,11 +96,11 @@ def measure_damage_layerwise(
     dtypes: dict[str, torch.dtype],
     prompts: list[torch.Tensor],
 ) -> Damage:
-    """What `measure_damage` measures, with both models on the meta device and run one module at a
-    time: the embeddings, each decoder layer, then the final norm and LM head are loaded (float32),
+    """The damage of `ladder_model` against `original` on each prompt alone (no padding), with both
+    models on the meta device and run one module at a time: the embeddings, each decoder layer, then the final norm and LM head are loaded (float32),
     applied to every prompt, and released (`.to("meta")`). Peak memory is about two of the largest
     modules (an 8B model's embedding: 2.1 GB in float32) whatever the model's size, against two whole
-    models for `measure_damage`. `dtypes`: the converted checkpoint's dtype of every tensor."""
+    models run as they are. `dtypes`: the converted checkpoint's dtype of every tensor."""
     first = min(ladder_model.config.ladder_layers, default=None)
 
     def embed(model: PreTrainedModel, read: TensorReader) -> list[torch.Tensor]:

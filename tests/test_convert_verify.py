@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 import ladder
 from checkpoints import run_convert
@@ -15,7 +16,7 @@ from ladder.convert import execute as convert_execute
 from ladder.convert.checks import expected_shapes
 from ladder.convert.execute import MODELING_FILES
 from ladder.convert.layout import ladder_config_dict
-from ladder.convert.verify import Damage, damage_problems, measure_damage, prompt_ids
+from ladder.convert.verify import Damage, damage_problems, largest, prompt_ids
 
 
 @pytest.mark.parametrize(
@@ -90,6 +91,29 @@ def test_light_config_loads_as_what_save_pretrained_writes(tmp_path):
         for kind in ("heavy", "light")
     ]
     assert loaded[0] == loaded[1] and loaded[1]["ladder_layers"] == [1, 3]
+
+
+@torch.no_grad()
+def measure_damage(original: PreTrainedModel, ladder_model: PreTrainedModel, prompts: list[torch.Tensor]) -> Damage:
+    """The damage measured on the two whole models as transformers runs them: what the layer-by-layer
+    verification must reproduce."""
+    first = min(ladder_model.config.ladder_layers, default=None)
+    hidden_diff = logits_diff = kl_sum = 0.0
+    agreements = tokens = 0
+    for ids in prompts:
+        reference = original(ids[None], output_hidden_states=True)
+        converted = ladder_model(ids[None], output_hidden_states=True)
+        # hidden_states[i] is the stream entering layer i, so [: first + 1] is everything before it.
+        compared = slice(None) if first is None else slice(first + 1)
+        for expected, actual in zip(reference.hidden_states[compared], converted.hidden_states[compared], strict=True):
+            hidden_diff = largest(hidden_diff, (expected - actual).abs().max().item())
+        logits_diff = largest(logits_diff, (reference.logits - converted.logits).abs().max().item())
+        log_p = F.log_softmax(reference.logits[0].float(), dim=-1)
+        log_q = F.log_softmax(converted.logits[0].float(), dim=-1)
+        kl_sum += F.kl_div(log_q, log_p, log_target=True, reduction="sum").item()
+        agreements += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
+        tokens += ids.numel()
+    return Damage(len(prompts), tokens, first, hidden_diff, logits_diff, agreements / tokens, kl_sum / tokens)
 
 
 @pytest.mark.parametrize("extra", [[], ["--dtype", "bfloat16"]], ids=["as-is", "bf16"])
