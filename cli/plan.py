@@ -21,7 +21,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ladder.cli_types import positive_int, positive_ints
+from ladder.cli_types import comma_list, int_in, positive_int
 from ladder.errors import ArgumentParser, UsageError
 from ladder.io.loading import EMBEDDED, model_name
 from ladder.layers import AutoLayers, format_layers, parse_layer_choice
@@ -47,6 +47,8 @@ RECIPE_SUFFIXES = (".yaml", ".yml")
 LISTED_DEGREES = (1, 2, 4, 8, 16)
 # Share of a device's memory the weights and the KV cache may fill: vLLM's default gpu_memory_utilization.
 USABLE_MEMORY = 0.9
+# The decode setting's bounds: past any model's context and any server's batch a number is a typo.
+TOKENS, BATCH = int_in(1, 1 << 24), int_in(1, 1 << 20)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -77,10 +79,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         f"--calibrate .json (default {DEFAULT_HARDWARE}, as `ladder adapt --plan`)",
     )  # fmt: skip
     parser.add_argument(
-        "--batch-size", type=positive_ints, default=[1, 16, 64], help="batch sizes, comma-separated (default 1,16,64)"
+        "--batch-size",
+        type=comma_list(BATCH),
+        default=[1, 16, 64],
+        help="batch sizes, comma-separated (default 1,16,64)",
     )
-    parser.add_argument("--prompt", type=positive_int, default=1024, help="prompt tokens (default 1024)")
-    parser.add_argument("--new", type=positive_int, default=512, help="new tokens (default 512)")
+    parser.add_argument("--prompt", type=TOKENS, default=1024, help="prompt tokens (default 1024)")
+    parser.add_argument("--new", type=TOKENS, default=512, help="new tokens (default 512)")
     parser.add_argument(
         "--layers", action="append",
         help="ladder layers, as `ladder convert --layers` takes them: N (the upper N), a range 16-31, a list 3,5,7 "

@@ -10,14 +10,16 @@ import argparse
 import math
 from collections.abc import Callable
 
+from .errors import excerpt
+
 
 def _number(text: str, kind: type, what: str) -> int | float:
     try:
         value = kind(text)
     except (TypeError, ValueError, OverflowError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not {what}") from None
     if kind is float and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what} (it must be finite)")
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not {what} (it must be finite)")
     return value
 
 
@@ -25,7 +27,7 @@ def positive_int(text: str) -> int:
     """An integer of at least 1."""
     value = _number(text, int, "a positive integer")
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a positive integer")
     return value
 
 
@@ -33,7 +35,7 @@ def non_negative_int(text: str) -> int:
     """An integer of at least 0."""
     value = _number(text, int, "a non-negative integer")
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a non-negative integer")
     return value
 
 
@@ -46,7 +48,7 @@ def positive_float(text: str) -> float:
     """A finite number above 0."""
     value = _number(text, float, "a positive number")
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a positive number")
     return value
 
 
@@ -57,7 +59,20 @@ def float_in(low: float, high: float) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = _number(text, float, "a finite number")
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text!r} is outside {low:g}..{high:g}")
+            raise argparse.ArgumentTypeError(f"{excerpt(text)} is outside {low:g}..{high:g}")
+        return value
+
+    return parse
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An integer from `low` to `high` (both included), e.g. a count of tokens, which beyond any context
+    is a typo that would overflow the arithmetic it feeds."""
+
+    def parse(text: str) -> int:
+        value = _number(text, int, "an integer")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{excerpt(text)} is outside {low}..{high}")
         return value
 
     return parse
@@ -69,7 +84,7 @@ def comma_list(item: Callable[[str], int | float]) -> Callable[[str], list]:
     def parse(text: str) -> list:
         parts = [part.strip() for part in text.split(",")]
         if not all(parts):
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list, no empty items")
+            raise argparse.ArgumentTypeError(f"{excerpt(text)}: expected a comma-separated list, no empty items")
         return [item(part) for part in parts]
 
     return parse
@@ -81,6 +96,7 @@ __all__ = [
     "comma_list",
     "finite_float",
     "float_in",
+    "int_in",
     "non_negative_int",
     "positive_float",
     "positive_int",

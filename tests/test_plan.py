@@ -177,7 +177,7 @@ def llama_8b_folder(tmp_path):
     "arguments, message",
     [
         (["--tp", "0"], "argument --tp: '0' is not a positive integer"),
-        (["--batch-size", "1,x"], "argument --batch-size: 'x' is not a positive integer"),
+        (["--batch-size", "1,x"], "argument --batch-size: 'x' is not an integer"),
         (["--layers", "40"], "the model has 32 layers"),
         (["--layers", "auto:0"], "needs 1 <= N <= 32"),
         (["--hardware", "tpu9"], "--hardware 'tpu9' is not one of"),

@@ -41,9 +41,11 @@ def refused(capsys, *arguments: str) -> str:
         (["--hardware", "989e12,inf,80GB"], "'inf' is not a finite number"),
         (["--hardware", "989e12,3.35e12,1e999GB"], "is not a finite size"),
         (["--tp", "0"], "argument --tp: '0' is not a positive integer"),
-        (["--prompt", "-1"], "argument --prompt: '-1' is not a positive integer"),
-        (["--batch-size", "1,0"], "argument --batch-size: '0' is not a positive integer"),
+        (["--prompt", "-1"], "argument --prompt: '-1' is outside 1..16777216"),
+        (["--batch-size", "1,0"], "argument --batch-size: '0' is outside 1..1048576"),
         (["--train-devices", "0"], "argument --train-devices: '0' is not a positive integer"),
+        (["--prompt", "1" + "0" * 300], "argument --prompt: '1000"),  # an OverflowError traceback
+        (["--batch-size", "1," + "1" * 200], "is outside 1..1048576"),  # cells of 1e198 ms
     ],
 )
 def test_plan_refuses_a_figure_that_is_not_finite_or_out_of_range(capsys, arguments, message):
