@@ -146,6 +146,23 @@ def load_checkpoint(accelerator: Accelerator, path: Path, recipe: Recipe, blocks
     return state
 
 
+def check_random_states(checkpoint: Path, process_index: int) -> None:
+    """accelerate reads a checkpoint's random states with `torch.load(weights_only=True)` (no object
+    is built but tensors, numbers and numpy arrays), and when that fails it goes on without them, in
+    silence. Read them the same way before any weight loads: a file that is missing or holds anything
+    else (a pickle crafted to run code) is refused in one line, and nothing in it runs."""
+    from accelerate.utils import load
+
+    path = checkpoint / f"random_states_{process_index}.pkl"
+    try:
+        load(path)
+    except Exception as error:  # any reason the file is not a random state accelerate wrote
+        raise UsageError(
+            f"resume: {path} is not the random state a checkpoint of ladder adapt holds ({type(error).__name__}); "
+            "refused, nothing in it was run: resume from a checkpoint this tool wrote"
+        ) from None
+
+
 def truncate_metrics(metrics: Path, step: int) -> None:
     """Keep the metrics log's lines up to `step`: what an interrupted run logged after its last
     checkpoint is computed again by the resumed run."""
@@ -174,6 +191,7 @@ __all__ = [
     "METRICS_FILE",
     "STATE_FILE",
     "TrainState",
+    "check_random_states",
     "check_same_data",
     "check_same_recipe",
     "checkpoints",

@@ -36,6 +36,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ladder.io.files import atomic_directory, sha256_file
+from ladder.log import log
 
 from . import sources as sources_module
 from .pack import CACHE_FORMAT, Sampling, id_dtype, write_blocks
@@ -122,10 +123,10 @@ def data_prepared(data: DataSpec, tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether every group of the recipe's data is in the cache already (nothing to tokenize)."""
     groups = [("train", data.train)] + ([("eval", data.eval)] if data.eval else [])
     return all(
-        (
-            cache_entry(sources, tokenizer, data.seq_len, data.cache_folder(), group, sampling(data, group))
-            / "meta.json"
-        ).is_file()
+        cached_meta(
+            data.cache_folder(), group, cache_key(sources, tokenizer, data.seq_len, group, sampling(data, group))
+        )
+        is not None
         for group, sources in groups
     )
 
@@ -133,15 +134,22 @@ def data_prepared(data: DataSpec, tokenizer: PreTrainedTokenizerBase) -> bool:
 BLOCK_FILES = {"ids": "blocks.bin", "target_bits": "targets.bits", "start_bits": "starts.bits"}
 
 
-def cache_entry(
-    sources: list[SourceSpec],
-    tokenizer: PreTrainedTokenizerBase,
-    seq_len: int,
-    cache_dir: Path,
-    group: str,
-    sampled: Sampling,
-) -> Path:
-    return cache_dir / f"{group}-{cache_key(sources, tokenizer, seq_len, group, sampled)[:16]}"
+def cached_meta(cache_dir: Path, group: str, key: str) -> dict | None:
+    """The meta.json of the cache entry of `key`, or None when the entry is missing or not whole (a
+    file cut short or replaced, a meta.json of another key): such an entry is built again."""
+    directory = cache_dir / f"{group}-{key[:16]}"
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        row_bytes = {"ids": meta["seq_len"] * np.dtype(meta["ids_dtype"]).itemsize, "bits": (meta["seq_len"] + 7) // 8}
+        sizes = {name: meta["blocks"] * row_bytes["ids" if name == "ids" else "bits"] for name in BLOCK_FILES}
+        whole = meta["key"] == key and all(
+            (directory / file).stat().st_size == sizes[name] for name, file in BLOCK_FILES.items()
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        whole = False
+    if not whole and (directory / "meta.json").exists():
+        log.warning(f"the data cache entry {directory} is not whole (a file cut short or changed): building it again")
+    return meta if whole else None
 
 
 def load_blocks(
@@ -157,25 +165,24 @@ def load_blocks(
     sampled = sampled or Sampling()
     key = cache_key(sources, tokenizer, seq_len, group, sampled)
     directory = cache_dir / f"{group}-{key[:16]}"
-    if not (directory / "meta.json").is_file():
+    if (meta := cached_meta(cache_dir, group, key)) is None:
         # Shards of the work in progress, kept until the blocks are whole: a killed prepare resumes from them.
         shards = cache_dir / f".{group}-{key[:16]}.shards-{sources_module.CHUNK_CHARS}"  # shards of this chunking
         try:
             with atomic_directory(directory, force=True) as temporary:
-                meta = write_blocks(sources, tokenizer, seq_len, temporary, shards, group, sampled)
-                (temporary / "meta.json").write_text(json.dumps({**meta, "key": key}, indent=1))
+                meta = {**write_blocks(sources, tokenizer, seq_len, temporary, shards, group, sampled), "key": key}
+                (temporary / "meta.json").write_text(json.dumps(meta, indent=1))
             shutil.rmtree(shards)
         finally:
             with contextlib.suppress(OSError):
                 shards.rmdir()  # when nothing was kept
-    meta = json.loads((directory / "meta.json").read_text())
-    rows, row_bytes = meta["blocks"], (seq_len + 7) // 8
+    shapes = {"ids": (meta["ids_dtype"], seq_len), "target_bits": (np.uint8, (seq_len + 7) // 8)}
+    shapes["start_bits"] = shapes["target_bits"]
     return Blocks(
-        ids=np.memmap(directory / BLOCK_FILES["ids"], dtype=meta["ids_dtype"], mode="r", shape=(rows, seq_len)),
-        target_bits=np.memmap(
-            directory / BLOCK_FILES["target_bits"], dtype=np.uint8, mode="r", shape=(rows, row_bytes)
-        ),
-        start_bits=np.memmap(directory / BLOCK_FILES["start_bits"], dtype=np.uint8, mode="r", shape=(rows, row_bytes)),
+        **{
+            name: np.memmap(directory / BLOCK_FILES[name], dtype=dtype, mode="r", shape=(meta["blocks"], width))
+            for name, (dtype, width) in shapes.items()
+        }
     )
 
 
@@ -195,7 +202,7 @@ def cache_key(
         "sources": [],
     }
     for i, source in enumerate(sources):
-        entry = dataclasses.asdict(source)
+        entry = source.model_dump()
         if not source.path.startswith(HF_PREFIX):
             entry["files"] = [(str(f), sha256_file(f)) for f in local_files(source, f"data.{group}[{i}].path")]
         described["sources"].append(entry)

@@ -17,6 +17,7 @@ from ladder.layers import LADDER_MODEL_TYPE, parse_layer_choice
 from .checkpoint import METRICS_FILE, check_same_recipe, latest_checkpoint
 from .data import data_prepared, local_files
 from .recipe import Recipe, model_path
+from .sources import source_root
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,12 @@ def check_model(recipe: Recipe) -> ModelSources:
     check_llama_checkpoint(path)  # any other model_type is refused, as convert does
     config = read_config_dict(path) if path.is_dir() else {}  # a .gguf file holds an original Llama
     is_ladder = config.get("model_type") == LADDER_MODEL_TYPE
+    context = config.get("max_position_embeddings")
+    if isinstance(context, int) and recipe.data.seq_len > context:
+        raise UsageError(
+            f"data.seq_len {recipe.data.seq_len} is longer than the model's context (max_position_embeddings "
+            f"{context} in {path / 'config.json'})"
+        )
     if recipe.model.ladder_layers is None and not is_ladder:
         raise UsageError("model.ladder_layers: model.path is an original Llama, so name the layers to rewire")
     if recipe.model.ladder_layers is not None and "num_hidden_layers" in config:
@@ -63,9 +70,12 @@ def local_data_files(recipe: Recipe) -> list[Path]:
 
 def check_outputs(recipe: Recipe, sources: ModelSources) -> None:
     """output_dir and data.cache_dir under the output rule (`ladder.io.outputs.check_output`): never
-    a model or data file the run reads, inside one or above one, never `/` or a home folder, never
-    another command's output, writable; before any weight loads."""
-    inputs = [sources.student, sources.teacher, *local_data_files(recipe)]
+    a model the run reads nor a data source's folder (the whole folder, whatever files it holds now),
+    inside one or above one, never `/` or a home folder, never another command's output, writable;
+    before any weight loads."""
+    data = recipe.data.train + recipe.data.eval
+    roots = [source_root(s, f"data source {i} ({s.path})") for i, s in enumerate(data) if not s.path.startswith("hf:")]
+    inputs = [sources.student, sources.teacher, *roots]
     check_output(recipe.run_dir(), "adapt", inputs, existing="add", what="output_dir")
     check_output(recipe.data.cache_folder(), "adapt", inputs, existing="add", what="data.cache_dir")
 
@@ -83,6 +93,11 @@ def step_budget(recipe: Recipe, processes: int, fsdp: bool) -> StepBudget:
     total_steps = int(recipe.budget // tokens_per_step)
     if total_steps < 1:
         raise UsageError(f"budget {recipe.budget:g} is less than one step ({tokens_per_step} tokens)")
+    if recipe.schedule.warmup_steps > total_steps:
+        raise UsageError(
+            f"schedule.warmup_steps {recipe.schedule.warmup_steps} is more than the run's {total_steps} steps "
+            "(the learning rate would never reach optimizer.lr)"
+        )
     if recipe.trainable.mode == "lora" and fsdp:
         raise UsageError("trainable.mode=lora runs with DDP or one process, not FSDP (the merge needs whole weights)")
     return StepBudget(tokens_per_step, total_steps)

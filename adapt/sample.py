@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
+from ladder.cli_types import non_negative_int, positive_int
 from ladder.errors import ArgumentParser, UsageError
 from ladder.io.files import atomic_write
 from ladder.io.outputs import check_output
@@ -48,14 +49,35 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("--out", type=Path, required=True, metavar="FILE", help="the JSON-lines file to write")
     parser.add_argument(
-        "--tokens", type=int, required=True, help="sampled tokens in all (rounded up to whole documents)"
+        "--tokens", type=positive_int, required=True, help="sampled tokens in all (rounded up to whole documents)"
     )
-    parser.add_argument("--length", type=int, default=512, help="new tokens per document (default 512)")
-    parser.add_argument("--batch-size", type=int, default=32, help="documents sampled together (default 32)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--length", type=positive_int, default=512, help="new tokens per document (default 512)")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="documents sampled together (default 32)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     parser.add_argument("--force", action="store_true", help="replace an existing output file")
     return parser
+
+
+def sample_device(text: str | None) -> str:
+    """--device as a torch device this machine has (default: cuda when there is one), checked before
+    the model loads."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if text is None:
+        return "cuda" if gpus else "cpu"
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {text!r}: choose cpu, cuda or cuda:N")
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        raise UsageError(
+            f"--device {text}: " + (f"only {gpus} GPU(s) are visible" if gpus else "no CUDA GPU is visible")
+        )
+    return text
 
 
 def sample_documents(
@@ -96,18 +118,12 @@ def sample_documents(
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("tokens", "length", "batch_size"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    device = sample_device(args.device)
 
     from ladder.io.loading import load_model, resolve_model_path
 
     # The output rule before the model loads: never the weights it reads, nor a folder (ladder/io/outputs.py).
     out = check_output(args.out, "sample", [resolve_model_path(args.model)], kind="file", force=args.force)
-
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, device_map={"": device} if device != "cpu" else None)
     documents = math.ceil(args.tokens / args.length)
     started = time.perf_counter()

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ladder.errors import UsageError
+from ladder.io.files import OUTPUT_MARKER
 from ladder.log import log
 
 from .recipe import SourceSpec, expand_path
@@ -34,28 +35,52 @@ RECORD_CHARS = 2048  # a Hub chunk holds CHUNK_CHARS / RECORD_CHARS records (cha
 HUB_RETRIES = 8  # a failing stream is reopened this many times in a row, waiting 1, 2, 4 ... 60 s
 
 
-def local_files(source: SourceSpec, key: str) -> list[Path]:
-    """The files a local source names: a file, a folder (its files, recursively) or a glob."""
-    text = expand_path(source.path, key)
-    if any(mark in text for mark in "*?["):
-        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
-        if not files:
-            raise UsageError(f"{key}: the pattern {text} matches no file")
-        return files
-    path = Path(text)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-        if not files:
-            raise UsageError(f"{key}: the folder {path} holds no file")
-        return files
-    raise UsageError(f"{key}: {path} does not exist")
+def local_files(source: SourceSpec, key: str, warn: bool = False) -> list[Path]:
+    """The files a local source names: a file, a folder (its files, recursively) or a glob. Hidden
+    files and folders are not read (`warn`: a line names them); a file the tool wrote (a folder
+    carrying its output marker, the file's own or any above it) is refused."""
+    root, pattern = source_root(source, key), expand_path(source.path, key)
+    if root != Path(pattern):
+        found = [Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
+        if not found:
+            raise UsageError(f"{key}: the pattern {pattern} matches no file")
+    elif root.is_file():
+        found = [root]
+    elif root.is_dir():
+        found = [p for p in root.rglob("*") if p.is_file()]
+    else:
+        raise UsageError(f"{key}: {root} does not exist")
+    hidden = [p for p in found if any(part.startswith(".") for part in p.relative_to(root).parts)]
+    files = sorted(set(found) - set(hidden))
+    if warn and hidden:
+        log.warning(f"{key}: {len(hidden)} hidden file(s) not read, e.g. {min(hidden)}")
+    if not files:
+        raise UsageError(f"{key}: {root} holds no file that is not hidden")
+    checked: set[Path] = set()
+    for path in files:
+        for folder in path.absolute().parents:
+            if folder in checked:
+                break
+            checked.add(folder)
+            if (folder / OUTPUT_MARKER).exists():
+                raise UsageError(
+                    f"{key}: {folder} was written by ladder (it holds {OUTPUT_MARKER}): training data never "
+                    "includes the tool's outputs or caches; move it out, or name the data's files alone"
+                )
+    return files
+
+
+def source_root(source: SourceSpec, key: str) -> Path:
+    """The folder or file a local source reads as a whole: its path, or a glob's folder before the
+    first wildcard. No output or cache may lie inside it."""
+    path = Path(expand_path(source.path, key))
+    fixed = itertools.takewhile(lambda part: not any(mark in part for mark in "*?["), path.parts)
+    return Path(*fixed) if any(mark in str(path) for mark in "*?[") else path
 
 
 def local_items(source: SourceSpec, key: str) -> Iterator[tuple[str, str, str]]:
     """(kind, item, where) for each document or JSON line of a local source, in file order."""
-    for path in local_files(source, f"{key}.path"):
+    for path in local_files(source, f"{key}.path", warn=True):
         kind = source.format
         if kind == "auto":
             kind = "jsonl" if path.suffix == ".jsonl" else "text"

@@ -1,14 +1,15 @@
 """The adapt recipe script: one plain accelerate loop that retrains a ladder model.
 
-    setup()    the steps in order (each a method below): accelerator, model checks (the paths resolved
-               once), budget, resume point, data files, student, packed data, teacher for `kd` and
-               `hidden`, rewiring (in memory when model.path is an original), trainable parameters,
-               AdamW with warmup + decay, resume state, trackers
-    train()    per step: micro-batches (forward, loss, backward; adapt/step.py), clip, NaN check,
-               optimizer step, metrics line; evaluation and atomic checkpoints on their schedules;
-               SIGTERM or SIGUSR1 ends it after the step with a checkpoint (adapt/preemption.py);
-               collectives wait `timeout.collective` from the second step (`timeout.setup` before)
-    cleanup()  save the final model (LoRA merged) with its card (adapt/card.py), close the log
+    start()    checks first (the model paths resolved once, outputs, resume point: no weight loads
+               before them), then `AdaptRun.__init__` in order: budget, data files, student, packed
+               data, teacher for `kd` and `hidden`, rewiring (in memory when model.path is an
+               original), trainable parameters, AdamW with warmup + decay, resume state, trackers
+    train()    per step (`AdaptRun.step`): micro-batches (forward, loss, backward; adapt/step.py),
+               clip, the NaN guard, optimizer step; then the metrics line, evaluation and atomic
+               checkpoints on their schedules, SIGTERM or SIGUSR1 ending the run after the step with a
+               checkpoint (adapt/preemption.py); collectives wait `timeout.collective` from the
+               second step (`timeout.setup` before)
+    save_final()  the final model (LoRA merged) with its card (adapt/card.py)
 
 The same code runs on one CPU process, on DDP and on FSDP: `accelerate launch` decides.
 Checkpoints are `accelerator.save_state` (model, optimizer, scheduler, python/numpy/torch RNG
@@ -27,23 +28,23 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 import ladder
 from ladder.errors import UsageError, first_line
-from ladder.io.files import OutputLock, atomic_directory, atomic_write, lock_output
+from ladder.io.files import atomic_directory, atomic_write, lock_output
 from ladder.io.loading import load_tokenizer
 from ladder.io.model_card import copy_licence_files
-from ladder.layers import (
-    format_layers,
-)
+from ladder.layers import format_layers
 
 from .card import TrainingFacts, model_card
 from .checkpoint import (
     METRICS_FILE,
     TrainState,
+    check_random_states,
     check_same_data,
     latest_checkpoint,
     load_checkpoint,
@@ -79,7 +80,7 @@ from .preflight import (
     step_budget,
 )
 from .recipe import RECIPE_FILE, Recipe, dump_recipe
-from .step import TrainingStep, step_metrics
+from .step import StepResult, TrainingStep, step_metrics
 from .training_cost import checkpointing_policy, flops_per_token, model_shape, peak_flops, setup_of
 
 # The ladder logger (ladder/log.py) through accelerate's adapter: it speaks on the main process only.
@@ -106,196 +107,163 @@ def prepare(recipe: Recipe) -> Splits:
 def train(recipe: Recipe) -> Path:
     """Run a recipe to the end (or continue it, with `resume`); returns the final model directory.
     SIGTERM or SIGUSR1 ends it after the step in progress with a checkpoint: `Preempted`."""
-    run = AdaptRun(recipe)
-    with run.stop_signals, contextlib.ExitStack() as releases:
-        # The output folder's lock goes with the run however it ends (a caller may run again in-process).
-        releases.callback(lambda: run.output_lock and run.output_lock.close())
-        finished = run.setup()
-        if finished is not None:
-            return finished
-        try:
-            run.train()
-            return run.save_final()
-        finally:
-            run.cleanup()
+    with contextlib.ExitStack() as releases:
+        run = start(recipe, releases)
+        if isinstance(run, Path):
+            return run
+        run.train()
+        return run.save_final()
+
+
+def start(recipe: Recipe, releases: contextlib.ExitStack) -> AdaptRun | Path:
+    """The checks that need no weights, then the run set up; its final model instead when the run is
+    already complete. What the run holds (the accelerator, the signal handlers, the run folder's
+    lock, the progress bar) is released by `releases`, however the run ends."""
+    stop_signals = releases.enter_context(StopSignals())
+    sources = check_model(recipe)
+    check_outputs(recipe, sources)  # before the accelerator, which may make the run folder
+    accelerator = make_accelerator(recipe, recipe.run_dir())
+    releases.callback(accelerator.end_training)
+    resume_from = resume_point(recipe)
+    if resume_from == recipe.run_dir() / "model":
+        log.info(f"{resume_from} is already complete: nothing to resume")
+        return resume_from
+    return AdaptRun(recipe, accelerator, sources, resume_from, stop_signals, releases)
 
 
 class AdaptRun:
-    def __init__(self, recipe: Recipe):
-        self.recipe = recipe
+    """One run of a recipe. `__init__` sets up everything the loop reads, step by step (each
+    refusal before the first weight loads); `train` runs the loop; `save_final` writes the model."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        accelerator: Accelerator,
+        sources: ModelSources,
+        resume_from: Path | None,
+        stop_signals: StopSignals,
+        releases: contextlib.ExitStack,
+    ):
+        self.recipe, self.accelerator, self.sources, self.stop_signals = recipe, accelerator, sources, stop_signals
         self.run_dir = recipe.run_dir()
-        self.checkpoint_dir = self.run_dir / "checkpoints"
-        self.final_dir = self.run_dir / "model"
-        self.state = TrainState()
-        self.progress = None
-        self.postfix: dict[str, str] = {}
-        self.teacher = None
-        self.distiller: Distiller | None = None
-        self.stop_signals = StopSignals()
-        self.output_lock: OutputLock | None = None  # held from restore_or_start to the run's end
-
-    # --- setup: checks first (no weight loads before them), then models, data, optimizer, resume --
-
-    def setup(self) -> Path | None:
-        """Everything `train` needs, step by step; returns the final model instead when the run is
-        already complete."""
-        self.sources = check_model(self.recipe)
-        check_outputs(self.recipe, self.sources)  # before the accelerator, which may make the run folder
-        self.setup_accelerator()
-        self.setup_budget()
-        resume_from = resume_point(self.recipe)
-        if resume_from == self.final_dir:
-            log.info(f"{self.final_dir} is already complete: nothing to resume")
-            return self.final_dir
-        set_seed(self.recipe.seed)
-        self.data_files = check_data_files(self.recipe)
+        self.checkpoint_dir, self.final_dir = self.run_dir / "checkpoints", self.run_dir / "model"
+        self.main = accelerator.is_main_process
+        self.fsdp = accelerator.distributed_type == DistributedType.FSDP
+        self.budget = step_budget(recipe, accelerator.num_processes, self.fsdp)
+        set_seed(recipe.seed)
+        data_files = check_data_files(recipe)
         if resume_from is not None:
-            check_same_data(resume_from, self.data_files)
-        check_data_prepared(self.recipe, self.accelerator)
-        student = self.setup_student()
-        self.setup_data()  # before the rewiring: `auto:N` calibrates on training blocks
-        teacher = load_teacher(self.recipe, self.sources.teacher, student, empty=self.receives_weights)
-        student = self.rewire(student)
-        self.setup_teacher(teacher)
-        student = self.select_trainable(student)
-        self.setup_mfu(student)
-        keep_fewer_activations(student)
-        self.setup_optimizer(student)
-        self.setup_training_step()
-        self.restore_or_start(resume_from)
-        start_trackers(self.accelerator, self.recipe, self.run_dir, resumed_at=self.state.step)
-        self.describe(student, resumed=resume_from is not None)
-        return None
+            check_same_data(resume_from, data_files)
+            check_random_states(resume_from, accelerator.process_index)
+        check_data_prepared(recipe, accelerator)
 
-    def setup_accelerator(self) -> None:
-        """One process, DDP or FSDP, as `accelerate launch` says (adapt/launch.py)."""
-        self.accelerator = make_accelerator(self.recipe, self.run_dir)
-        self.main = self.accelerator.is_main_process
-        self.state = TrainState(processes=self.accelerator.num_processes)
-        self.fsdp = self.accelerator.distributed_type == DistributedType.FSDP
-
-    def setup_budget(self) -> None:
-        """Steps and tokens per step (adapt/preflight.py)."""
-        budget = step_budget(self.recipe, self.accelerator.num_processes, self.fsdp)
-        self.tokens_per_step, self.total_steps = budget.tokens_per_step, budget.total_steps
-
-    def setup_student(self) -> torch.nn.Module:
-        """model.path as loaded, with its tokenizer and the facts the model card names; on the meta
-        device in a process that receives its weights from the main one (adapt/models.py)."""
-        self.weights_from_main = weights_from_main(self.accelerator)
-        self.receives_weights = self.weights_from_main and not self.main
+        # The student as loaded, on the meta device in a process that receives its weights from the
+        # main one (adapt/models.py); the data before the rewiring: `auto:N` calibrates on its blocks.
+        self.weights_from_main = weights_from_main(accelerator)
+        receives_weights = self.weights_from_main and not self.main
         reset_peak_host_memory()  # `describe` reports the peak from here
-        model, self.tokenizer, self.source_facts = load_student(self.sources.student, empty=self.receives_weights)
-        return model
-
-    def rewire(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The student rewired in memory when model.path is an original Llama, set up for training."""
-        if self.recipe.model.ladder_layers is not None:
-            layers = resolve_ladder_layers(self.recipe, model, self.accelerator, self.run_dir, self.data.train.ids)
-            model = ladder.to_ladder(model, layers)
-        self.checkpointing = checkpointing_policy(self.recipe, model.config, self.accelerator.num_processes, self.fsdp)
-        configure_student(model, self.recipe.model, self.checkpointing)
-        self.ladder_layers = list(model.config.ladder_layers)
-        self.num_hidden_layers = model.config.num_hidden_layers
-        return model
-
-    def setup_data(self) -> None:
-        """The tokenized blocks (the main process tokenizes, the others then read its cache) and
-        the order in which the steps read them."""
-        batch, processes = self.recipe.batch, self.accelerator.num_processes
-        with self.accelerator.main_process_first():
-            self.data = prepare_data(self.recipe.data, self.tokenizer)
-        self.order = BlockOrder(len(self.data.train), self.recipe.seed, batch.micro_batch, batch.grad_accum, processes)
+        student, self.tokenizer, self.source_facts = load_student(sources.student, empty=receives_weights)
+        with accelerator.main_process_first():  # the main process tokenizes, the others read its cache
+            self.data = prepare_data(recipe.data, self.tokenizer)
+        batch = recipe.batch
+        self.order = BlockOrder(
+            len(self.data.train), recipe.seed, batch.micro_batch, batch.grad_accum, accelerator.num_processes
+        )
         if len(self.data.train) < self.order.per_step:
             raise UsageError(f"data.train gives {len(self.data.train)} blocks; one step needs {self.order.per_step}")
+        teacher = load_teacher(recipe, sources.teacher, student, empty=receives_weights)
+        if recipe.model.ladder_layers is not None:  # rewired in memory when model.path is an original
+            layers = resolve_ladder_layers(recipe, student, accelerator, self.run_dir, self.data.train.ids)
+            student = ladder.to_ladder(student, layers)
+        self.checkpointing = checkpointing_policy(recipe, student.config, accelerator.num_processes, self.fsdp)
+        configure_student(student, recipe.model, self.checkpointing)
+        self.ladder_layers = list(student.config.ladder_layers)
+        self.num_hidden_layers = student.config.num_hidden_layers
+        self.teacher = prepare_teacher(teacher, recipe, accelerator.device, self.weights_from_main) if teacher else None
+        student, self.trained_layers = make_trainable(student, recipe.trainable, self.ladder_layers)
+        self.distiller = self.make_distiller(student)
+        self.flops_per_token, self.peak_flops = self.mfu_basis(student)
+        keep_fewer_activations(student)
 
-    def setup_teacher(self, teacher: torch.nn.Module | None) -> None:
-        """The teacher frozen on the device (adapt/models.py), once the student is rewired."""
-        if teacher is not None:
-            self.teacher = prepare_teacher(teacher, self.recipe, self.accelerator.device, self.weights_from_main)
-
-    def select_trainable(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The trainable set (adapt/models.py: `make_trainable`), then the distiller over it."""
-        mode = self.recipe.trainable.mode
-        model, layers = make_trainable(model, self.recipe.trainable, self.ladder_layers)
-        self.trained_layers = layers
-        if self.teacher is not None:
-            if self.recipe.objective.uses_hidden() and not self.ladder_layers:
-                raise UsageError("objective hidden: the model has no ladder layer whose stream could be matched")
-            # The teacher starts from the student's streams when the layers below the first ladder
-            # layer are frozen and the teacher is the same original (adapt/distill.py).
-            shared = (
-                mode in ("ladder", "layers")
-                and not self.recipe.model.teacher
-                and bool(self.ladder_layers)
-                and min(layers, default=0) >= min(self.ladder_layers)
-            )
-            decoder_layers = next(module for name, module in model.named_modules() if name.endswith("model.layers"))
-            self.distiller = Distiller(self.teacher, decoder_layers, self.ladder_layers, shared_prefix=shared)
-        return model
-
-    def setup_mfu(self, model: torch.nn.Module) -> None:
-        """The model FLOPs per token and the peak the log lines' MFU is measured against (training_cost.py)."""
-        accelerator = self.accelerator
-        shape = model_shape(model.config)
-        layers = self.trained_layers if self.recipe.trainable.mode == "ladder" else None
-        setup = setup_of(
-            self.recipe, shape, accelerator.num_processes, accelerator.device.type == "cuda", self.fsdp, layers
-        )
-        self.flops_per_token = flops_per_token(shape, setup, self.checkpointing)[0]
-        self.peak_flops = peak_flops(self.recipe, accelerator.device)
-
-    def setup_optimizer(self, model: torch.nn.Module) -> None:
-        """AdamW with the warmup and decay schedule (adapt/optimizer.py), everything handed to
-        `accelerator.prepare`."""
-        optimizer, scheduler = build_optimizer(model, self.recipe.optimizer, self.recipe.schedule, self.total_steps)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-
-    def setup_training_step(self) -> None:
-        """What each step and each evaluation computes (adapt/step.py), over the prepared model."""
+        optimizer, scheduler = build_optimizer(student, recipe.optimizer, recipe.schedule, self.budget.total_steps)
+        self.model, self.optimizer, self.scheduler = accelerator.prepare(student, optimizer, scheduler)
         self.training_step = TrainingStep(
-            self.accelerator,
-            self.model,
-            self.recipe,
-            self.data,
-            self.order,
-            self.distiller,
-            self.ladder_layers,
-            fsdp=self.fsdp,
+            accelerator, self.model, recipe, self.data, self.order, self.distiller, self.ladder_layers, fsdp=self.fsdp
         )
-
-    def restore_or_start(self, resume_from: Path | None) -> None:
-        """Continue from a checkpoint, or start the run folder with an empty metrics log; either way
-        the run folder is locked for the run's life (a second run into it is refused)."""
+        # The run folder is locked for the run's life (a second run into it is refused), and checked
+        # again under the lock: a run that finished while this one loaded its model wrote there.
         self.output_lock = lock_output(self.run_dir, "adapt") if self.main else None
-        # Checked again under the lock: a run that finished while this one loaded its model wrote here after
-        # `setup`'s check (a fresh run then sees an earlier run; a resumed one, a newer resume point).
-        if self.main and resume_point(self.recipe) != resume_from:
+        if self.output_lock is not None:
+            releases.callback(self.output_lock.release)
+        if self.main and resume_point(recipe) != resume_from:
             raise UsageError(
                 f"{self.run_dir} changed while this run loaded its model (another run wrote it): run again"
             )
+        self.state = self.restored(resume_from, data_files)
+        start_trackers(accelerator, recipe, self.run_dir, resumed_at=self.state.step)
+        self.progress = tqdm(
+            total=self.budget.total_steps * self.budget.tokens_per_step,
+            initial=self.state.tokens_seen,
+            unit="tok",
+            unit_scale=True,
+            dynamic_ncols=True,
+            disable=not (self.main and recipe.logging.progress),
+        )
+        releases.callback(self.progress.close)
+        self.postfix: dict[str, str] = {}
+        self.describe(student, resumed=resume_from is not None)
+
+    def make_distiller(self, model: torch.nn.Module) -> Distiller | None:
+        """The distiller over the trainable student, when there is a teacher. The teacher starts from
+        the student's streams when the layers below the first ladder layer are frozen and the teacher
+        is the same original (adapt/distill.py)."""
+        if self.teacher is None:
+            return None
+        if self.recipe.objective.uses_hidden() and not self.ladder_layers:
+            raise UsageError("objective hidden: the model has no ladder layer whose stream could be matched")
+        shared = (
+            self.recipe.trainable.mode in ("ladder", "layers")
+            and not self.recipe.model.teacher
+            and bool(self.ladder_layers)
+            and min(self.trained_layers, default=0) >= min(self.ladder_layers)
+        )
+        decoder_layers = next(module for name, module in model.named_modules() if name.endswith("model.layers"))
+        return Distiller(self.teacher, decoder_layers, self.ladder_layers, shared_prefix=shared)
+
+    def mfu_basis(self, model: torch.nn.Module) -> tuple[float, float | None]:
+        """The model FLOPs per token and the peak the log lines' MFU is measured against (training_cost.py)."""
+        accelerator, shape = self.accelerator, model_shape(model.config)
+        layers = self.trained_layers if self.recipe.trainable.mode == "ladder" else None
+        cuda = accelerator.device.type == "cuda"
+        setup = setup_of(self.recipe, shape, accelerator.num_processes, cuda, self.fsdp, layers)
+        return flops_per_token(shape, setup, self.checkpointing)[0], peak_flops(self.recipe, accelerator.device)
+
+    def restored(self, resume_from: Path | None, data_files: dict[str, str]) -> TrainState:
+        """The state of a checkpoint, loaded; or a fresh start, with an empty metrics log."""
         if resume_from is not None:
-            self.load_checkpoint(resume_from)
-            self.state.data_files = self.data_files  # (empty in checkpoints written before they recorded it)
-        else:
-            self.state.data_files = self.data_files
-            allocate_optimizer_state(self.optimizer.optimizer)  # a resumed run loads its own instead
+            state = load_checkpoint(self.accelerator, resume_from, self.recipe, self.order.per_step)
             if self.main:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
+                truncate_metrics(self.run_dir / METRICS_FILE, state.step)
+        else:
+            state = TrainState(processes=self.accelerator.num_processes)
+            allocate_optimizer_state(self.optimizer)  # a resumed run loads its own instead
+            if self.main:
                 atomic_write(self.run_dir / METRICS_FILE, "")
+        state.data_files = data_files  # (empty in checkpoints written before they recorded it)
+        return state
 
     def describe(self, model: torch.nn.Module, resumed: bool) -> None:
-        recipe = self.recipe
+        recipe, budget = self.recipe, self.budget
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
-        repeats = self.total_steps * self.order.per_step / len(self.data.train)
+        repeats = budget.total_steps * self.order.per_step / len(self.data.train)
         log.info(
             f"adapt {recipe.name}: ladder layers {format_layers(self.ladder_layers)} of {model.config.num_hidden_layers}, "
             f"trainable {recipe.trainable.mode} {trainable / 1e6:.1f}M of {total / 1e6:.1f}M parameters, "
             f"objective {recipe.objective.name}, {self.accelerator.num_processes} process(es) on {self.accelerator.device}\n"
             f"data: {len(self.data.train)} training blocks, {len(self.data.eval)} evaluation blocks of "
             f"{recipe.data.seq_len} tokens ({self.data.train.masked_share():.1%} of the training tokens masked from "
-            f"the loss); {self.total_steps} steps of {self.tokens_per_step} tokens"
+            f"the loss); {budget.total_steps} steps of {budget.tokens_per_step} tokens"
             + (f" (the run repeats the data {repeats:.1f} times)" if repeats > 1 else "")
             + (f"; resuming at step {self.state.step}" if resumed else "")
             + f"\n{peak_host_memory(self.accelerator)}"
@@ -305,86 +273,89 @@ class AdaptRun:
     # --- the loop ---------------------------------------------------------------------------------
 
     def train(self) -> None:
-        recipe, accelerator = self.recipe, self.accelerator
-        self.progress = tqdm(
-            total=self.total_steps * self.tokens_per_step,
-            initial=self.state.tokens_seen,
-            unit="tok",
-            unit_scale=True,
-            dynamic_ncols=True,
-            disable=not (self.main and recipe.logging.progress),
-        )
+        """Every step to the end of the budget; a failed collective becomes `ProcessesLost`."""
         try:
-            self.train_steps()
+            if self.state.step == 0:
+                self.evaluate()
+            self.model.train()
+            first = self.state.step
+            while self.state.step < self.budget.total_steps:
+                self.step()
+                if self.state.step == first + 1:  # the first step may compile: the long timeout until it ends
+                    set_timeout(self.recipe.timeout.collective)
+                saved = self.on_schedule()
+                if self.state.step < self.budget.total_steps and (
+                    received := self.stop_signals.agreed(self.accelerator)
+                ):
+                    self.stop(received, saved)
         except RuntimeError as error:
             if not raised_by_a_collective(error):
                 raise
-            kept = latest_checkpoint(self.checkpoint_dir)
             raise ProcessesLost(
-                f"process {accelerator.process_index}: step {self.state.step + 1}: the processes lost touch "
-                f"(timeout.collective={recipe.timeout.collective:g}s): {first_line(error)}; "
-                + (f"the last checkpoint is kept: {kept}" if kept else "no checkpoint had been written")
+                f"process {self.accelerator.process_index}: step {self.state.step + 1}: the processes lost touch "
+                f"(timeout.collective={self.recipe.timeout.collective:g}s): {first_line(error)}; {self.kept()}"
             ) from None
         self.progress.close()
 
-    def train_steps(self) -> None:
-        recipe, accelerator = self.recipe, self.accelerator
-        if self.state.step == 0:
-            self.evaluate()
-        self.model.train()
-        first = self.state.step
-        while self.state.step < self.total_steps:
-            started = time.perf_counter()
-            lr = self.scheduler.get_last_lr()[0]
-            result = self.training_step.gradients(self.state.step)
-            loss, lm_loss = result.loss, result.lm_loss
-            grad_norm = accelerator.clip_grad_norm_(
-                self.model.parameters(), recipe.grad_clip if recipe.grad_clip > 0 else float("inf")
+    def step(self) -> None:
+        """One optimizer step: gradients over the micro-batches, clipping, the NaN guard, the update; then its
+        metrics line."""
+        started = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]
+        result = self.training_step.gradients(self.state.step)
+        clip = self.recipe.grad_clip if self.recipe.grad_clip > 0 else float("inf")
+        grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), clip))
+        self.check_finite(result.loss, grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.tokens_seen += self.budget.tokens_per_step
+        self.state.data_position += self.order.per_step
+        self.log_step(result, lr, grad_norm, time.perf_counter() - started)
+
+    def check_finite(self, loss: float, grad_norm: float) -> None:
+        """The NaN guard: a loss or gradient norm that is not finite ends the run before the update."""
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise TrainingDiverged(
+                f"training stopped at step {self.state.step + 1}: loss {loss}, gradient norm {grad_norm}; "
+                f"{self.kept(written_before=True)} (try a lower optimizer.lr, or grad_clip)"
             )
-            grad_norm = float(grad_norm)
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                kept = latest_checkpoint(self.checkpoint_dir)
-                raise TrainingDiverged(
-                    f"training stopped at step {self.state.step + 1}: loss {loss}, gradient norm {grad_norm}; "
-                    + (
-                        f"the last checkpoint, written before that, is kept: {kept}"
-                        if kept
-                        else "no checkpoint had been written"
-                    )
-                    + " (try a lower optimizer.lr, or grad_clip)"
-                )
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.state.step += 1
-            if self.state.step == first + 1:  # the first step may compile: the long timeout until it ends
-                set_timeout(recipe.timeout.collective)
-            self.state.tokens_seen += self.tokens_per_step
-            self.state.data_position += self.order.per_step
-            seconds = time.perf_counter() - started
-            record = {
+
+    def kept(self, written_before: bool = False) -> str:
+        checkpoint = latest_checkpoint(self.checkpoint_dir)
+        if checkpoint is None:
+            return "no checkpoint had been written"
+        return f"the last checkpoint{', written before that,' if written_before else ''} is kept: {checkpoint}"
+
+    def log_step(self, result: StepResult, lr: float, grad_norm: float, seconds: float) -> None:
+        """The step's metrics line (metrics.jsonl and the trackers) and the progress bar."""
+        tokens = self.budget.tokens_per_step
+        self.log(
+            {
                 "step": self.state.step,
                 "tokens": self.state.tokens_seen,
-                "loss": loss,
-                "lm_loss": lm_loss,
+                "loss": result.loss,
+                "lm_loss": result.lm_loss,
                 "lr": lr,
                 "grad_norm": grad_norm,
-                "tokens_per_s": self.tokens_per_step / seconds,
-                **step_metrics(
-                    result, seconds, self.tokens_per_step, accelerator, self.flops_per_token, self.peak_flops
-                ),
+                "tokens_per_s": tokens / seconds,
+                **step_metrics(result, seconds, tokens, self.accelerator, self.flops_per_token, self.peak_flops),
             }
-            self.log(record)
-            self.progress.update(self.tokens_per_step)
-            self.postfix["loss"] = f"{loss:.4f}"
-            self.progress.set_postfix(self.postfix, refresh=False)
-            if self.state.step % recipe.eval_every == 0 or self.state.step == self.total_steps:
-                self.evaluate()
-            saved = self.state.step % recipe.checkpoint_every == 0 and self.state.step < self.total_steps
-            if saved:
-                self.save_checkpoint()
-            if self.state.step < self.total_steps and (received := self.stop_signals.agreed(accelerator)):
-                self.stop(received, saved)
+        )
+        self.progress.update(tokens)
+        self.postfix["loss"] = f"{result.loss:.4f}"
+        self.progress.set_postfix(self.postfix, refresh=False)
+
+    def on_schedule(self) -> bool:
+        """Evaluation and a checkpoint when their schedules say so; whether a checkpoint was written."""
+        step, total = self.state.step, self.budget.total_steps
+        if step % self.recipe.eval_every == 0 or step == total:
+            self.evaluate()
+        saved = step % self.recipe.checkpoint_every == 0 and step < total
+        if saved:
+            self.save_checkpoint()
+        return saved
 
     def stop(self, received: int, saved: bool) -> None:
         """End the run after this step on a stop signal, with a checkpoint of it (adapt/preemption.py)."""
@@ -398,48 +369,39 @@ class AdaptRun:
         eval_loss = self.training_step.held_out_loss()
         if eval_loss is None:
             return None
+        perplexity = math.exp(min(eval_loss, 50.0))
         self.log(
             {
                 "step": self.state.step,
                 "tokens": self.state.tokens_seen,
                 "eval_loss": eval_loss,
-                "eval_perplexity": math.exp(min(eval_loss, 50.0)),
+                "eval_perplexity": perplexity,
             }
         )
         self.postfix["eval_loss"] = f"{eval_loss:.4f}"
-        message = (
-            f"step {self.state.step}: held-out loss {eval_loss:.4f} (perplexity {math.exp(min(eval_loss, 50)):.2f})"
-        )
-        if self.progress is not None and not self.progress.disable:
+        message = f"step {self.state.step}: held-out loss {eval_loss:.4f} (perplexity {perplexity:.2f})"
+        if not self.progress.disable:
             self.progress.write(message)
         else:
             log.info(message)
         return eval_loss
 
     def log(self, record: dict) -> None:
+        """One metrics line; accelerate's trackers flush as they log (TensorBoard's events reach the disk
+        before a checkpoint, so a resumed run purges only what came after it)."""
         if self.main:
             with open(self.run_dir / METRICS_FILE, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
         if self.accelerator.trackers:
             self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
-    # --- checkpoints -----------------------------------------------------------------------------
+    # --- checkpoints and the final model ---------------------------------------------------------
 
     def save_checkpoint(self) -> None:
         """An atomic `checkpoints/step-NNNNNN`; older ones beyond `keep_checkpoints` are removed."""
         final = self.checkpoint_dir / f"step-{self.state.step:06d}"
         with long_waits(self.recipe):  # the main process may write for long while the others wait
             save_checkpoint(self.accelerator, final, self.state, self.recipe, self.recipe.keep_checkpoints)
-        if self.main and "tensorboard" in self.recipe.logging.log_with:
-            # Events up to the checkpoint reach the disk now: a resumed run purges only what comes after it.
-            self.accelerator.get_tracker("tensorboard", unwrap=True).flush()
-
-    def load_checkpoint(self, path: Path) -> None:
-        self.state = load_checkpoint(self.accelerator, path, self.recipe, self.order.per_step)
-        if self.main:
-            truncate_metrics(self.run_dir / METRICS_FILE, self.state.step)
-
-    # --- cleanup ---------------------------------------------------------------------------------
 
     def save_final(self) -> Path:
         """The trained model as a plain checkpoint (LoRA merged, in the recipe's precision) with its
@@ -474,23 +436,10 @@ class AdaptRun:
             self.ladder_layers,
             self.num_hidden_layers,
             self.state,
-            self.tokens_per_step,
+            self.budget.tokens_per_step,
             self.accelerator.num_processes,
             len(self.data.eval),
         )
 
-    def cleanup(self) -> None:
-        if self.progress is not None:
-            self.progress.close()
-        self.accelerator.end_training()
 
-
-__all__ = [
-    "AdaptRun",
-    "Preempted",
-    "ProcessesLost",
-    "TrainingDiverged",
-    "prepare",
-    "resume_point",
-    "train",
-]
+__all__ = ["AdaptRun", "Preempted", "ProcessesLost", "TrainingDiverged", "prepare", "resume_point", "start", "train"]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from ladder.adapt.recipe import SourceSpec
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -75,5 +77,36 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def run_adapt(args: list[str], launcher: list[str] | None = None, **popen) -> subprocess.Popen:
-    command = (launcher or [sys.executable]) + ["-m", "adapt.cli", *args]
+    command = (launcher or [sys.executable]) + ["-m", "ladder.adapt.cli", *args]
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def chats(count: int) -> list[dict]:
+    """Chat records of every shape: a system turn, several exchanges, whitespace around contents, an
+    empty assistant turn, ShareGPT's field names."""
+    records = []
+    for i in range(count):
+        messages = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
+        for turn in range(1 + i % 3):
+            messages.append({"role": "user", "content": prose(i * 7 + turn, 1)})
+            answer = prose(i * 7 + turn + 100, 1)
+            messages.append(
+                {"role": "assistant", "content": [answer, f"  {answer}\n\n", "", f"\n🦉 {answer} é🦉"][(i + turn) % 4]}
+            )
+        if i % 5 == 4:
+            names = {"user": "human", "assistant": "gpt", "system": "system"}
+            records.append({"messages": [{"from": names[m["role"]], "value": m["content"]} for m in messages]})
+        else:
+            records.append({"messages": messages})
+    return records
+
+
+def books(folder: Path, count: int = 60) -> list[SourceSpec]:
+    """A chat file and a text file of many small documents, in many chunks."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats(count)))
+    (folder / "plain.txt").write_text("\n\n".join(prose(i, 1) for i in range(count)))
+    return [
+        SourceSpec(path=str(folder / "chats.jsonl")),
+        SourceSpec(path=str(folder / "plain.txt"), documents="blank_line"),
+    ]

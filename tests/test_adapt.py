@@ -370,7 +370,7 @@ def test_resume_refuses_changed_data_at_the_same_path(tmp_path, tiny_checkpoint,
         (["logging.log_with=[mlflow]"], "logging.log_with: mlflow needs its package (pip install mlflow)", True),
         (
             ["logging.log_with=[tensorbored]"],
-            "logging.log_with[0]: 'tensorbored' is not one of tensorboard, wandb",
+            "logging.log_with[0] = 'tensorbored': input should be 'tensorboard', 'wandb'",
             True,
         ),
         (["trainable.mode=lora", "trainable.lora.target_modules=[nothing]"], "trainable.lora.target_modules", False),

@@ -4,6 +4,8 @@ activations and preallocated optimizer state against the plain computation."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -44,7 +46,7 @@ def test_kd_loss_is_the_forward_kl_at_temperature_times_t_squared(tiny_checkpoin
 
 
 def test_merged_lora_model_gives_the_logits_of_the_peft_model(tmp_path, tiny_checkpoint, corpus):
-    from ladder.adapt.train import AdaptRun
+    from ladder.adapt.train import start
 
     recipe = load_recipe(
         write_recipe(
@@ -55,18 +57,17 @@ def test_merged_lora_model_gives_the_logits_of_the_peft_model(tmp_path, tiny_che
             **{"trainable.mode": "lora", "trainable.lora.target_modules": ["q_proj", "v_proj"]},
         )
     )
-    run = AdaptRun(recipe)
-    assert run.setup() is None
-    run.train()
-    device = run.accelerator.device
-    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
-    peft_model = run.accelerator.unwrap_model(run.model).eval()
-    with torch.no_grad():
-        before_merge = peft_model(input_ids=ids).logits
-        with peft_model.disable_adapter():
-            without_adapters = peft_model(input_ids=ids).logits
-    final = run.save_final()
-    run.cleanup()
+    with contextlib.ExitStack() as releases:
+        run = start(recipe, releases)
+        run.train()
+        device = run.accelerator.device
+        ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
+        peft_model = run.accelerator.unwrap_model(run.model).eval()
+        with torch.no_grad():
+            before_merge = peft_model(input_ids=ids).logits
+            with peft_model.disable_adapter():
+                without_adapters = peft_model(input_ids=ids).logits
+        final = run.save_final()
     merged = AutoModelForCausalLM.from_pretrained(final).to(device).eval()
     with torch.no_grad():
         after_merge = merged(input_ids=ids).logits
