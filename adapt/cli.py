@@ -13,10 +13,10 @@ import json
 import shlex
 import sys
 
-from ladder.cli_types import float_in, positive_int
+from ladder.cli_types import float_in
 from ladder.errors import ArgumentParser, UsageError, run_command
 from ladder.log import log
-from ladder.plan.speed import DEFAULT_HARDWARE, device_names, device_profile
+from ladder.plan.speed import DEFAULT_HARDWARE, TRAIN_DEVICES, device_names, device_profile
 
 from .recipe import Recipe, dump_recipe, load_recipe
 
@@ -45,7 +45,7 @@ def build_parser() -> ArgumentParser:
         f"(default {DEFAULT_HARDWARE}, as `ladder plan`)",
     )
     cost.add_argument(
-        "--train-devices", type=positive_int, help="how many (FSDP over them when more than one; default 1)"
+        "--train-devices", type=TRAIN_DEVICES, help="how many (FSDP over them when more than one; default 1)"
     )
     cost.add_argument(
         "--utilisation", type=float_in(0.01, 1.0), help="share of the peak reached (default 0.35, compiled 0.40)"

@@ -29,6 +29,7 @@ from ladder.plan.costs import ModelShape, forward_cost
 from ladder.plan.models import ModelConfig, model_config, own_ladder_layers
 from ladder.plan.speed import (
     DEFAULT_HARDWARE,
+    TRAIN_DEVICES,
     Device,
     Prediction,
     Setting,
@@ -105,7 +106,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--train-devices",
-        type=positive_int,
+        type=TRAIN_DEVICES,
         help="devices the retraining runs on (default 1, as `ladder adapt --plan`)",
     )
     parser.add_argument("--json", action="store_true", help="print the predictions as JSON")

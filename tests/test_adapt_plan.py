@@ -245,7 +245,8 @@ def test_adapt_plan_shares_ladder_plan_s_devices_and_defaults(capsys):
     "arguments, message",
     [
         (["--gpus", "8"], "unrecognized arguments: --gpus"),
-        (["--train-devices", "0"], "argument --train-devices: '0' is not a positive integer"),
+        (["--train-devices", "0"], "argument --train-devices: '0' is outside 1..1048576"),
+        (["--train-devices", "1" + "0" * 400], "argument --train-devices: '1000"),  # an OverflowError traceback
         (["--utilisation", "nan"], "argument --utilisation: 'nan' is not a finite number"),
         (["--utilisation", "1.5"], "argument --utilisation: '1.5' is outside 0.01..1"),
         (["--hardware", "tpu9"], "--hardware 'tpu9' is not one of h100"),

@@ -43,7 +43,7 @@ def refused(capsys, *arguments: str) -> str:
         (["--tp", "0"], "argument --tp: '0' is not a positive integer"),
         (["--prompt", "-1"], "argument --prompt: '-1' is outside 1..16777216"),
         (["--batch-size", "1,0"], "argument --batch-size: '0' is outside 1..1048576"),
-        (["--train-devices", "0"], "argument --train-devices: '0' is not a positive integer"),
+        (["--train-devices", "0"], "argument --train-devices: '0' is outside 1..1048576"),
         (["--prompt", "1" + "0" * 300], "argument --prompt: '1000"),  # an OverflowError traceback
         (["--batch-size", "1," + "1" * 200], "is outside 1..1048576"),  # cells of 1e198 ms
     ],

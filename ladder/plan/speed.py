@@ -27,14 +27,15 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..cli_types import float_in
+from ..cli_types import float_in, int_in
 from ..errors import UsageError
 from ..units import parse_size
 from .costs import ForwardCost, ModelShape, ModuleCost, forward_cost
 
 PROFILES = Path(__file__).resolve().parent
-# What `ladder plan` and `ladder adapt --plan` price when no --hardware is named.
-DEFAULT_HARDWARE = "h100"
+# What `ladder plan` and `ladder adapt --plan` price when no --hardware is named, and their
+# --train-devices (a count past any cluster is a typo that would overflow the arithmetic).
+DEFAULT_HARDWARE, TRAIN_DEVICES = "h100", int_in(1, 1 << 20)
 # The range of each figure a command line may give (per second; microseconds), physical with room.
 FIGURE_RANGES = {"FLOPS": (1e6, 1e18), "BANDWIDTH": (1e3, 1e15), "LATENCY_US": (1e-3, 1e6)}
 
