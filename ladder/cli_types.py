@@ -1,7 +1,7 @@
 """argparse number types, the one home for them: `type=positive_int` and the like on every command.
 Each raises argparse.ArgumentTypeError with a one-line message, which argparse reports as
 `argument --tp: ...` (ladder.errors.ArgumentParser: one line, exit 2) before any work. Floats are
-finite (no nan, no inf); `float_in(low, high)` also bounds them, for figures with a physical range.
+finite (no nan, no inf) and, like counts that feed arithmetic, within a stated range (`float_in`, `int_in`).
 """
 
 from __future__ import annotations
@@ -36,19 +36,6 @@ def non_negative_int(text: str) -> int:
     value = _number(text, int, "a non-negative integer")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a non-negative integer")
-    return value
-
-
-def finite_float(text: str) -> float:
-    """Any finite number."""
-    return _number(text, float, "a finite number")
-
-
-def positive_float(text: str) -> float:
-    """A finite number above 0."""
-    value = _number(text, float, "a positive number")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a positive number")
     return value
 
 
@@ -91,14 +78,3 @@ def comma_list(item: Callable[[str], int | float]) -> Callable[[str], list]:
 
 
 positive_ints = comma_list(positive_int)
-
-__all__ = [
-    "comma_list",
-    "finite_float",
-    "float_in",
-    "int_in",
-    "non_negative_int",
-    "positive_float",
-    "positive_int",
-    "positive_ints",
-]
