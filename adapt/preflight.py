@@ -58,16 +58,6 @@ def check_model(recipe: Recipe) -> ModelSources:
     return ModelSources(path, teacher)
 
 
-def local_data_files(recipe: Recipe) -> list[Path]:
-    """Every local file the recipe's data sources name (Hub sources are checked when they stream)."""
-    return [
-        path
-        for i, source in enumerate(recipe.data.train + recipe.data.eval)
-        if not source.path.startswith("hf:")
-        for path in local_files(source, f"data source {i} ({source.path})")
-    ]
-
-
 def check_outputs(recipe: Recipe, sources: ModelSources) -> None:
     """output_dir and data.cache_dir under the output rule (`ladder.io.outputs.check_output`): never
     a model the run reads nor a data source's folder (the whole folder, whatever files it holds now),
@@ -93,11 +83,6 @@ def step_budget(recipe: Recipe, processes: int, fsdp: bool) -> StepBudget:
     total_steps = int(recipe.budget // tokens_per_step)
     if total_steps < 1:
         raise UsageError(f"budget {recipe.budget:g} is less than one step ({tokens_per_step} tokens)")
-    if recipe.schedule.warmup_steps > total_steps:
-        raise UsageError(
-            f"schedule.warmup_steps {recipe.schedule.warmup_steps} is more than the run's {total_steps} steps "
-            "(the learning rate would never reach optimizer.lr)"
-        )
     if recipe.trainable.mode == "lora" and fsdp:
         raise UsageError("trainable.mode=lora runs with DDP or one process, not FSDP (the merge needs whole weights)")
     return StepBudget(tokens_per_step, total_steps)
@@ -126,7 +111,12 @@ def resume_point(recipe: Recipe) -> Path | None:
 def check_data_files(recipe: Recipe) -> dict[str, str]:
     """Every local data source matches files (Hub sources are checked when they stream); returns the
     SHA-256 of each file, which a checkpoint records so that a resumed run trains on the same data."""
-    return {str(path): sha256_file(path) for path in local_data_files(recipe)}
+    return {
+        str(path): sha256_file(path)
+        for i, source in enumerate(recipe.data.train + recipe.data.eval)
+        if not source.path.startswith("hf:")
+        for path in local_files(source, f"data source {i} ({source.path})")
+    }
 
 
 def check_data_prepared(recipe: Recipe, accelerator: Accelerator) -> None:
@@ -150,7 +140,6 @@ __all__ = [
     "check_data_prepared",
     "check_model",
     "check_outputs",
-    "local_data_files",
     "resume_point",
     "source_path",
     "step_budget",

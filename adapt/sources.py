@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ladder.errors import UsageError
+from ladder.errors import UsageError, first_line
 from ladder.io.files import OUTPUT_MARKER
 from ladder.log import log
 
@@ -187,9 +187,9 @@ def resumable_batches(
                 raise  # not the stream's: a bug
             failures += 1
             if not transient(error) or failures > retries:
-                raise UsageError(f"cannot read {what}: {first_words(error)}") from None
+                raise UsageError(f"cannot read {what}: {first_line(error)}") from None
             pause = min(wait * 2 ** (failures - 1), 60)
-            log.warning(f"reading {what} failed ({first_words(error)}); retrying in {pause:g} s")
+            log.warning(f"reading {what} failed ({first_line(error)}); retrying in {pause:g} s")
             time.sleep(pause)
 
 
@@ -205,10 +205,6 @@ def transient(error: Exception) -> bool:
     except ImportError:
         network = (OSError, TimeoutError)
     return isinstance(error, network)
-
-
-def first_words(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def batched(items: Iterator, size: int) -> Iterator[list]:

@@ -1,5 +1,6 @@
-"""What the tests that run `ladder adapt` share: generated prose, a recipe for the tiny checkpoint,
-a run's metrics, and the adapt command as a subprocess."""
+"""What the tests that run `ladder adapt` share: generated prose and chats, a recipe for the tiny
+checkpoint, a run's metrics and weights, and the adapt command as a subprocess (one process, or
+FSDP under `accelerate launch`) with the ways to watch it."""
 
 from __future__ import annotations
 
@@ -7,13 +8,20 @@ import json
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
+import torch
 import yaml
+from safetensors.torch import load_file
 
 from ladder.adapt.recipe import SourceSpec
+from ladder.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
+FSDP_CONFIG = REPO / "recipes" / "accelerate" / "fsdp-cpu-2proc.yaml"
+STEPS = 8  # a reference run's steps, 256 tokens each; checkpoints at steps 3 and 6
 
 
 WORDS = (
@@ -110,3 +118,45 @@ def books(folder: Path, count: int = 60) -> list[SourceSpec]:
         SourceSpec(path=str(folder / "chats.jsonl")),
         SourceSpec(path=str(folder / "plain.txt"), documents="blank_line"),
     ]
+
+
+def fsdp_launcher() -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(FSDP_CONFIG),
+        "--main_process_port",
+        str(free_port()),
+    ]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+def wait_for_losses(process: subprocess.Popen, run_dir: Path, count: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= count:
+            return
+        time.sleep(0.05)
+
+
+def ranks(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The training processes `accelerate launch` started (torchrun's workers)."""
+    return [child for child in psutil.Process(launcher.pid).children() if "LOCAL_RANK" in child.environ()]
+
+
+def assert_preempted(output: str, run_dir: Path, recipe: Path, signal_name: str) -> int:
+    """The run said where it stopped and how to resume, and left complete checkpoints only; returns the step."""
+    said = [line for line in output.splitlines() if "resume with:" in line]
+    assert len(said) == 1, output
+    step = len(losses(run_dir))
+    checkpoint = run_dir / "checkpoints" / f"step-{step:06d}"
+    assert said[0].startswith(f"ladder adapt: {signal_name}: stopped after step {step} with a checkpoint there, ")
+    assert said[0].split(", ")[-1].startswith(f"{checkpoint}; resume with: ladder adapt {recipe} resume=true")
+    assert (checkpoint / "trainer_state.json").is_file() and not (run_dir / "model").exists()
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")], "a temporary was left"
+    return step

@@ -1,8 +1,8 @@
 """adapt/ beyond one plain process: FSDP2 on 2 CPU processes over gloo (the path the 8-GPU recipes
 take; gradients reduced in fp32; process 0 reads the checkpoint, process 1 receives its shards),
 two localhost "nodes" of one process (the multi-node config), gradient accumulation (with DDP's
-no_sync), preemption signals, SIGKILLs of the launcher and of a checkpoint save, a stalled rank
-(the two timeouts), and the refusal to reuse a run made under another recipe.
+no_sync), and an FSDP run preempted, killed and resumed. The faults of one run (signals, kills, a
+full disk, a stalled rank, reuse under another recipe) are in test_adapt_faults.py.
 
 Each multi-process run is a real `accelerate launch` of `ladder adapt` on a tiny checkpoint.
 """
@@ -12,21 +12,28 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from adapt_runs import losses, metrics, prose, run_adapt, write_recipe
-from checkpoints import private_mount_namespace
+from adapt_runs import (
+    STEPS,
+    assert_preempted,
+    fsdp_launcher,
+    losses,
+    metrics,
+    prose,
+    ranks,
+    run_adapt,
+    wait_for_losses,
+    weights,
+    write_recipe,
+)
 from ladder.adapt.data import prepare_data
 from ladder.adapt.losses import block_losses
 from ladder.adapt.recipe import load_recipe
@@ -36,21 +43,7 @@ from ladder.launch import free_port, multi_process_launcher
 from tiny import save_tiny_checkpoint, two_processes
 
 REPO = Path(__file__).resolve().parents[1]
-FSDP_CONFIG = REPO / "recipes" / "accelerate" / "fsdp-cpu-2proc.yaml"
 MULTINODE_CONFIG = REPO / "recipes" / "accelerate" / "fsdp-multinode.yaml"
-STEPS = 8  # 256 tokens each; checkpoints at steps 3 and 6
-
-
-def fsdp_launcher() -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(FSDP_CONFIG),
-        "--main_process_port",
-        str(free_port()),
-    ]
 
 
 def launch(recipe: Path, launcher: list[str], *overrides: str) -> str:
@@ -59,10 +52,6 @@ def launch(recipe: Path, launcher: list[str], *overrides: str) -> str:
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output
     return output
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "model" / "model.safetensors")
 
 
 def assert_same_curve(reference: list[dict], other: list[dict], tolerance: float, grad_tolerance: float) -> None:
@@ -207,32 +196,6 @@ def test_two_nodes_read_the_checkpoint_once_and_give_the_loss_curve_of_one_proce
     assert other < main - checkpoint_mib / 2, (main, other, checkpoint_mib)
 
 
-def wait_for_losses(process: subprocess.Popen, run_dir: Path, count: int, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        if (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= count:
-            return
-        time.sleep(0.05)
-
-
-def ranks(launcher: subprocess.Popen) -> list[psutil.Process]:
-    """The training processes `accelerate launch` started (torchrun's workers)."""
-    return [child for child in psutil.Process(launcher.pid).children() if "LOCAL_RANK" in child.environ()]
-
-
-def assert_preempted(output: str, run_dir: Path, recipe: Path, signal_name: str) -> int:
-    """The run said where it stopped and how to resume, and left complete checkpoints only; returns the step."""
-    said = [line for line in output.splitlines() if "resume with:" in line]
-    assert len(said) == 1, output
-    step = len(losses(run_dir))
-    checkpoint = run_dir / "checkpoints" / f"step-{step:06d}"
-    assert said[0].startswith(f"ladder adapt: {signal_name}: stopped after step {step} with a checkpoint there, ")
-    assert said[0].split(", ")[-1].startswith(f"{checkpoint}; resume with: ladder adapt {recipe} resume=true")
-    assert (checkpoint / "trainer_state.json").is_file() and not (run_dir / "model").exists()
-    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")], "a temporary was left"
-    return step
-
-
 @two_processes
 def test_fsdp_preempted_then_killed_resumes_exactly(tmp_path, tiny_checkpoint, corpus, fsdp_run):
     recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256, **{"batch.micro_batch": 2})
@@ -263,77 +226,6 @@ def test_fsdp_preempted_then_killed_resumes_exactly(tmp_path, tiny_checkpoint, c
     assert losses(run_dir) == losses(fsdp_run)
     resumed, straight = weights(run_dir), weights(fsdp_run)
     assert resumed.keys() == straight.keys()
-    assert all(torch.equal(resumed[name], straight[name]) for name in straight)
-
-
-def started_ranks(launcher: subprocess.Popen, count: int = 2) -> list[psutil.Process]:
-    """The launcher's ranks by rank, once all have started."""
-    deadline = time.monotonic() + 60
-    while len(found := ranks(launcher)) < count and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert len(found) == count, "the ranks did not start"
-    return sorted(found, key=lambda rank: int(rank.environ()["RANK"]))
-
-
-def wait_until_waiting(process: psutil.Process, timeout: float = 120) -> None:
-    """Until `process` uses no CPU for a second: it waits (here: for a stopped peer)."""
-    deadline, used = time.monotonic() + timeout, -1.0
-    while time.monotonic() < deadline:
-        now = sum(process.cpu_times()[:2])
-        if now == used:
-            return
-        used = now
-        time.sleep(1)
-
-
-@two_processes
-def test_a_stalled_rank_ends_the_run_fast_naming_the_step(tmp_path, tiny_checkpoint, corpus):
-    collective = 3  # seconds (timeout.collective; 900 by default)
-    overrides = {"batch.micro_batch": 2, "timeout.collective": collective, "precision": "bf16"}
-    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256, **overrides)
-    run_dir = tmp_path / "run"
-    assert ladder_main(["adapt", str(recipe), "--prepare-data"]) == 0  # several processes need it first
-    process = run_adapt([str(recipe)], launcher=fsdp_launcher(), start_new_session=True)
-    main, other = started_ranks(process)
-    # The main process stalls while the run starts, for longer than timeout.collective: the other
-    # waits for it under the long timeout.setup, and the run goes on once it continues.
-    main.suspend()
-    wait_until_waiting(other)
-    time.sleep(2 * collective)
-    main.resume()
-    wait_for_losses(process, run_dir, 2)
-    # Training: a process that stops answering ends the run within timeout.collective.
-    other.suspend()
-    stalled = time.monotonic()
-    main.wait(timeout=120)
-    waited = time.monotonic() - stalled
-    other.resume()  # so that torchrun's SIGTERM reaches it (a stopped process would wait for SIGKILL)
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode != 0 and not (run_dir / "model").exists()
-    said = [line for line in output.splitlines() if line.startswith("ladder adapt: process 0:")]
-    step = len(losses(run_dir)) + 1
-    assert len(said) == 1 and said[0].startswith(
-        f"ladder adapt: process 0: step {step}: the processes lost touch (timeout.collective={collective}s): "
-    ), output
-    assert said[0].endswith(f"the last checkpoint is kept: {run_dir / 'checkpoints' / 'step-000003'}") == (step > 3)
-    assert collective <= waited < collective + 20
-    # bf16 under FSDP2: parameters gathered in bf16, gradients still reduced in fp32.
-    assert "FSDP2: parameters in bfloat16, gradients reduced in float32" in output.splitlines()
-
-
-def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, tiny_checkpoint, corpus, one_process_run):
-    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256)
-    run_dir = tmp_path / "run"
-    process = run_adapt([str(recipe)])
-    wait_for_losses(process, run_dir, 4)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode == 0, output
-    assert 4 <= assert_preempted(output, run_dir, recipe, "SIGTERM") < STEPS
-
-    assert ladder_main(["adapt", str(recipe), "resume=true"]) == 0
-    assert losses(run_dir) == losses(one_process_run)
-    resumed, straight = weights(run_dir), weights(one_process_run)
     assert all(torch.equal(resumed[name], straight[name]) for name in straight)
 
 
@@ -380,114 +272,3 @@ def test_gradient_accumulation_makes_the_update_of_one_large_batch(tmp_path, tin
     # One process: equal to well under one step's lr (3e-3); measured 2.5e-5 at most (2 of 6.4M weights).
     final, expected = weights(tmp_path / "accumulated" / "run"), weights(tmp_path / "large" / "run")
     assert all(torch.allclose(final[name], expected[name], rtol=0, atol=1e-4) for name in expected)
-
-
-# --- a kill while a checkpoint is written -----------------------------------------------------------
-
-
-def test_a_kill_while_a_checkpoint_is_written_keeps_the_previous_one(
-    tmp_path,
-    tiny_checkpoint,
-    corpus,
-    one_process_run,
-):
-    # The script dies inside the second checkpoint's save, after accelerate wrote the model,
-    # optimizer and RNG states and before the step file and the rename: the checkpoint at step 3
-    # must stay the latest, and resuming from it must give the uninterrupted run's losses and weights.
-    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256)
-    script = textwrap.dedent(f"""
-        import os, signal, sys
-        from accelerate import Accelerator
-        from ladder.cli import main
-        real_save_state = Accelerator.save_state
-        def save_state_then_die(self, output_dir=None, **kwargs):
-            result = real_save_state(self, output_dir, **kwargs)
-            if "step-000006" in str(output_dir):
-                os.kill(os.getpid(), signal.SIGKILL)
-            return result
-        Accelerator.save_state = save_state_then_die
-        sys.exit(main(["adapt", {str(recipe)!r}]))
-    """)
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == -signal.SIGKILL, result.stderr
-    checkpoints = tmp_path / "run" / "checkpoints"
-    assert [p.name for p in checkpoints.iterdir() if p.name.startswith("step-")] == ["step-000003"]
-    half_written = [p for p in checkpoints.iterdir() if p.name.startswith(".step-000006")]
-    assert len(half_written) == 1 and (half_written[0] / "optimizer.bin").is_file()
-
-    assert ladder_main(["adapt", str(recipe), "resume=true"]) == 0
-    assert losses(tmp_path / "run") == losses(one_process_run)
-    resumed, straight = weights(tmp_path / "run"), weights(one_process_run)
-    assert all(torch.equal(resumed[name], straight[name]) for name in straight)
-    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".")], "the half-written save was cleared"
-
-
-def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_one(
-    tmp_path,
-    tiny_checkpoint,
-    corpus,
-    one_process_run,
-):
-    # A real ENOSPC: the run folder is on a 110 MB tmpfs, where the checkpoint at step 3 (77 MB:
-    # weights and AdamW's two moments in fp32) fits and the one at step 6 does not.
-    prefix = private_mount_namespace()
-    disk, copied = tmp_path / "disk", tmp_path / "copied"
-    disk.mkdir()
-    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=STEPS * 256, output_dir=str(disk / "run"))
-    script = (
-        f"mount -t tmpfs -o size=110m tmpfs {disk} && {sys.executable} -m ladder.cli adapt {recipe}; "
-        f"echo exit=$?; cp -a {disk / 'run'} {copied}"
-    )
-    result = subprocess.run([*prefix, "sh", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.stdout.strip().splitlines()[-1] == "exit=2", result.stdout + result.stderr
-    error = result.stderr.strip().splitlines()[-1]
-    assert error == (
-        f"ladder adapt: error: no space left on the device while writing the checkpoint at step 6 "
-        f"({disk / 'run' / 'checkpoints' / 'step-000006'}); the checkpoint at step 3 is kept: "
-        "free some space and resume with resume=true"
-    ), result.stderr
-    assert "Traceback" not in result.stderr
-    # The previous checkpoint is whole (the uninterrupted run's, tensor for tensor) and nothing else is left.
-    assert [p.name for p in (copied / "checkpoints").iterdir()] == ["step-000003"]
-    kept, straight = copied / "checkpoints" / "step-000003", one_process_run / "checkpoints" / "step-000003"
-    for name in ("model.safetensors",):
-        ours, theirs = load_file(kept / name), load_file(straight / name)
-        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
-    ours, theirs = (torch.load(d / "optimizer.bin", weights_only=True) for d in (kept, straight))
-    assert all(
-        torch.equal(ours["state"][i][k], theirs["state"][i][k])
-        for i in theirs["state"]
-        for k in ("exp_avg", "exp_avg_sq")
-    )
-    assert {p.name for p in kept.iterdir()} == {p.name for p in straight.iterdir()}
-
-
-# --- no silent reuse --------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("state", ["finished", "partial"])
-def test_resume_refuses_a_run_made_with_other_settings(tmp_path, tiny_checkpoint, corpus, capsys, state):
-    recipe = write_recipe(tmp_path, tiny_checkpoint, corpus, budget=2 * 256, checkpoint_every=1)
-    train(load_recipe(recipe))
-    run_dir = tmp_path / "run"
-    if state == "partial":  # as if killed after the checkpoint at step 1
-        (run_dir / "model").rename(tmp_path / "done")
-    kept = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
-    capsys.readouterr()
-    changes = {
-        "model.ladder_layers": "model.ladder_layers=1",
-        "model.path": "model.path=embedded",
-        "data.train": f"data.train=[{corpus / 'heldout.txt'}]",
-        "objective.name": "objective.name=kd",
-        "optimizer.lr": "optimizer.lr=0.1",
-        "budget": "budget=1024",
-        "seed": "seed=7",
-    }
-    for key, override in changes.items():
-        assert ladder_main(["adapt", str(recipe), "resume=true", override]) == 2, key
-        lines = capsys.readouterr().err.strip().splitlines()
-        assert len(lines) == 1 and "the recipe differs" in lines[0] and f" at {key};" in lines[0], (key, lines)
-    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == kept
-    # The same recipe is still accepted: a finished run returns its model, a partial one continues.
-    assert ladder_main(["adapt", str(recipe), "resume=true"]) == 0
-    assert (run_dir / "model" / "model.safetensors").is_file()
