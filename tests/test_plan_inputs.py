@@ -9,7 +9,6 @@ import json
 import os
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -64,6 +63,7 @@ def test_plan_refuses_a_calibration_with_a_figure_that_is_not_finite(tmp_path, c
 
 
 def llama_gguf(path: Path, heads: int = 4) -> Path:
+    gguf = pytest.importorskip("gguf")  # optional: only GGUF input needs it
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
     writer.add_context_length(32)
