@@ -8,8 +8,15 @@ or write into the user's cache.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
+
+# `python -m pytest` from the checkout puts it on sys.path, where the stage folders would import a
+# second time under their folder names (`adapt.recipe` beside `ladder.adapt.recipe`, two classes
+# for one): the suite imports the stages as the package installs them, `ladder.*`, only.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+sys.path[:] = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != _CHECKOUT]
 
 _HF_HOME = tempfile.mkdtemp(prefix="ladder-tests-hf-")
 # The cache root of tokenized data and eval scores (LADDER_CACHE): the session's own, never the user's.

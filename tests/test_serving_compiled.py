@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from test_serving_ops import Attention, inputs, model_stream
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.utils import run_and_get_code
+from torch.fx.passes.split_module import split_module
 
+from ladder.serving import ops
 from serving import serve_env_vars, serve_python
 from tiny import save_tiny_checkpoint
 
@@ -40,7 +46,7 @@ MLP_STARTS = sum(layer + 1 in LADDER_LAYERS for layer in LADDER_LAYERS)
 def compiled_calls(tmp_path_factory, smollm2_tokenizer_dir) -> list[str]:
     """The `call` function of each graph inductor built for the tiny ladder model at TP=2 (4 heads
     of 32: the smallest head vLLM's CPU attention takes), with a compile cache of its own."""
-    from convert.convert import convert_checkpoint
+    from ladder.convert.convert import convert_checkpoint
 
     root = tmp_path_factory.mktemp("serving-compiled")
     plain = save_tiny_checkpoint(
@@ -73,9 +79,9 @@ LADDER_OP = re.compile(r"^(\w+) = torch\.ops\.ladder\.(\w+)\.default\((.*)\)$")
 VLLM_REDUCTION = re.compile(
     r"^torch\.ops\._C\.shm_allreduce\.default\(\d+, (\w+)\)$|^(\w+) = torch\.ops\.vllm\.all_reduce\."
 )
-ATTENTION = re.compile(r"torch\.ops\.vllm\.unified_attention\w*\.default\(")
+ATTENTION = re.compile(r"torch\.ops\.(?:vllm\.unified_attention\w*|ladder_test\.attention)\.default\(")
 MATMUL = re.compile(r"onednn_mm\.default\((buf\d+)|extern_kernels\.a?d?d?mm\(.*out=(buf\d+)")
-ALLOCATION = re.compile(r"^(buf\d+) = empty_strided")
+ALLOCATION = re.compile(rf"^({NAME}) = empty_strided")
 ALIAS = re.compile(rf"^({NAME}) = ({NAME})$|^({NAME}) = reinterpret_tensor\(({NAME}),.*# alias$")
 REUSE = re.compile(rf"^({NAME}) = (?:reinterpret_tensor\()?({NAME})\b.*; del \2\s+# reuse$")
 DELETE = re.compile(rf"^del ({NAME})$")
@@ -274,3 +280,113 @@ print(json.dumps(answers))
     assert completed.returncode == 0, completed.stderr[-3000:]
     answers = json.loads(completed.stdout.strip().splitlines()[-1])
     assert answers == {"no forward context": False, "NONE": False, "PIECEWISE": False, "FULL": True}
+
+
+# --- vLLM's GPU compile path, read on a CPU -----------------------------------------------------------
+# On a GPU, vLLM's VllmBackend splits the Dynamo graph at each attention op (compilation/backends.py,
+# split_graph) and inductor compiles each other piece on its own; the CPU build never splits
+# (DYNAMO_TRACE_ONCE, vllm/platforms/cpu.py), so this emulates the split in-process, on the vLLM
+# model's own layer loop and ops (ladder.serving.ops) with layers of vLLM's interface
+# (tests/test_serving_ops.py) whose attention is an opaque op, as vLLM's is.
+
+_ATTENTION_LIBRARY = torch.library.Library("ladder_test", "DEF")
+_ATTENTION_LIBRARY.define("attention(Tensor x) -> Tensor")
+_ATTENTION_LIBRARY.impl("attention", torch.tanh, "CompositeExplicitAutograd")
+torch.library.register_fake("ladder_test::attention", torch.empty_like, lib=_ATTENTION_LIBRARY)
+
+
+class OpaqueAttention(Attention):
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ladder_test.attention(hidden_states @ self.weight + positions[:, None] / len(positions))
+
+
+def piecewise_call(function, *arguments) -> str:
+    """`function` as vLLM's piecewise backend compiles it: its Dynamo graph split at each attention op
+    (a piece of its own, run as it is), each other piece compiled by inductor, and the pieces run
+    one after another by the split graph. Returned as one `call` for the readers: the pieces' code
+    with their buffers renamed apart, each value the split graph hands on under one name
+    (`arg<node>_1`), aliased by the names a piece gives it and held until after the last piece that
+    takes it, as the split graph holds it."""
+    graphs = []
+    torch._dynamo.reset()
+    with torch.no_grad():  # as vLLM runs the model
+        torch.compile(function, backend=lambda graph, inputs: graphs.append((graph, inputs)) or graph.forward)(
+            *arguments
+        )
+    ((graph, graph_inputs),) = graphs
+    piece, pieces = 0, {}
+    for node in graph.graph.nodes:  # as vLLM's split_graph: each attention op a piece of its own
+        is_attention = node.target is torch.ops.ladder_test.attention.default
+        pieces[node] = piece = piece + 1 if is_attention else piece
+        piece += is_attention
+    split = split_module(graph, None, pieces.__getitem__, keep_original_order=True, tuple_return=True)
+    piece_inputs = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            piece_inputs[target] = args
+            return super().call_module(target, args, kwargs)
+
+    with torch.no_grad():
+        Recorder(split).run(*graph_inputs)
+    name = {node: f"arg{index}_1" for index, node in enumerate(split.graph.nodes)}
+    calls = [node for node in split.graph.nodes if node.op == "call_module"]
+    last_use = {value: index for index, node in enumerate(calls) for value in node.args}
+    lines = []
+    for index, node in enumerate(calls):
+        outputs = {user.args[1]: name[user] for user in node.users}
+        if any(
+            inner.target is torch.ops.ladder_test.attention.default for inner in getattr(split, node.target).graph.nodes
+        ):
+            lines.append(f"{outputs[0]} = torch.ops.ladder_test.attention.default({name[node.args[0]]})")
+        else:
+            with torch.no_grad():
+                _, codes = run_and_get_code(compile_fx, getattr(split, node.target), list(piece_inputs[node.target]))
+            call = codes[0][codes[0].index("def call(") :]
+
+            def local(match: re.Match, index: int = index) -> str:
+                return f"buf{index}0{match[1]}" if match[0].startswith("buf") else f"{match[0]}00{index}"
+
+            body = [re.sub(r"\b(?:buf(\d+)|arg\d+_\d+)\b", local, line.strip()) for line in call.splitlines()[1:]]
+            lines += [f"arg{argument}_100{index} = {name[value]}" for argument, value in enumerate(node.args)]
+            returned = next(line for line in body if line.startswith("return ("))
+            live = {word for line in body for word in re.findall(NAME, line)}
+            for position, returned_name in enumerate(re.findall(NAME, returned)):
+                if position in outputs:
+                    lines.append(f"{outputs[position]} = {returned_name}")
+            lines += [line for line in body if not line.startswith(("return", "assert_", "args.clear"))]
+            deleted = {word for line in body for word in re.findall(rf"^del ({NAME})$", line)}
+            lines += [f"del {word}" for word in sorted(live - deleted)]  # the piece's names end with it
+        lines += [f"del {name[value]}" for value in node.args if last_use[value] == index]
+    return "\n".join(["def call(args):", *lines])
+
+
+def broken_wait(self, after):  # does not take the start's input: nothing keeps it alive
+    return torch.ops.ladder.all_reduce_wait(self.reduced, self.reduced, after)
+
+
+def broken_start(cls, partial, after, spans_attention=False):  # not after the previous reduction
+    return cls(torch.ops.ladder.all_reduce_start(partial, None, spans_attention), partial)
+
+
+@pytest.mark.parametrize("chaining", ["as built", "wait without the start's input", "start after nothing"])
+def test_piecewise_readers_see_reductions_across_attention(chaining, monkeypatch):
+    """Issue 42 item 3: an MLP output's reduction starts in one piece and is joined in the next, after
+    the attention between them: its input and output must live across the boundary, and reductions
+    keep program order across pieces. Each reader fails on the chaining broken as it guards."""
+    if chaining == "wait without the start's input":
+        monkeypatch.setattr(ops.InFlight, "wait", broken_wait)
+    elif chaining == "start after nothing":
+        monkeypatch.setattr(ops.InFlight, "start", classmethod(broken_start))
+    layers, positions, x = inputs(torch.device("cpu"))
+    layers = layers[2:4]  # ladder -> ladder: layer 2's MLP reduction overlaps layer 3's attention
+    for layer in layers:
+        layer.self_attn.__class__ = OpaqueAttention
+    call = piecewise_call(model_stream, layers, positions, x)
+    print(call)
+    steps = read_steps(call)
+    spans = [(steps[start].line, steps[wait].line) for start, wait in started_and_joined(steps) if wait is not None]
+    assert any("attention" in call.splitlines()[a:b].__str__() for a, b in spans), "no reduction across a piece"
+    problems = {"lifetime": lifetime_problems(call), "ordering": ordering_problems(call)}
+    expected = {"as built": set(), "wait without the start's input": {"lifetime"}, "start after nothing": {"ordering"}}
+    assert {reader for reader, found in problems.items() if found} == expected[chaining], problems

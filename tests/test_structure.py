@@ -5,7 +5,11 @@ other in a circle."""
 from __future__ import annotations
 
 import ast
+import importlib.util
+import sys
 from pathlib import Path
+
+import pytest
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 # Source folder -> the package it installs as (setup.cfg's package_dir).
@@ -17,6 +21,7 @@ PACKAGES = {
     "cli": "ladder.cli",
 }
 UPPER_FLOORS = ("ladder.convert", "ladder.adapt", "ladder.eval", "ladder.cli")
+SECOND_NAMES = ("convert", "adapt", "eval", "cli", "benchmarks")
 
 
 def modules() -> dict[str, Path]:
@@ -87,3 +92,11 @@ def test_no_modules_import_each_other_in_a_circle():
         if module not in done:
             visit(module, [module])
     assert not circles
+
+
+@pytest.mark.parametrize("folder", SECOND_NAMES)
+def test_no_stage_imports_under_its_folder_name(folder):
+    """`adapt.recipe` beside `ladder.adapt.recipe` was a second copy of one module in one process
+    (`python -m pytest` puts the working folder, the checkout, on sys.path); tests import `ladder.*`."""
+    assert importlib.util.find_spec(folder) is None
+    assert not [name for name in sys.modules if name.partition(".")[0] == folder]
