@@ -158,23 +158,30 @@ GPU_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 gpu-check:
 	$(GPU_PYTHON) -m benchmarks.gpu_check $(ARGS)
 
-# The packages the lent machine's image holds in versions below this package's ranges, as pure-Python
-# wheels of the versions constraints.txt pins (about 15 MB; the device tool carries 64 MiB a call).
+# The packages the lent machine's image lacks or holds in versions below this package's ranges, as
+# wheels of the versions constraints.txt pins, for its Python (3.12); about 17 MB, where the device
+# tool carries 64 MiB a call. All pure Python but pydantic_core (manylinux x86_64).
 GPU_WHEELS := .gpu-wheels
-GPU_CARRIED := transformers accelerate peft
+GPU_CARRIED := transformers accelerate peft pydantic pydantic_core annotated-types typing-inspection typing_extensions
+
+# $(1): the folder, $(2): the Python version the wheels are for.
+define download-gpu-wheels
+	rm -rf $(1) && mkdir -p $(1)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(2) --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(1) \
+	    $(foreach name,$(GPU_CARRIED),$(shell grep -i '^$(name)==' constraints.txt))
+	touch $(1)/.downloaded
+endef
 
 gpu-wheels: $(GPU_WHEELS)/.downloaded
 
 $(GPU_WHEELS)/.downloaded: constraints.txt Makefile
-	rm -rf $(GPU_WHEELS)
-	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(GPU_WHEELS) \
-	    $(foreach name,$(GPU_CARRIED),$(shell grep -i '^$(name)==' constraints.txt))
-	touch $@
+	$(call download-gpu-wheels,$(GPU_WHEELS),3.12)
 
 # The lent image's versions (docs/gpu.md) of what the GPU checks import, and nothing else, on this
-# CPU: torch is the CPU build on this machine's disk, 2.13 (pip finds no CPU build of the image's
-# 2.11). `make gpu-image-env` runs `make gpu-check`'s whole course in it with --cpu.
+# CPU: torch is the CPU build on this machine's disk, 2.13 for Python 3.11 (pip finds no CPU build of
+# the image's 2.11), so the carried wheels are fetched again for 3.11. `make gpu-image-env` runs
+# `make gpu-check`'s whole course in it with --cpu.
 GPU_IMAGE_VENV := .venv-gpu-image
 GPU_IMAGE_PACKAGES := torch==2.13.0 transformers==5.17.0 accelerate==1.15.0 peft==0.18.1 safetensors==0.8.0 \
     tokenizers==0.23.2 huggingface_hub==1.33.0 numpy pytest pyyaml tabulate tqdm packaging psutil setuptools wheel
@@ -182,10 +189,15 @@ GPU_IMAGE_PACKAGES := torch==2.13.0 transformers==5.17.0 accelerate==1.15.0 peft
 $(GPU_IMAGE_VENV)/.installed: Makefile
 	test -x $(GPU_IMAGE_VENV)/bin/python || $(PYTHON) -m venv $(GPU_IMAGE_VENV)
 	$(GPU_IMAGE_VENV)/bin/pip install --quiet $(GPU_IMAGE_PACKAGES)
+	# typer's newer releases pull pydantic, which the image (an older typer) lacks, with its needs.
+	$(GPU_IMAGE_VENV)/bin/pip uninstall --quiet --yes pydantic pydantic_core annotated-types typing-inspection
 	touch $@
 
-gpu-image-env: $(GPU_IMAGE_VENV)/.installed $(GPU_WHEELS)/.downloaded
-	$(GPU_IMAGE_VENV)/bin/python -m benchmarks.gpu_check --cpu $(ARGS)
+$(GPU_IMAGE_VENV)/wheels/.downloaded: constraints.txt Makefile $(GPU_IMAGE_VENV)/.installed
+	$(call download-gpu-wheels,$(GPU_IMAGE_VENV)/wheels,3.11)
+
+gpu-image-env: $(GPU_IMAGE_VENV)/wheels/.downloaded
+	$(GPU_IMAGE_VENV)/bin/python -m benchmarks.gpu_check --cpu --wheels $(GPU_IMAGE_VENV)/wheels $(ARGS)
 
 demo: $(STAMP)
 	$(BIN)/ladder demo $(ARGS)

@@ -9,7 +9,7 @@ forms `make test` runs) and vllm_speed's timer; this script only prepares and ru
 3. The carried wheels and this checkout installed into a temporary folder (pip, no index, no network):
    the machine's own packages stay as they are.
 4. Each check in a process group of its own under its time limit (a check past it is killed with
-   every process it started, so none keeps GPU memory from the next).
+   every process it started, torchrun's workers too, so none keeps GPU memory from the next).
 5. One JSON report outside the checkout: $OUT/gpu-check.json where OUT is set (the device tool brings
    it back), else in a new temporary folder; its path is printed. Exit 1 if a check failed.
 
@@ -181,6 +181,11 @@ def run_check(name: str, cpu: bool, environment: dict, scratch: Path) -> dict:
         output, _ = process.communicate(timeout=limit)
         error = None if process.returncode == 0 else f"exit status {process.returncode}"
     except subprocess.TimeoutExpired:
+        import psutil  # accelerate's dependency
+
+        # torchrun starts its workers in sessions of their own: each descendant, then the group.
+        for child in psutil.Process(process.pid).children(recursive=True):
+            child.kill()
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         error = f"over its {limit} s limit"
@@ -191,6 +196,9 @@ def run_check(name: str, cpu: bool, environment: dict, scratch: Path) -> dict:
             outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
             properties = {item.get("name"): item.get("value") for item in case.iter("property")}
             result["tests"][case.get("name")] = {"outcome": outcome, **properties}
+        outcomes = [test["outcome"] for test in result["tests"].values()]
+        if error is None and not cpu and (not outcomes or "skipped" in outcomes):  # a GPU test skipped on a GPU
+            error = "a GPU test was skipped or none ran"
     elif not check.tests and error is None:
         result["measured"] = json.loads(output.strip().splitlines()[-1])
     return {**result, "passed": error is None, "error": error, "output_tail": output[-3000:]}
