@@ -23,14 +23,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rewire a Llama checkpoint (a Hugging Face directory or a .gguf file) into Ladder Residual "
         "form. No weight changes; the output loads with transformers.",
     )
-    _add_source_arguments(parser)
-    _add_output_arguments(parser)
-    _add_check_arguments(parser)
-    return parser
-
-
-def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
-    """What to convert: the model and its ladder layers."""
     parser.add_argument(
         "model",
         nargs="?",
@@ -52,10 +44,6 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --layers auto:N: text files or folders of training text to measure on "
         "(default: eight Gutenberg training books from the data folder)",
     )
-
-
-def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where and how the output is written."""
     parser.add_argument(
         "--out", type=Path, metavar="DIR", help="output directory (default: runs/convert/<model>-ladder<N>)"
     )
@@ -76,16 +64,13 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
         "edits the other; same filesystem only)",
     )
     parser.add_argument("--force", action="store_true", help="replace an earlier `ladder convert` output")
-
-
-def _add_check_arguments(parser: argparse.ArgumentParser) -> None:
-    """What is checked, and which inputs are trusted."""
     parser.add_argument(
         "--verify",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="measure the conversion damage on fixed prompts (default: when both models fit in memory)",
     )
+    return parser
 
 
 def _size(nbytes: int) -> str:

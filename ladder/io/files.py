@@ -79,10 +79,11 @@ def _remove(entry: Path) -> None:
         entry.unlink(missing_ok=True)
 
 
-def _remove_stale_temporaries(final: Path) -> None:
+def _remove_stale_temporaries(final: Path, refuse_live: bool = False) -> None:
     """Temporary siblings left by runs that were killed: no process holds their lock (a folder
     without a marker is stale too). A retired output (`..-old`) with no `final` beside it means the
-    run died between its two renames: it goes back into place rather than being deleted."""
+    run died between its two renames: it goes back into place rather than being deleted.
+    `refuse_live`: a live run's temporary folder is refused in one line (two runs, one output)."""
     now = time.time()
     for leftover in final.parent.glob(f".{final.name}{_BIRTH_MARK}*"):
         with contextlib.suppress(FileNotFoundError):
@@ -90,8 +91,10 @@ def _remove_stale_temporaries(final: Path) -> None:
                 _remove(leftover)
     for leftover in sorted(final.parent.glob(f".{final.name}{_STAGING_MARK}*")):
         marker = leftover / OUTPUT_MARKER if leftover.is_dir() else leftover
-        if (lock := _lock(marker)) is None and marker.exists():
-            continue  # a live run's
+        if (lock := _lock(marker)) is None and marker.exists():  # a live run's
+            if refuse_live and leftover.is_dir() and not leftover.name.endswith(_RETIRED_SUFFIX):
+                raise UsageError(f"another run is writing {final} now (its temporary {leftover.name} is locked)")
+            continue
         try:
             if leftover.name.endswith(_RETIRED_SUFFIX) and not final.exists():
                 os.rename(leftover, final)
@@ -168,12 +171,6 @@ def lock_output(directory: str | Path, command: str) -> OutputLock:
     return lock
 
 
-def _check_no_live_staging(final: Path) -> None:
-    for leftover in final.parent.glob(f".{final.name}{_STAGING_MARK}*"):
-        if leftover.is_dir() and not leftover.name.endswith(_RETIRED_SUFFIX):
-            raise UsageError(f"another run is writing {final} now (its temporary {leftover.name} is locked)")
-
-
 def _install(staging: Path, final: Path, force: bool, command: str | None) -> None:
     """Move a complete staging folder into place. The rename refuses to replace an output that
     appeared while the run worked; with `force`, an earlier output of `command` is replaced, kept
@@ -230,8 +227,7 @@ def atomic_directory(final: str | Path, force: bool = False, command: str | None
     final = Path(final).absolute()
     check_force_target(final, command, force)
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(final)
-    _check_no_live_staging(final)
+    _remove_stale_temporaries(final, refuse_live=True)
     temporary, lock = _born_locked(final.parent, final.name, directory=True, command=command)
     try:
         yield temporary

@@ -1,7 +1,7 @@
 """Checkpoint weights, through the safetensors library: `ShardedTensorIndex` (which shard holds
 which tensor; every header checked by `safe_open`, which refuses a truncated or corrupt file),
 `LazyTensorLoader` (whole tensors or row/column slices, for the tensor-parallel runtime), and
-`write_shards` (planned shards, each written with `save_file`, one shard in memory at a time).
+`write_shards` (laid-out shards, each written with `save_file`, one shard in memory at a time).
 
 Headers need neither torch nor numpy (a copy-mode conversion starts without them, in a fraction
 of a second): a `TensorSpec` names its dtype as torch does ("bfloat16"), and torch is imported by
@@ -209,8 +209,8 @@ def cut_into_shards(tensors: Sequence[TensorSpec], max_shard_size: int) -> list[
 
 
 def write_shards(directory: Path, shards: Sequence[OutputShard], read: Callable[[str], torch.Tensor]) -> None:
-    """Write planned shards with safetensors' `save_file`, one after another (one shard's tensors in
-    memory at a time), each tensor `read(name)` cast to its planned dtype; then the index (only
+    """Write laid-out shards with safetensors' `save_file`, one after another (one shard's tensors in
+    memory at a time), each tensor `read(name)` cast to the dtype its spec names; then the index (only
     when there is more than one shard, as transformers does)."""
     from safetensors.torch import save_file
 
