@@ -45,6 +45,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import PUBLISHED_SHAPES
+from ladder.cli_types import positive_int, positive_ints
 
 SHAPES = {
     # ~100M parameters in 8 layers: a decode step is a few ms per rank on one CPU core, so the
@@ -202,32 +203,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--shape", choices=tuple(SHAPES), default="cpu", help="model shape, random (dummy) weights (default cpu)"
-    )
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
-    parser.add_argument("--batch", default="1,4", help="batch sizes, comma-separated (default 1,4)")
-    parser.add_argument("--prompt-length", type=int, default=32, help="prompt tokens per sequence (default 32)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per timed run (default 32)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported (default 3)")
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        help="default: bfloat16 on GPUs, float32 on the CPU (bf16 is slow there)",
-    )
-    parser.add_argument(
-        "--compiled", action="store_true", help="vLLM's default torch.compile (and CUDA graphs on GPU) instead of eager"
-    )
-    parser.add_argument(
-        "--out", default="runs/bench/vllm_speed.json", help="JSON results (default runs/bench/vllm_speed.json)"
-    )
+    add = parser.add_argument
+    add("--shape", choices=tuple(SHAPES), default="cpu", help="model shape, random (dummy) weights (default cpu)")
+    add("--tp", type=positive_int, default=2, help="tensor-parallel degree (default 2)")
+    add("--batch", type=positive_ints, default=[1, 4], help="batch sizes, comma-separated (default 1,4)")
+    add("--prompt-length", type=positive_int, default=32, help="prompt tokens per sequence (default 32)")
+    add("--new-tokens", type=positive_int, default=32, help="tokens generated per timed run (default 32)")
+    add("--repeats", type=positive_int, default=3, help="timed rounds; medians are reported (default 3)")
+    add("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on GPUs, float32 on the CPU (slow bf16)")
+    add("--compiled", action="store_true", help="vLLM's default torch.compile (and CUDA graphs on GPU), not eager")
+    add("--out", default="runs/bench/vllm_speed.json", help="JSON results (default runs/bench/vllm_speed.json)")
     args = parser.parse_args(argv)
-    try:
-        args.batches = [int(b) for b in args.batch.split(",") if b.strip()]
-    except ValueError:
-        parser.error(f"--batch {args.batch!r}: give comma-separated integers")
-    if args.new_tokens < 2 or args.repeats < 1 or args.tp < 1 or not args.batches or min(args.batches) < 1:
-        parser.error("--new-tokens must be at least 2, and --repeats, --tp and every --batch at least 1")
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2")
     return args
 
 
@@ -250,7 +238,7 @@ def run_variant(name: str, model: Path, args: argparse.Namespace, max_len: int) 
     install_timer, total_all_reduce = all_reduce_timer()
     llm.collective_rpc(install_timer)
     rows = []
-    for batch in args.batches:
+    for batch in args.batch:
         row = dict(
             variant=name,
             batch=batch,

@@ -1,45 +1,31 @@
-"""The ladder layer loop of the vLLM model (ladder/serving/model.py) and its all-reduce ops, with
-torch alone: vLLM's pieces (its tensor-parallel group, auxiliary stream and forward context) come
-in through `Engine`, which the model installs, so tests run this code, the code vLLM runs, without vLLM.
+"""The ladder layer loop of the vLLM model (ladder/serving/model.py) and its all-reduce ops, with torch
+alone: vLLM's tensor-parallel group, auxiliary stream and forward context come in through `Engine`,
+which the model installs, so tests run the code vLLM runs without vLLM (docs/serving.md, The model).
 
-The residual stream is carried as vLLM carries it (stream = hidden_states + residual, added
-inside the next fused add-RMSNorm) plus one more term, the attention output of the last ladder
-layer that is not in the stream yet:
+The residual stream is carried as vLLM carries it (hidden_states + residual, added in the next fused
+add-RMSNorm) plus the attention output of the last ladder layer, not in the stream yet:
+attn_stream = residual + pending_attention, mlp_stream = attn_stream + hidden_states. A ladder
+layer's o_proj and down_proj do not reduce; the layer reduces each output right after its module and
+adds the sum where the wiring needs it (Algorithm 1 of arXiv 2501.06589).
 
-    attn_stream = residual + pending_attention
-    mlp_stream  = residual + pending_attention + hidden_states
+The reductions are opaque custom ops, which also fence torch.compile: torch 2.13's inductor fused a
+pointwise read of a buffer that a mutating op fills (vLLM's CPU linears write through
+`_C.onednn_mm(out, ...)`) into a kernel before the write. Llama reads each output at once; the
+ladder reads one a module later and served garbage at TP=1, where vLLM's all-reduce is a no-op. An
+extern op is neither fused nor moved, and its output is a buffer of its own.
 
-A ladder layer's o_proj and down_proj are built with `reduce_results=False`; the layer issues
-the all-reduce of each output itself, right after the module that made it, and the sum is
-added only where the wiring needs it: the attention output before the next attention, the MLP
-output before the next MLP. This is Algorithm 1 of the paper (arXiv 2501.06589).
-
-The all-reduces are opaque custom ops (`torch.ops.ladder.*`). Besides reducing they fence
-torch.compile: torch 2.13's inductor fuses a pointwise read of a buffer that a mutating custom op
-fills (vLLM's CPU linears write through `_C.onednn_mm(out, ...)` into an empty buffer) into an
-earlier kernel, before the write. vLLM's Llama reads each output at once and never meets it; the
-ladder reads an output one module later, after independent work that inductor fused with the read,
-and served garbage: tokens that changed from run to run at TP=1, where vLLM's all-reduce is a
-Python no-op and no opaque op stood between the linear and the late read. An extern op is neither
-fused nor moved, and its output is a buffer of its own, so every reader follows the write.
-
-Overlap (tensor parallelism on CUDA): `all_reduce_start` runs the group's all-reduce on the
-auxiliary stream after an event from the compute stream, and `all_reduce_wait` joins it to the
-compute stream after the module it overlaps. Stream fork and join happen inside the ops, unseen
-by torch.compile and recorded by CUDA-graph capture. What keeps that right under inductor is data
-flow, the only thing its scheduler and buffer reuse respect:
-- the wait takes the start's input and output, so neither buffer is freed or reused while the
-  auxiliary stream may still read or write it (inductor reused the input at once otherwise);
+At TP > 1 on CUDA, `all_reduce_start` runs the reduction on the auxiliary stream after an event from
+the compute stream and `all_reduce_wait` joins it after the module it overlaps, unseen by
+torch.compile and recorded by CUDA-graph capture. Only data flow orders them under inductor:
+- the wait takes the start's input and output, so neither is freed or reused while the auxiliary
+  stream may use it (inductor reused the input at once otherwise);
 - the wait takes the overlapped module's output, so no pass moves the join before that module;
-- every reduction op takes the result of the reduction before it (`after`), so they run one at
-  a time in program order: vLLM's custom all-reduce has one staging buffer and assumes one call
-  at a time, and a single pair of events serves the one reduction in flight.
-An attention output's reduction always overlaps the MLP. An MLP output's reduction overlaps the
-next (ladder) layer's attention only where vLLM runs the step as one full CUDA graph: piecewise
-graphs are split at attention, and a fork in one piece cannot be joined in the next. The start
-asks the engine at run time (`Engine.may_span_attention`) and is synchronous otherwise.
-On CPU there is no stream: start is the synchronous all-reduce of the group (vLLM's: shared
-memory, spinning until every rank has arrived) and wait a copy.
+- every reduction takes the previous one's result (`after`), so they run one at a time in program
+  order: vLLM's custom all-reduce has one staging buffer, and one pair of events serves the one
+  reduction in flight.
+An MLP output's reduction overlaps the next ladder layer's attention only in a full CUDA graph
+(`Engine.may_span_attention`): piecewise graphs are split at attention. On CPU there is no stream:
+start is the group's synchronous all-reduce and wait a copy.
 """
 
 from __future__ import annotations
