@@ -275,6 +275,7 @@ def test_eval_out_may_not_be_a_model_it_scores(tmp_path, tiny_checkpoint, capsys
     assert {p.name: p.read_bytes() for p in model.iterdir()} == before
 
 
+@pytest.mark.slow  # two conversion processes, each verifying
 def test_two_conversions_into_one_folder_never_both_succeed(tmp_path, tiny_checkpoint):
     """Two `ladder convert` runs into one --out, started together, both exited 0 and the second
     silently replaced the first. Verification (seconds) keeps both inside their staging at once."""
