@@ -157,7 +157,11 @@ def install(site: Path, wheels: Path) -> None:
     local files; the checkout's build folders are git-ignored."""
     command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-build-isolation"]
     command += ["--no-compile", "--disable-pip-version-check", "--target", str(site), *map(str, wheels.glob("*.whl"))]
-    subprocess.run([*command, str(REPO)], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    installed = subprocess.run([*command, str(REPO)], cwd=REPO, capture_output=True, text=True)
+    if installed.returncode != 0:  # e.g. wheels made for another Python (make gpu-wheels: 3.12, the image's)
+        raise SystemExit(
+            f"gpu_check: cannot install {wheels} and the checkout: {installed.stderr.strip().splitlines()[-1]}"
+        )
 
 
 def run_check(name: str, cpu: bool, environment: dict, scratch: Path) -> dict:

@@ -85,7 +85,10 @@ def test_a_version_below_the_ranges_is_named_in_one_line_before_any_work(tmp_pat
 @pytest.mark.slow
 def test_cpu_course_writes_its_report_outside_the_checkout(tmp_path):
     """The course's installation (pip, into a temporary folder) and one check, in about 30 s."""
-    completed = gpu_check("--cpu", "--only", "vllm_speed_timing", OUT=str(tmp_path))
+    (tmp_path / "wheels").mkdir()  # none: .venv has every range (.gpu-wheels holds the GPU machine's Python's)
+    completed = gpu_check(
+        "--cpu", "--only", "vllm_speed_timing", "--wheels", str(tmp_path / "wheels"), OUT=str(tmp_path)
+    )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     report = tmp_path / "gpu-check.json"
     assert completed.stdout.splitlines()[-1].endswith(f"report: {report}")
