@@ -308,26 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(
-        out,
-        json.dumps(
-            dict(
-                command=["python", "-m", "benchmarks.vllm_speed", *(argv if argv is not None else sys.argv[1:])],
-                shape=shape,
-                tp=args.tp,
-                dtype=args.dtype,
-                compiled=args.compiled,
-                prompt_length=args.prompt_length,
-                new_tokens=args.new_tokens,
-                repeats=args.repeats,
-                binding=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-                machine=dict(platform=platform.platform(), cpus=os.cpu_count(), device=current_platform.device_name),
-                rows=rows,
-            ),
-            indent=2,
-        )
-        + "\n",
+    settings = {
+        name: getattr(args, name) for name in ("tp", "dtype", "compiled", "prompt_length", "new_tokens", "repeats")
+    }
+    record = dict(
+        command=["python", "-m", "benchmarks.vllm_speed", *(argv if argv is not None else sys.argv[1:])],
+        shape=shape,
+        **settings,
+        binding=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), device=current_platform.device_name),
+        rows=rows,
     )
+    atomic_write(out, json.dumps(record, indent=2) + "\n")
     print(f"\nresults in {out}")
     return 0
 

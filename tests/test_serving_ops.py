@@ -104,14 +104,6 @@ def model_stream(layers: list[Layer], positions: torch.Tensor, x: torch.Tensor) 
     return hidden_states + residual
 
 
-@pytest.fixture
-def engine():
-    """Restores the ops' engine after a test that installs its own."""
-    before = ops.ENGINE
-    yield
-    ops.install(before)
-
-
 def overlapped_engine(device: torch.device) -> ops.Engine:
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
     return ops.Engine(group=SlowReduction, aux_stream=lambda: side, may_span_attention=lambda: True)
@@ -153,7 +145,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.slow  # one inductor compile
 @pytest.mark.parametrize("device", DEVICES)
-def test_ladder_loop_computes_the_two_streams(device, engine):
+def test_ladder_loop_computes_the_two_streams(device, monkeypatch):
     """Issue 42 item 2: the layer loop vLLM runs, eager and compiled, synchronous and overlapped,
     computes the ladder model; an overlapped run computes what the synchronous one computes, kernel
     for kernel (on CUDA a buffer overwritten during the sleep differs by the size of the values)."""
@@ -163,7 +155,7 @@ def test_ladder_loop_computes_the_two_streams(device, engine):
     compiled = torch.compile(model_stream, fullgraph=True)
     results = {}
     for overlap in (False, True):
-        ops.install(overlapped_engine(device) if overlap else ops.Engine())
+        monkeypatch.setattr(ops, "ENGINE", overlapped_engine(device) if overlap else ops.Engine())
         results["eager", overlap] = run(model_stream, device, layers, positions, x)
         results["inductor", overlap] = run(compiled, device, layers, positions, x)
         if device.type == "cuda":
@@ -182,7 +174,7 @@ def test_ladder_loop_computes_the_two_streams(device, engine):
 
 @pytest.mark.gpu
 @CUDA
-def test_overlapped_capture_holds_no_more_memory(engine):
+def test_overlapped_capture_holds_no_more_memory(monkeypatch):
     """Issue 42 item 4: buffers marked with record_stream during CUDA-graph capture are freed only
     when the capture ends, so each started reduction's input and output held memory of its own in
     the graph's pool. Overlapped, the capture may hold one more buffer than synchronous (the
@@ -192,7 +184,7 @@ def test_overlapped_capture_holds_no_more_memory(engine):
     buffer = x.numel() * x.element_size()
     growth = {}
     for overlap in (False, True):
-        ops.install(overlapped_engine(device) if overlap else ops.Engine())
+        monkeypatch.setattr(ops, "ENGINE", overlapped_engine(device) if overlap else ops.Engine())
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()

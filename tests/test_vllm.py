@@ -245,9 +245,10 @@ def wait_until_healthy(port: int, server: subprocess.Popen, timeout: float) -> N
 
 
 def test_make_serve_answers_an_openai_chat_request(checkpoints, tmp_path):
-    """`make serve` on the tiny ladder model: a chat completion through the `openai` client over
-    real HTTP, then SIGTERM to the server (what a process manager sends) stops every process of it
-    without a traceback, none killed (`ladder serve` gives vLLM a shutdown grace period). (Ctrl-C,
+    """`make serve` on the tiny ladder model, with no VLLM_CPU_KVCACHE_SPACE (`ladder serve` sizes
+    it): a chat completion through the `openai` client over real HTTP, to the model named by its
+    folder, then SIGTERM to the server (what a process manager sends) stops every process of it
+    without a traceback or triton's leak report, none killed (`ladder serve` gives vLLM a shutdown grace period). (Ctrl-C,
     SIGINT to the whole group, also stops it, but vLLM's engine process then exits before its API
     server and the server logs the dead engine.)"""
     port = free_port()

@@ -8,7 +8,7 @@ checkpoint without ladder layers computes exactly vLLM's Llama.
 
 The layer loop, the ladder layer and its all-reduce ops live in `ladder.serving.ops` (torch
 alone, so tests run them without vLLM); this module builds vLLM's modules around them and
-installs vLLM's tensor-parallel group, auxiliary stream and forward context there.
+sets vLLM's tensor-parallel group, auxiliary stream and forward context there (`ops.ENGINE`).
 `ladder/tp/runtime.py` is this package's own runtime, which overlaps both reductions (gloo or
 NCCL, asynchronously).
 
@@ -36,7 +36,7 @@ def _may_span_attention() -> bool:
     return is_forward_context_available() and get_forward_context().cudagraph_runtime_mode == CUDAGraphMode.FULL
 
 
-ops.install(ops.Engine(get_tp_group, aux_stream, _may_span_attention, current_stream))
+ops.ENGINE = ops.Engine(get_tp_group, aux_stream, _may_span_attention, current_stream)
 
 
 class LadderLlamaDecoderLayer(LlamaDecoderLayer):

@@ -1,6 +1,6 @@
 """The ladder layer loop of the vLLM model (ladder/serving/model.py) and its all-reduce ops, with torch
 alone: vLLM's tensor-parallel group, auxiliary stream and forward context come in through `Engine`,
-which the model installs, so tests run the code vLLM runs without vLLM (docs/serving.md, The model).
+which the model sets, so tests run the code vLLM runs without vLLM (docs/serving.md, The model).
 
 The residual stream is carried as vLLM carries it (hidden_states + residual, added in the next fused
 add-RMSNorm) plus the attention output of the last ladder layer, not in the stream yet:
@@ -59,12 +59,7 @@ class Engine:
     current_stream: Callable[[], torch.cuda.Stream] = torch.cuda.current_stream
 
 
-ENGINE = Engine()  # ladder.serving.model installs vLLM's (`install`)
-
-
-def install(engine: Engine) -> None:
-    global ENGINE
-    ENGINE = engine
+ENGINE = Engine()  # read at run time: ladder.serving.model sets vLLM's, tests their own
 
 
 # The one ladder reduction that may be in flight on the auxiliary stream (each reduction op waits for
@@ -230,4 +225,4 @@ def layer_loop(
     return hidden_states, residual
 
 
-__all__ = ["ENGINE", "Engine", "InFlight", "SingleRank", "install", "ladder_forward", "layer_loop"]
+__all__ = ["ENGINE", "Engine", "InFlight", "SingleRank", "ladder_forward", "layer_loop"]

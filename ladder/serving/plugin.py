@@ -4,7 +4,8 @@
 vLLM calls `register()` in every process it starts (the API server, the engine core and each
 tensor-parallel worker), so registration must be cheap and repeatable: the model class is
 registered by its "module:Class" name and imported only where a model is built. Under `ladder serve`
-it also applies the server's shutdown fix (ladder/serving/server.py: `quiet_engine_shutdown`).
+it also applies the server's shutdown fixes (ladder/serving/server.py: `quiet_engine_shutdown`,
+`drop_exit_leak_reports`).
 
 The model subclasses vLLM's Llama internals (layer, model and loader signatures, its custom-op
 registration), which change between minor versions: the plugin registers it only with the versions
@@ -35,7 +36,8 @@ def register() -> None:
         return
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
-    from ladder.serving.server import SERVE_ENV_FLAG, quiet_engine_shutdown
+    from ladder.serving.server import SERVE_ENV_FLAG, drop_exit_leak_reports, quiet_engine_shutdown
 
     if os.environ.get(SERVE_ENV_FLAG):
         quiet_engine_shutdown()
+        drop_exit_leak_reports()
