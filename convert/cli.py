@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights",
         choices=WEIGHT_MODES,
         default="copy",
-        help="how unchanged weight files reach the output: copy (default: read once, hashed on the way), "
+        help="how unchanged weight files reach the output: copy (default), "
         "link (hard links: instant, but the output's files ARE the source's, so editing one in place "
         "edits the other; same filesystem only)",
     )

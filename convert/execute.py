@@ -3,22 +3,19 @@ files, verify, then the model card and `conversion.json`, all into a staging dir
 (`atomic_directory`) that appears under its name only once it is complete.
 
 Where no dtype change and no resharding is asked, the source's safetensors files go over as they
-are: copied (each byte read once and hashed on the way; the files side by side, so that their
-hashes use every core) or hard-linked on request (`weights`); otherwise each output shard is
-written with safetensors' `save_file` from the source's tensors. The manifest records the sha256 of
-every source weight file (not for hard links, which would cost a read of every byte).
+are: copied (`shutil.copyfile`, which the kernel does without passing the bytes through Python) or
+hard-linked on request (`weights`); otherwise each output shard is written with safetensors'
+`save_file` from the source's tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +25,7 @@ from tqdm import tqdm
 import ladder
 import ladder.model
 from ladder.errors import UsageError
-from ladder.io.files import atomic_directory, remember_sha256, sha256_file
+from ladder.io.files import atomic_directory
 from ladder.io.loading import load_config
 from ladder.io.model_card import SourceFacts, loading_section, origin_line, render_card, source_facts
 from ladder.io.tensors import SINGLE_NAME, OutputShard, ShardedTensorIndex, TensorSpec, write_index, write_shards
@@ -44,7 +41,6 @@ if TYPE_CHECKING:
 # What save_pretrained writes beside config.json so that the checkpoint loads with
 # trust_remote_code=True: the files `auto_map` names and their relative imports.
 MODELING_FILES = ("configuration_ladder_llama.py", "modeling_ladder_llama.py", "config_rules.py")
-COPY_CHUNK_BYTES = 16 << 20
 
 
 def write_conversion(
@@ -72,38 +68,25 @@ def write_conversion(
 
 
 def _write_weights(conversion: Conversion, staging: Path, weights: str, progress: bool) -> None:
-    """The weight files, as they are or rewritten, with the sha256 of each source file."""
-    summary, source = conversion.summary, conversion.source
-    total = sum(path.stat().st_size for path in source.weight_files)
-    bar = tqdm(desc="weights", total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress or None)
-    with bar:
-        if not conversion.copy_as_is:
-            summary.source_sha256 = {path.name: sha256_file(path) for path in source.weight_files}
-            write_shards(staging, conversion.layout, _tensor_reader(source))
-        elif weights == "link":
-            for path in source.weight_files:
+    """The weight files, as they are (copied or hard-linked) or rewritten."""
+    source = conversion.source
+    if not conversion.copy_as_is:
+        write_shards(staging, conversion.layout, _tensor_reader(source))
+        return
+    sizes = {path: path.stat().st_size for path in source.weight_files}
+    with tqdm(
+        desc="weights", total=sum(sizes.values()), unit="B", unit_scale=True, disable=None if progress else True
+    ) as bar:
+        for path, size in sizes.items():
+            if weights == "link":
                 os.link(path, staging / path.name)
-            summary.weights, summary.source_sha256 = "hard-linked", None
-        else:
-            with ThreadPoolExecutor() as pool:
-                hashes = pool.map(lambda path: _copy_hashed(path, staging / path.name, bar), source.weight_files)
-                summary.source_sha256 = {path.name: digest for path, digest in zip(source.weight_files, hashes)}
-        bar.update(total - bar.n)
-    if conversion.copy_as_is and any(shard.path.name != SINGLE_NAME for shard in source.shards):
-        write_index(staging, [OutputShard(shard.path.name, shard.tensors) for shard in source.shards])
-
-
-def _copy_hashed(source: Path, target: Path, bar: tqdm) -> str:
-    """Copy a file and return its SHA-256, each byte read once (hashlib and file IO release the GIL,
-    so files copied side by side hash on every core)."""
-    digest, buffer = hashlib.sha256(), memoryview(bytearray(COPY_CHUNK_BYTES))
-    with open(source, "rb", buffering=0) as reader, open(target, "wb") as writer:
-        while size := reader.readinto(buffer):
-            digest.update(buffer[:size])
-            writer.write(buffer[:size])
+            else:
+                shutil.copyfile(path, staging / path.name)
             bar.update(size)
-    remember_sha256(source, digest.hexdigest())
-    return digest.hexdigest()
+    if weights == "link":
+        conversion.summary.weights = "hard-linked"
+    if any(shard.path.name != SINGLE_NAME for shard in source.shards):
+        write_index(staging, [OutputShard(shard.path.name, shard.tensors) for shard in source.shards])
 
 
 def _copy_other_files(source: Source, staging: Path) -> None:
@@ -224,7 +207,7 @@ def _model_card(summary: ConversionSummary, source: SourceFacts, kept_source_car
             f"| next-token top-1 agreement | {damage.top1_agreement:.1%} |",
             f"| mean KL(original \\|\\| ladder), nats | {damage.mean_kl:.4f} |",
         ]
-    lines += ["", "`conversion.json` records the source, the sha256 of its weight files, and these figures."]
+    lines += ["", "`conversion.json` records the source, the settings and these figures."]
     if kept_source_card:
         lines.append("The source's own model card is kept as `README.source.md`.")
     if source.license:

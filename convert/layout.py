@@ -108,7 +108,6 @@ class ConversionSummary:
     shards: list[str]
     dropped: dict[str, str]  # tensor name -> why
     not_copied: list[str]
-    source_sha256: dict[str, str] | None  # weight file name -> hash; None for hard links (not read)
     seconds: float = 0.0
     damage: Damage | None = None
     verify_skipped: str | None = None
@@ -362,7 +361,6 @@ def lay_out(
         shards=[shard.filename for shard in layout],
         dropped=dropped,
         not_copied=source.not_copied,
-        source_sha256={},
         layer_search=search,
     )
     config = ladder_config_dict(source.config, layers, summary.dtype)

@@ -336,11 +336,6 @@ def sha256_file(path: str | Path) -> str:
     return _HASHES[identity]
 
 
-def remember_sha256(path: str | Path, digest: str) -> None:
-    """Record the hash of a file whose bytes were hashed on the way in (a copy): not read again."""
-    _HASHES[file_identity(path)] = digest
-
-
 def ladder_data_dir() -> Path:
     """The data folder (benchmark and training files): `$LADDER_DATA`, else, when the code runs from
     a repository checkout, `../shared/data` beside it. An installed package has no such neighbour,
