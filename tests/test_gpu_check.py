@@ -40,26 +40,26 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.fixture(scope="module")
 def listed_checks() -> tuple[list[str], str]:
     """The checks `--list` names, and the script's source (their time limits and test files)."""
     listed = gpu_check("--list")
     assert listed.returncode == 0, listed.stderr
-    return [line.split(":")[0] for line in listed.stdout.splitlines()], (
-        REPO / "benchmarks" / "gpu_check.py"
-    ).read_text()
+    source = (REPO / "benchmarks" / "gpu_check.py").read_text()
+    return [line.split(":")[0] for line in listed.stdout.splitlines()], source
 
 
-def test_every_check_is_documented_and_the_gpu_limits_add_up_to_eight_minutes_at_most():
-    names, source = listed_checks()
+def test_every_check_is_documented_and_the_gpu_limits_add_up_to_eight_minutes_at_most(listed_checks):
+    names, source = listed_checks
     documented = (REPO / "docs" / "gpu.md").read_text()
     assert names and all(f"`{name}`" in documented for name in names)
     limits = [int(line.split("=")[1].rstrip(",")) for line in source.splitlines() if line.strip().startswith("limit=")]
     assert len(limits) == len(names) and sum(limits) <= 8 * 60
 
 
-def test_every_test_file_with_gpu_tests_is_a_check():
+def test_every_test_file_with_gpu_tests_is_a_check(listed_checks):
     """A test marked gpu that no check runs would never run on the lent machine."""
-    _, source = listed_checks()
+    _, source = listed_checks
     tests = sorted((REPO / "tests").glob("test_*.py"))
     marked = [path for path in tests if re.search(r"mark\.gpu|\bDEVICES\b", path.read_text())]
     assert marked and all(f'"tests/{path.name}"' in source for path in marked)
