@@ -204,7 +204,7 @@ class ChatRenderer:
     def __init__(self, template: str, special_tokens: dict, owner: str = "the tokenizer"):
         self.template, self.special_tokens, self.owner = template, special_tokens, owner
         # Rendered in a process the operating system bounds (`ladder.chat_template`): the template is the model's code.
-        self.worker = TemplateWorker()
+        self.worker = TemplateWorker(owner)
         self.render(PROBE)  # a template that fails on every chat says so here, not inside learn()
         self.keeps_whitespace, self.footer = self.learn()
 

@@ -5,7 +5,8 @@ The key (`cache_key`) covers the weights (`fingerprint`), the code that runs the
 scoring path, `SCORING_PACKAGES`; computed from their source, not a number bumped by hand), the task
 (`task_identity`: suite entry, configs, task code, data files' content), the library versions and
 the run's numerics. Entries are a JSON record beside its gzipped per-item samples; an entry that
-does not read back as one (a flipped byte, a half-written file) is a miss, said in one line.
+does not read back as one, or whose content does not match the digest it carries (a flipped byte,
+a half-written file, an edited score), is a miss, said in one line.
 """
 
 from __future__ import annotations
@@ -39,17 +40,20 @@ PROVENANCE_FILES = ("conversion.json", "recipe.yaml")
 # or GGUF file into weights. An edit to any of their files changes the key. (A backend's engine
 # code outside them is keyed by its model classes' sources, `code_classes`.)
 SCORING_PACKAGES = ("ladder.eval", "ladder.model", "ladder.io")
-# Where the content hashes of data files are remembered, by path and file status (in the cache folder).
+# The key of a cache record that holds the SHA-256 of the record and its samples.
+DIGEST_KEY = "ladder_content_sha256"
+# Where the content hashes of weights and data files are remembered, by path and file status (in the cache folder).
 FILE_HASHES = "file-hashes.json"
 # A temporary of a cache write (atomic_write's `.NAME.tmp-...`) older than this is a killed write's:
 # writing an entry takes well under a second.
 STALE_TEMPORARY_SECONDS = 3600
 
 
-def fingerprint(path: Path) -> str:
+def fingerprint(path: Path, hashes: FileHashes) -> str:
     """SHA-256 over the files that make the model: a GGUF file, or every top-level file of a
     checkpoint folder (weights, config with the ladder layers, tokenizer, modeling code) but its
-    docs and provenance records, so that converting the same weights again hits the cache."""
+    docs and provenance records, so that converting the same weights again hits the cache. Each
+    file's hash comes from `hashes`: a file unchanged since is not read again."""
     files = (
         [path]
         if path.is_file()
@@ -61,7 +65,7 @@ def fingerprint(path: Path) -> str:
     )
     digest = hashlib.sha256()
     for file in files:
-        digest.update(f"{file.name}\0{sha256_file(file)}\n".encode())
+        digest.update(f"{file.name}\0{hashes.digest(file)}\n".encode())
     return digest.hexdigest()
 
 
@@ -117,10 +121,13 @@ def _files_digest(files: dict[str, Path]) -> str:
 
 
 class FileHashes:
-    """Content hashes of data files, remembered in a small JSON index by path and file status, so
-    a large file is hashed once and not on every run. The status holds the inode and the ctime
-    besides the size and mtime: any write or rename sets the ctime to now, and no call sets it
-    back (`os.utime` restores an mtime, not a ctime), so an edit is seen whatever it restores."""
+    """Content hashes of files (weights, data), remembered by path and file status in this process
+    (every instance shares the memo) and in a small JSON index (the cache's), so that a large file
+    is hashed once and not on every run. The status holds the inode and the ctime besides the size
+    and mtime: any write or rename sets the ctime to now, and no call sets it back (`os.utime`
+    restores an mtime, not a ctime), so an edit is seen whatever it restores."""
+
+    process: dict[str, list] = {}  # path -> [size, mtime_ns, ctime_ns, inode, sha256]
 
     def __init__(self, index: Path | None):
         self.index = index
@@ -135,13 +142,19 @@ class FileHashes:
         path = path.resolve()
         status = path.stat()
         identity = [status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino]
-        known = self.known.get(str(path))
-        if isinstance(known, list) and known[:-1] == identity:
-            return known[-1]
-        digest = sha256_file(path)
-        self.known[str(path)] = [*identity, digest]
-        self.changed = True
-        return digest
+        entry = next(
+            (
+                known
+                for known in (self.process.get(str(path)), self.known.get(str(path)))
+                if isinstance(known, list) and known[:-1] == identity
+            ),
+            None,
+        ) or [*identity, sha256_file(path)]
+        self.process[str(path)] = entry
+        if self.known.get(str(path)) != entry:
+            self.known[str(path)] = entry
+            self.changed = True
+        return entry[-1]
 
     def save(self) -> None:
         if self.index is not None and self.changed:
@@ -163,7 +176,7 @@ def task_identity(suite_task: SuiteTask, prepared: dict, hashes: FileHashes) -> 
             "metadata": {k: v for k, v in metadata.items() if k not in ("config_source", "data_dir")},
         }
     data = {relative: hashes.digest(Path(path)) for relative, path in sorted(prepared["data_files"].items())}
-    return {"suite_task": suite_task.as_dict(), "configs": configs, "sources": prepared["sources"], "data": data}
+    return {"suite_task": suite_task.model_dump(), "configs": configs, "sources": prepared["sources"], "data": data}
 
 
 def cache_key(model: dict, task: dict, runtime: Runtime, batch_size: int | str) -> str:
@@ -207,8 +220,9 @@ def _stable_repr(value) -> str:
 
 def read_cache(path: Path, warn: Callable[[str], None]) -> tuple[dict, dict] | None:
     """A cached (record, samples), or None when either file is missing; None too, with one line to
-    `warn`, when they do not read back as a record and its samples (flipped bytes, bad UTF-8,
-    another JSON type): the entry is scored again and replaced."""
+    `warn`, when they do not read back as the record and samples written (flipped bytes, bad UTF-8,
+    another JSON type, an edited score: the record carries the SHA-256 of both, `_content_digest`):
+    the entry is scored again and replaced."""
     samples_path = path.with_suffix(".samples.json.gz")
     if not (path.is_file() and samples_path.is_file()):
         return None
@@ -219,10 +233,16 @@ def read_cache(path: Path, warn: Callable[[str], None]) -> tuple[dict, dict] | N
     except (OSError, EOFError, ValueError, zlib.error) as error:  # ValueError: bad JSON or UTF-8
         warn(f"warning: ignoring the unreadable cache entry {path} ({type(error).__name__}); scoring it again")
         return None
-    if not (isinstance(record, dict) and isinstance(record.get("results"), dict) and isinstance(samples, dict)):
-        warn(f"warning: ignoring the cache entry {path}: not a cached record; scoring it again")
+    if not (isinstance(record, dict) and isinstance(samples, dict)) or (
+        record.pop(DIGEST_KEY, None) != _content_digest(record, samples)
+    ):
+        warn(f"warning: ignoring the cache entry {path}: its content does not match its digest; scoring it again")
         return None
     return record, samples
+
+
+def _content_digest(record: dict, samples: dict) -> str:
+    return hashlib.sha256(json.dumps([record, samples], sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 def remove_stale_temporaries(cache_dir: Path) -> None:
@@ -242,4 +262,4 @@ def write_cache(path: Path, record: dict, samples: dict) -> None:
     # The samples first: a record without them would not count as cached.
     samples_json = json.dumps(samples, ensure_ascii=False).encode()
     atomic_write(path.with_suffix(".samples.json.gz"), gzip.compress(samples_json, compresslevel=6, mtime=0))
-    atomic_write(path, json.dumps(record))
+    atomic_write(path, json.dumps({**record, DIGEST_KEY: _content_digest(record, samples)}))

@@ -16,29 +16,20 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
 
+from ladder.cli_types import non_negative_int, positive_int
 from ladder.errors import ArgumentParser, UsageError, first_line, run_command
 from ladder.io.files import ladder_data_dir
 from ladder.io.yaml_files import parse_yaml
 from ladder.launch import multi_process_launcher
 
 from .backends import BACKENDS
-from .evaluate import DEFAULT_RUNS, check_outputs, check_tasks, default_cache_dir, evaluate_models
+from .evaluate import check_outputs, check_tasks, default_cache_dir, default_out, evaluate_models, quiet_libraries
+from .runtime import DEFAULT_BATCH_SIZE, check_processes, resolve_runtime
 from .suite import Suite, load_suite, suite_names, tasks_suite
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
 
 
 def _limit(text: str) -> int | float:
@@ -55,7 +46,7 @@ def _limit(text: str) -> int | float:
 
 
 def _batch_size(text: str) -> int | str:
-    return "auto" if text == "auto" else _positive_int(text)
+    return "auto" if text == "auto" else positive_int(text)
 
 
 def _gen_kwargs(text: str) -> dict:
@@ -81,16 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Score models side by side with lm-evaluation-harness. The first MODEL (or --baseline) is "
         "the reference column; each other model gets its difference from it, with a standard error.",
     )
-    _add_models_and_suite(parser)
-    _add_folders(parser)
-    _add_runtime(parser)
-    _add_samples_option(parser)
-    _add_chat_options(parser)
-    _add_cache_and_logging(parser)
-    return parser
-
-
-def _add_models_and_suite(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "models",
         nargs="+",
@@ -117,25 +98,33 @@ def _add_models_and_suite(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="score at most N items of each task, or a fraction of them when below 1 (as lm_eval's --limit)",
     )
-
-
-def _add_folders(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--out", type=Path, metavar="DIR", help="results folder (default: runs/eval/<time>-<suite>-<random>)"
+        "--num-fewshot",
+        "--num_fewshot",
+        type=non_negative_int,
+        metavar="N",
+        help="few-shot examples before each item, on every task (as lm_eval's --num_fewshot; default: the suite's)",
+    )
+    parser.add_argument("--model_args", help=argparse.SUPPRESS)  # lm_eval's: answered in main
+    parser.add_argument(
+        "--out",
+        "--output_path",
+        type=Path,
+        metavar="DIR",
+        help="results folder (default: runs/eval/<time>-<suite>-<random>)",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing results folder")
     parser.add_argument(
         "--data", type=Path, metavar="DIR", help="benchmark data folder (default: $LADDER_DATA, else ../shared/data)"
     )
-
-
-def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size",
+        "--batch_size",
         type=_batch_size,
-        default=8,
+        default=DEFAULT_BATCH_SIZE,
         metavar="N",
-        help="lm-eval batch size per process, or `auto` (lm-eval finds the largest that fits; default 8)",
+        help=f"lm-eval batch size per process, or `auto` (on a GPU lm-eval finds the largest that fits; "
+        f"on the CPU the default, {DEFAULT_BATCH_SIZE})",
     )
     parser.add_argument(
         "--device",
@@ -151,7 +140,7 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--processes",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="score with N processes, each with a copy of the model and a share of the items "
@@ -170,26 +159,20 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
         "make eval BACKEND=vllm)",
     )
     parser.add_argument(
-        "--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel ranks of the vllm backend (default 1)"
+        "--tp", type=positive_int, default=1, metavar="N", help="tensor-parallel ranks of the vllm backend (default 1)"
     )
     parser.add_argument(
         "--data-parallel",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="vllm backend: N engines (each with --tp ranks, on its own GPUs or CPU cores) splitting the items",
     )
-
-
-def _add_samples_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-samples",
         action="store_true",
         help="keep lm-eval's per-item records (prompt, target, output or log-likelihoods) in DIR/samples/",
     )
-
-
-def _add_chat_options(parser: argparse.ArgumentParser) -> None:
     chat = parser.add_argument_group("instruct models (lm-eval's chat options; override the suite's)")
     chat.add_argument(
         "--apply-chat-template",
@@ -219,9 +202,6 @@ def _add_chat_options(parser: argparse.ArgumentParser) -> None:
         metavar="K=V,...",
         help="generation settings of generating tasks, e.g. max_gen_toks=512,temperature=0",
     )
-
-
-def _add_cache_and_logging(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache",
         type=Path,
@@ -230,13 +210,20 @@ def _add_cache_and_logging(parser: argparse.ArgumentParser) -> None:
         "~/.cache/ladder/eval: shared by runs from any folder)",
     )
     parser.add_argument("--no-cache", action="store_true", help="score everything again, and cache nothing")
+    return parser
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.model_args is not None:
+        raise UsageError(
+            "--model_args: name the model as MODEL (a checkpoint folder, .gguf file, Hub ID or `embedded`), "
+            "its settings with --dtype, --device, --batch-size, --parallelize"
+        )
     suite = (
         (tasks_suite(args.tasks) if args.tasks else load_suite(args.suite or "smoke"))
         .with_limit(args.limit)
+        .with_num_fewshot(args.num_fewshot)
         .with_chat(args.apply_chat_template, args.fewshot_as_multiturn, args.system_instruction, args.gen_kwargs)
     )
     if args.data is not None and not args.data.is_dir():
@@ -245,27 +232,25 @@ def main(argv: list[str]) -> int:
     data_dir = args.data or (ladder_data_dir() if suite.offline else None)
     models = ([args.baseline] if args.baseline else []) + args.models
     cache_dir = None if args.no_cache else args.cache or default_cache_dir()
+    out = args.out or default_out(suite)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if args.processes > 1 and launched == 1:
-        return _launch(argv, args, suite, models, data_dir, cache_dir)
+        return _launch(argv, args, suite, models, data_dir, cache_dir, out)
     if args.processes > 1 and args.processes != launched:
         raise UsageError(f"--processes {args.processes} under a launcher that started {launched}")
 
+    runtime = resolve_runtime(
+        args.device, args.dtype, args.batch_size, args.parallelize, args.backend, args.tp, args.data_parallel
+    )
     evaluation = evaluate_models(
         models,
         suite,
-        out=args.out,
+        runtime,
+        out=out,
         force=args.force,
         data_dir=data_dir,
-        batch_size=args.batch_size,
         cache_dir=cache_dir,
         verbose=args.verbose,
-        device=args.device,
-        dtype=args.dtype,
-        parallelize=args.parallelize,
-        backend=args.backend,
-        tensor_parallel=args.tp,
-        data_parallel=args.data_parallel,
         log_samples=args.log_samples,
     )
     if evaluation is not None:  # process 0 of several prints for all
@@ -283,33 +268,25 @@ def _launch(
     models: list[str],
     data_dir: Path | None,
     cache_dir: Path | None,
+    out: Path,
 ) -> int:
     """Run this command again in `args.processes` processes under `accelerate launch`. `--multi_gpu`
     is what makes accelerate start several processes (through torchrun); with no GPU they score on
     the CPU over gloo (`--cpu --num_processes N` starts only one: accelerate issue #2741). The
-    tasks are checked here first: a fault is one line, not one per process."""
+    tasks are checked here first, with lm-eval and datasets quiet: a fault is one line, not one per
+    process, nor after their warnings."""
     import torch
 
     from .models import resolve_models
 
-    out = args.out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
     check_outputs(resolve_models(models), out, cache_dir, data_dir, args.force)
-    if args.parallelize:
-        raise UsageError("--parallelize splits one model over all GPUs: it runs in one process (drop --processes)")
-    if args.device.startswith("cuda:"):
-        raise UsageError(f"--device {args.device} names one GPU; with --processes each process takes its own")
+    check_processes(args.device, args.parallelize)
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
     if gpus and args.processes > gpus:
         raise UsageError(f"--processes {args.processes}: only {gpus} GPU(s) are visible (one process per GPU)")
+    quiet_libraries(args.verbose)
     check_tasks(suite, data_dir, args.processes)
-    command = [
-        *multi_process_launcher(args.processes),
-        "-m",
-        "ladder.eval.cli",
-        *argv,
-        "--out",
-        str(out),
-    ]
+    command = [*multi_process_launcher(args.processes), "-m", "ladder.eval.cli", *argv, "--out", str(out)]
     return subprocess.run(command).returncode
 
 

@@ -20,7 +20,8 @@ from ladder.errors import UsageError, first_line
 from ladder.io.files import atomic_directory, atomic_write, ladder_cache_dir
 from ladder.io.outputs import check_output
 
-from .suite import Suite, SuiteTask
+from .runtime import Runtime
+from .suite import Suite
 
 DEFAULT_RUNS = Path("runs/eval")
 
@@ -35,28 +36,21 @@ class Evaluation:
 def evaluate_models(
     models: list[str],
     suite: Suite,
+    runtime: Runtime | None = None,
     out: Path | None = None,
     force: bool = False,
     data_dir: Path | None = None,
-    batch_size: int | str = 8,
     cache_dir: Path | None = None,
     verbose: bool = False,
-    device: str = "auto",
-    dtype: str = "auto",
-    parallelize: bool = False,
     log_samples: bool = False,
-    backend: str = "hf",
-    tensor_parallel: int = 1,
-    data_parallel: int = 1,
 ) -> Evaluation | None:
     """Score `models` (checkpoint folders, .gguf files or `embedded`, each optionally `LABEL=MODEL`;
-    the first is the reference column) on `suite` into `out` (default runs/eval/<time>-<suite>-<random>).
-    `data_dir`: the folder our offline tasks read; `cache_dir`: where scores are kept and reused
-    (`default_cache_dir()` is the one every run shares), None scores everything again;
-    `device`, `dtype`, `batch_size`, `parallelize`, `backend`, `tensor_parallel`, `data_parallel`: see
-    `runtime.resolve_runtime`; `log_samples`: keep lm-eval's per-item records in
-    out/samples/<model>/<task>.jsonl. Returns None on the
-    processes other than 0 of a multi-process run."""
+    the first is the reference column) on `suite` into `out` (default: `default_out`), where and
+    how `runtime` says (`runtime.resolve_runtime`; default: its defaults). `data_dir`: the folder
+    our offline tasks read; `cache_dir`: where scores are kept and reused (`default_cache_dir()` is
+    the one every run shares), None scores everything again; `log_samples`: keep lm-eval's
+    per-item records in out/samples/<model>/<task>.jsonl. Returns None on the processes other than
+    0 of a multi-process run."""
     # lm-eval is slow to import: not until something is scored (`ladder eval --help` stays fast).
     import lm_eval
 
@@ -66,16 +60,12 @@ def evaluate_models(
     from .runtime import resolve_runtime
 
     refs = resolve_models(models)
-    out = out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
+    out = out or default_out(suite)
     check_outputs(refs, out, cache_dir, data_dir, force)  # atomic_directory checks a replaced folder again at the end
     check_chat_templates(refs, suite)
-    runtime = resolve_runtime(device, dtype, batch_size, parallelize, backend, tensor_parallel, data_parallel)
+    runtime = runtime or resolve_runtime()
     get_backend(runtime.backend).check(runtime, refs)
-    if not verbose:
-        logging.getLogger("lm_eval").setLevel(logging.ERROR)
-        import datasets
-
-        datasets.disable_progress_bars()
+    quiet_libraries(verbose)
     if runtime.rank != 0:
         # The other processes score their share of the items and write nothing.
         with tempfile.TemporaryDirectory(prefix="ladder-eval-") as scratch:
@@ -88,10 +78,11 @@ def evaluate_models(
         results = _score(refs, suite, data_dir, runtime, cache_dir, samples_dir, datasets_cache)
         shutil.rmtree(datasets_cache, ignore_errors=True)
         for model_results in results:
-            atomic_write(staging / f"{file_name(model_results.model.label)}.json", _json(lm_eval_json(model_results)))
+            record = json.dumps(lm_eval_json(model_results), indent=2, default=str, ensure_ascii=False)
+            atomic_write(staging / f"{file_name(model_results.model.label)}.json", record + "\n")
         header = {
             "suite": suite.name,
-            "tasks": ", ".join(_describe(task) for task in suite.tasks),
+            "tasks": ", ".join(task.describe() for task in suite.tasks),
             **runtime.describe(),
             "lm_eval": lm_eval.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -108,6 +99,20 @@ def check_outputs(refs: list, out: Path, cache_dir: Path | None, data_dir: Path 
     check_output(out, "eval", inputs, force=force)
     if cache_dir is not None:
         check_output(cache_dir, "eval", inputs, existing="add", what="--cache")
+
+
+def default_out(suite: Suite) -> Path:
+    """The results folder when none is named: runs/eval/<time>-<suite>-<random>."""
+    return DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """lm-eval's task warnings and datasets' progress bars, shown only with -v."""
+    if not verbose:
+        import datasets
+
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)
+        datasets.disable_progress_bars()
 
 
 def default_cache_dir() -> Path:
@@ -189,26 +194,4 @@ def _check_hub(timeout: float = 10.0) -> None:
         ) from None
 
 
-def _describe(task: SuiteTask) -> str:
-    settings = []
-    if task.num_fewshot:
-        settings.append(f"{task.num_fewshot}-shot")
-    if task.every > 1:
-        settings.append(f"one item in {task.every}")
-    if task.limit:
-        settings.append(f"at most {task.limit}")
-    if task.apply_chat_template:
-        template = "" if task.apply_chat_template is True else f" {task.apply_chat_template}"
-        settings.append(f"chat template{template}" + (", few-shot as turns" if task.fewshot_as_multiturn else ""))
-    if task.system_instruction:
-        settings.append("system instruction")
-    if task.gen_kwargs:
-        settings.append(", ".join(f"{key}={value}" for key, value in task.gen_kwargs_dict().items()))
-    return f"{task.task} ({', '.join(settings)})" if settings else task.task
-
-
-def _json(data: object) -> str:
-    return json.dumps(data, indent=2, default=str, ensure_ascii=False) + "\n"
-
-
-__all__ = ["DEFAULT_RUNS", "Evaluation", "check_tasks", "default_cache_dir", "evaluate_models"]
+__all__ = ["DEFAULT_RUNS", "Evaluation", "check_tasks", "default_cache_dir", "default_out", "evaluate_models"]

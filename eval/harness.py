@@ -74,9 +74,18 @@ def run_suite(
         log = lambda message: None  # process 0 speaks for all
     backend = get_backend(runtime.backend)
     cache = cache_dir if main else None  # process 0 alone reads and writes the cache
-    identities = _task_identities(suite, prepared, cache) if cache is not None else {}
-    scoring_code = scoring_digest() if cache is not None else ""  # hashed once per run
-    batch_sizes = _task_batch_sizes(suite, prepared, runtime)
+    hashes = FileHashes(cache / FILE_HASHES if cache is not None else None)  # weights' and data files'
+    identities, scoring_code = {}, ""
+    if cache is not None:
+        remove_stale_temporaries(cache)  # what killed writes left
+        identities = {task.task: task_identity(task, prepared[task.task], hashes) for task in suite.tasks}
+        scoring_code = scoring_digest()  # hashed once per run
+    # The run's batch size, but 1 for rolling windows: a window is already max_length tokens, and
+    # batching them only multiplies the logits' memory (8 x 8192 x 49152 floats for SmolLM2 is 13 GB).
+    rolling = {task: {c.get("output_type") for c in prepared[task]["configs"].values()} for task in prepared}
+    batch_sizes = {
+        task: 1 if "loglikelihood_rolling" in types else runtime.batch_size for task, types in rolling.items()
+    }
     items = {
         task.task: sum(len(task.item_indices(n)) for n in prepared[task.task]["sizes"].values()) for task in suite.tasks
     }
@@ -85,16 +94,20 @@ def run_suite(
     with progress:
         for number, ref in enumerate(models, 1):
             progress.set_description(f"model {number}/{len(models)} {ref.label}")
-            results = ModelResults(ref, "")
-            keys: dict[str, str] = {}
+            results, keys = ModelResults(ref, ""), {}
             if main:
                 log(f"hashing {ref.path}")
-                results.fingerprint = fingerprint(ref.path)
-            if cache is not None:
-                keys = _model_cache_keys(
-                    ref, results.fingerprint, scoring_code, backend, identities, runtime, batch_sizes
-                )
-            found = _read_cached(cache, keys, lambda message: _write(message, logging.WARNING))
+                results.fingerprint = fingerprint(ref.path, hashes)
+                hashes.save()
+            if cache is not None:  # the weights, the code that runs them and the code that scores them
+                code = code_digest([model_class(ref.path), *backend.code_classes()])
+                model = {"weights": results.fingerprint, "code": code, "scoring_code": scoring_code}
+                keys = {
+                    task: cache_key(model, identity, runtime, batch_sizes[task])
+                    for task, identity in identities.items()
+                }
+            warn = lambda message: _write(message, logging.WARNING)
+            found = {task: hit for task, key in keys.items() if (hit := read_cache(cache / f"{key}.json", warn))}
             results.cached = list(found)
             cached = share(runtime, list(found))
             progress.total -= sum(items[task] for task in cached)  # the time left counts what is scored
@@ -121,54 +134,6 @@ def _write(message: str, level: int) -> None:
         tqdm.write(message, file=sys.stdout if level < logging.WARNING else sys.stderr)
 
 
-def _task_identities(suite: Suite, prepared: dict[str, dict], cache_dir: Path) -> dict[str, dict]:
-    """Each suite task's `task_identity`, with the data files' hashes remembered in the cache folder
-    (whose leftovers of killed writes are removed first)."""
-    remove_stale_temporaries(cache_dir)
-    hashes = FileHashes(cache_dir / FILE_HASHES)
-    identities = {task.task: task_identity(task, prepared[task.task], hashes) for task in suite.tasks}
-    hashes.save()
-    return identities
-
-
-def _task_batch_sizes(suite: Suite, prepared: dict[str, dict], runtime: Runtime) -> dict[str, int | str]:
-    """The run's batch size, but 1 for rolling windows: a window is already max_length tokens, and
-    batching them only multiplies the logits' memory (8 x 8192 x 49152 floats for SmolLM2 is 13 GB)."""
-    return {
-        task.task: 1
-        if any(
-            config.get("output_type") == "loglikelihood_rolling" for config in prepared[task.task]["configs"].values()
-        )
-        else runtime.batch_size
-        for task in suite.tasks
-    }
-
-
-def _model_cache_keys(
-    ref: ModelRef,
-    weights: str,
-    scoring_code: str,
-    backend: ModuleType,
-    identities: dict[str, dict],
-    runtime: Runtime,
-    batch_sizes: dict[str, int | str],
-) -> dict[str, str]:
-    """The cache key of each suite task for one model: its weights' fingerprint, the code that runs
-    them and the code that scores them (`scoring_code`: the `scoring_digest`)."""
-    code = code_digest([model_class(ref.path), *backend.code_classes()])
-    model = {"weights": weights, "code": code, "scoring_code": scoring_code}
-    return {task: cache_key(model, identity, runtime, batch_sizes[task]) for task, identity in identities.items()}
-
-
-def _read_cached(cache_dir: Path | None, keys: dict[str, str], log: Callable[[str], None]) -> dict[str, Scored]:
-    """The suite tasks found in the cache (in suite order), with their (record, samples)."""
-    found = {}
-    for task, key in keys.items():
-        if cache_dir is not None and (hit := read_cache(cache_dir / f"{key}.json", log)) is not None:
-            found[task] = hit
-    return found
-
-
 def _score_tasks(
     ref: ModelRef,
     tasks: list[SuiteTask],
@@ -188,15 +153,12 @@ def _score_tasks(
     log(f"loading {ref.label} ({runtime.dtype} on {runtime.describe()['device']}, {runtime.processes} process(es))")
     lm = backend.load_lm(ref, runtime)
     counter = ItemProgress(lm, progress)
-    with TemplateWorker() as worker:  # started by the first chat, if any
+    with TemplateWorker(f"{ref.label} ({ref.path})") as worker:  # started by the first chat, if any
         for number, task in enumerate(tasks, 1):
             if task.apply_chat_template:
-                bound_chat_template(lm, ref, worker, task.apply_chat_template)
+                bound_chat_template(lm, worker, task.apply_chat_template)
             progress.set_postfix_str(f"task {number}/{len(tasks)} {task.task}")
-            items = "all items" if task.limit is None else f"at most {task.limit} items"
-            items += f", one in {task.every}" if task.every > 1 else ""
-            items += f", a share of {task.fraction:g}" if task.fraction is not None else ""
-            log(f"scoring {ref.label} on {task.task} ({items})")
+            log(f"scoring {ref.label} on {task.describe()}")
             lm.batch_size_per_gpu = batch_sizes[task.task]
             started = time.monotonic()
             counter.items = items_of[task.task]

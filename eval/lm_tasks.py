@@ -5,15 +5,19 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
 import logging
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import lm_eval
+import lm_eval.evaluator
 from lm_eval.api.registry import AGGREGATION_REGISTRY
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable
@@ -22,22 +26,16 @@ from ladder.errors import UsageError, first_line
 from ladder.io.files import atomic_write
 
 from .models import file_name
+from .report import BOOTSTRAP_DRAWS
 from .runtime import Runtime
 from .suite import TASKS_DIR, Suite, SuiteTask
 from .tasks.utils import data_paths
 
-# lm-eval's default (100,000 bootstrap draws) takes minutes for LAMBADA's perplexity on a CPU;
-# 1,000 draws estimate a standard error to within a few percent.
-BOOTSTRAP_ITERS = 1000
-
 
 def _functions(value) -> Iterator[Callable]:
     """Every function in a task config (process_docs, custom_dataset, doc_to_target, ...)."""
-    if isinstance(value, dict):
-        for item in value.values():
-            yield from _functions(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
+    if isinstance(value, (dict, list, tuple)):
+        for item in value.values() if isinstance(value, dict) else value:
             yield from _functions(item)
     elif callable(value) and hasattr(value, "__code__"):
         yield value
@@ -53,27 +51,13 @@ def hub_offline(datasets_cache: Path) -> Iterator[None]:
     import datasets.config
     import huggingface_hub.constants
 
-    patches = [
-        (huggingface_hub.constants, "HF_HUB_OFFLINE", True),
-        (datasets.config, "HF_HUB_OFFLINE", True),
-        (datasets.config, "HF_DATASETS_OFFLINE", True),
-        (datasets.config, "HF_DATASETS_CACHE", datasets_cache),
-    ]
-    saved_env = {key: os.environ.get(key) for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE")}
-    saved_attrs = [(module, name, getattr(module, name)) for module, name, _ in patches]
-    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(datasets_cache))
-    for module, name, value in patches:
-        setattr(module, name, value)
-    try:
+    switches = {"HF_HUB_OFFLINE": True, "HF_DATASETS_OFFLINE": True, "HF_DATASETS_CACHE": datasets_cache}
+    with (
+        mock.patch.dict(os.environ, {key: "1" if value is True else str(value) for key, value in switches.items()}),
+        mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True),
+        mock.patch.multiple(datasets.config, **switches),
+    ):
         yield
-    finally:
-        for module, name, value in saved_attrs:
-            setattr(module, name, value)
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def task_manager(suite: Suite, data_dir: Path | None = None) -> TaskManager:
@@ -87,21 +71,17 @@ def task_manager(suite: Suite, data_dir: Path | None = None) -> TaskManager:
     return TaskManager(include_path=str(TASKS_DIR), metadata=metadata)
 
 
-def _aggregation_names() -> dict[Callable, str]:
-    return {function: name for name, function in AGGREGATION_REGISTRY.items()}
-
-
 def task_configs(suite: Suite, manager: TaskManager) -> dict[str, dict]:
     """Build every suite task once, before any model loads: unknown names and missing data files
     fail here. Returns per suite task its leaf tasks' configs and metric aggregations."""
     unknown = [task.task for task in suite.tasks if task.task not in manager.all_tasks]
     if unknown:
         raise UsageError(
-            f"suite {suite.name}: unknown task(s) {', '.join(unknown)}; "
+            f"unknown task(s) {', '.join(unknown)}; "
             f"ours are {', '.join(sorted(t for t in manager.all_subtasks if t.startswith('ladder_')))}, "
             "stock names are listed by `lm_eval ls tasks`"
         )
-    names = _aggregation_names()
+    names = {function: name for name, function in AGGREGATION_REGISTRY.items()}
     configs = {}
     for suite_task in suite.tasks:
         try:
@@ -169,8 +149,10 @@ def evaluate_task(
     if suite_task.every > 1 or suite_task.fraction is not None:
         samples = {name: suite_task.item_indices(size) for name, size in sizes.items()}
     # lm-eval prints some progress ("bootstrapping for stddev: perplexity"): to its log, not stdout.
-    with contextlib.redirect_stdout(_PrintsToLog(logging.getLogger("lm_eval"))):
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
         output = _simple_evaluate(lm, suite_task, manager, samples, runtime)
+    for line in filter(None, printed.getvalue().splitlines()):
+        logging.getLogger("lm_eval").info(line)
     if output is None:
         return None
     record = {key: value for key, value in output.items() if key != "samples"}
@@ -181,34 +163,41 @@ def evaluate_task(
     return record, json.loads(json.dumps(output["samples"], default=handle_non_serializable, ensure_ascii=False))
 
 
+@functools.cache
+def _environment() -> dict:
+    """What lm-eval records of the environment, collected once per process: torch's collect_env
+    (`pip list` and more: about 2 s, which simple_evaluate spent on every task) and the git
+    commit, of this checkout rather than of the working folder, with git's complaint about a
+    folder that is no repository kept off the terminal."""
+    from lm_eval.loggers.utils import add_env_info
+
+    environment: dict = {}
+    add_env_info(environment)
+    git = subprocess.run(["git", "describe", "--always"], cwd=TASKS_DIR, capture_output=True, text=True)
+    environment["git_hash"] = git.stdout.strip() or None
+    return environment
+
+
 def _simple_evaluate(lm, suite_task: SuiteTask, manager: TaskManager, samples: dict | None, runtime: Runtime):
-    return lm_eval.simple_evaluate(
-        model=lm,
-        tasks=[suite_task.task],
-        num_fewshot=suite_task.num_fewshot,
-        limit=suite_task.limit if samples is None else None,
-        samples=samples,
-        task_manager=manager,
-        bootstrap_iters=BOOTSTRAP_ITERS,
-        log_samples=True,
-        # Recorded in lm-eval's `config` (the model is already placed: these do not move it).
-        device=runtime.describe()["device"],
-        batch_size=lm.batch_size_per_gpu,
-        **suite_task.chat_options(),
-    )
-
-
-class _PrintsToLog(io.TextIOBase):
-    """A stdout whose lines go to `logger` (INFO): what a library prints, in its log."""
-
-    def __init__(self, logger: logging.Logger):
-        self.logger, self.pending = logger, ""
-
-    def write(self, text: str) -> int:
-        *lines, self.pending = (self.pending + text).split("\n")
-        for line in filter(None, lines):
-            self.logger.info(line)
-        return len(text)
+    with mock.patch.multiple(
+        lm_eval.evaluator,
+        add_env_info=lambda storage: storage.update(_environment()),
+        get_git_commit_hash=lambda: _environment()["git_hash"],
+    ):
+        return lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[suite_task.task],
+            num_fewshot=suite_task.num_fewshot,
+            limit=suite_task.limit if samples is None else None,
+            samples=samples,
+            task_manager=manager,
+            bootstrap_iters=BOOTSTRAP_DRAWS,
+            log_samples=True,
+            # Recorded in lm-eval's `config` (the model is already placed: these do not move it).
+            device=runtime.describe()["device"],
+            batch_size=lm.batch_size_per_gpu,
+            **suite_task.chat_options(),
+        )
 
 
 def write_samples(directory: Path, samples: dict) -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from jinja2 import TemplateError
 
-from ladder.chat_template import PROBE_CHAT, TemplateLimitExceeded, TemplateWorker
+from ladder.chat_template import PROBE_CHAT, TemplateWorker
 from ladder.errors import UsageError, first_line
 from ladder.io.loading import check_llama_checkpoint, load_tokenizer, model_name, resolve_model_path
 
@@ -60,7 +61,7 @@ def check_chat_templates(models: list[ModelRef], suite: Suite) -> None:
         return
     with TemplateWorker() as worker:
         for ref in models:
-            tokenizer = load_tokenizer(ref.path)
+            worker.owner, tokenizer = f"{ref.label} ({ref.path})", load_tokenizer(ref.path)
             templates = tokenizer.chat_template
             if not templates:
                 raise UsageError(
@@ -68,15 +69,11 @@ def check_chat_templates(models: list[ModelRef], suite: Suite) -> None:
                     "apply_chat_template) for a base model"
                 )
             for template in templates.values() if isinstance(templates, dict) else [templates]:
-                try:
+                with contextlib.suppress(TemplateError):
                     worker.render(template, PROBE_CHAT, add_generation_prompt=True, **tokenizer.special_tokens_map)
-                except TemplateLimitExceeded as error:
-                    raise UsageError(f"the chat template of {ref.label} ({ref.path}): {error}") from None
-                except TemplateError:
-                    pass
 
 
-def bound_chat_template(lm, ref: ModelRef, worker: TemplateWorker, chat_template: bool | str) -> None:
+def bound_chat_template(lm, worker: TemplateWorker, chat_template: bool | str) -> None:
     """lm-eval renders prompts with `lm.apply_chat_template` (the tokenizer's, unbounded): here the
     same template with the same arguments renders in `worker`, and a prompt past its limits, or
     one it fails on even without the system message (lm-eval's retry), is one line naming the model."""
@@ -93,11 +90,9 @@ def bound_chat_template(lm, ref: ModelRef, worker: TemplateWorker, chat_template
                     continue_final_message=not add_generation_prompt,
                     **options,
                 )
-            except TemplateLimitExceeded as error:
-                raise UsageError(f"the chat template of {ref.label} ({ref.path}): {error}") from None
             except TemplateError as error:
                 failure = first_line(error)
-        raise UsageError(f"the chat template of {ref.label} ({ref.path}) failed on a prompt: {failure}")
+        raise UsageError(f"the chat template of {worker.owner} failed on a prompt: {failure}")
 
     lm.apply_chat_template = apply_chat_template
 

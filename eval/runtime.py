@@ -8,14 +8,16 @@ import os
 import re
 from dataclasses import dataclass
 
-import torch
-
 from ladder.errors import UsageError
 from ladder.io.loading import DTYPES
 from ladder.serving.engine import use_spawn_where_cuda_may_be
 
 # `--device` values; `cuda:N` names one GPU.
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+# lm-eval's batch size unless told otherwise, and what `auto` means on the CPU: lm-eval's search for the
+# largest batch that fits is for GPU memory, and on the CPU it chose 64-row batches of padding (393 s
+# against 92 s for the same items).
+DEFAULT_BATCH_SIZE = 8
 # The backend a run uses unless told otherwise; its records and cache keys name no backend, as
 # before there was a choice (eval/backends/ holds every backend by name).
 DEFAULT_BACKEND = "hf"
@@ -28,7 +30,7 @@ class Runtime:
 
     device: str  # a torch device: "cpu", "cuda:0"
     dtype: str  # a key of ladder.io.loading.DTYPES
-    batch_size: int | str = 8  # or "auto": lm-eval finds the largest that fits
+    batch_size: int | str = DEFAULT_BATCH_SIZE  # or "auto": lm-eval finds the largest that fits (a GPU)
     parallelize: bool = False  # split one model over every visible GPU (device_map="auto")
     accelerator: object | None = None  # an accelerate.Accelerator when processes > 1
     backend: str = DEFAULT_BACKEND  # a name in eval/backends' table: "hf" (this process) or "vllm"
@@ -45,7 +47,7 @@ class Runtime:
 
     @property
     def device_type(self) -> str:
-        return torch.device(self.device).type
+        return self.device.partition(":")[0]
 
     def describe(self) -> dict:
         """What the report and lm-eval's JSON record about the run."""
@@ -65,7 +67,7 @@ class Runtime:
 def resolve_runtime(
     device: str = "auto",
     dtype: str = "auto",
-    batch_size: int | str = 8,
+    batch_size: int | str = DEFAULT_BATCH_SIZE,
     parallelize: bool = False,
     backend: str = DEFAULT_BACKEND,
     tensor_parallel: int = 1,
@@ -74,8 +76,14 @@ def resolve_runtime(
     """`auto` picks the GPU in bfloat16 where one is present (float16 on GPUs without bf16), else
     the CPU in float32. Under `accelerate launch` with several processes each takes the device
     accelerate gives it (its own GPU, or the CPU over gloo when there is none). What the backend
-    allows of these settings its own `check` says (eval/backends/)."""
-    _check_settings(device, dtype, batch_size)
+    allows of these settings its own `check` says (eval/backends/). `auto` batches on the CPU are
+    DEFAULT_BATCH_SIZE."""
+    if not DEVICE_PATTERN.fullmatch(device):
+        raise UsageError(f"--device {device!r}: choose auto, cpu, cuda or cuda:N")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    if not (batch_size == "auto" or (isinstance(batch_size, int) and batch_size >= 1)):
+        raise UsageError(f"--batch-size {batch_size!r}: a positive integer or auto")
     if backend == "vllm":
         use_spawn_where_cuda_may_be()  # before anything imports vLLM (its backend's check does)
     accelerator = None
@@ -88,24 +96,22 @@ def resolve_runtime(
         raise UsageError("--parallelize splits a model over GPUs: it needs --device cuda")
     if dtype == "auto":
         dtype = _default_dtype(device, backend)
+    if batch_size == "auto" and device == "cpu":
+        batch_size = DEFAULT_BATCH_SIZE
     return Runtime(device, dtype, batch_size, parallelize, accelerator, backend, tensor_parallel, data_parallel)
 
 
-def _check_settings(device: str, dtype: str, batch_size: int | str) -> None:
-    if not DEVICE_PATTERN.fullmatch(device):
-        raise UsageError(f"--device {device!r}: choose auto, cpu, cuda or cuda:N")
-    if dtype != "auto" and dtype not in DTYPES:
-        raise UsageError(f"--dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
-    if not (batch_size == "auto" or (isinstance(batch_size, int) and batch_size >= 1)):
-        raise UsageError(f"--batch-size {batch_size!r}: a positive integer or auto")
+def check_processes(device: str, parallelize: bool) -> None:
+    """What several processes cannot do (the launcher checks it before starting them)."""
+    if parallelize:
+        raise UsageError("--parallelize splits one model over all GPUs: it runs in one process (drop --processes)")
+    if device.startswith("cuda:"):
+        raise UsageError(f"--device {device} names one GPU; with several processes each takes its own")
 
 
 def _accelerator(device: str, parallelize: bool):
     """The accelerate state of one of several processes that `accelerate launch` started."""
-    if device.startswith("cuda:"):
-        raise UsageError(f"--device {device} names one GPU; under accelerate launch each process takes its own")
-    if parallelize:
-        raise UsageError("--parallelize splits one model over all GPUs: run it in a single process")
+    check_processes(device, parallelize)
     from accelerate import Accelerator, InitProcessGroupKwargs
 
     # Process 0 hashes the models and reads the cache while the others wait (a large model
@@ -121,10 +127,14 @@ def visible_gpus() -> int:
     answers, so that this process does not initialise the CUDA driver: torch.cuda.is_available()
     does, without setting the flag (torch.cuda.is_initialized) that vLLM reads to choose between
     fork and spawn, and vLLM's forked engine then fails ("CUDA driver initialization failed")."""
+    import torch
+
     return torch.cuda.device_count()
 
 
 def _single_process_device(device: str) -> str:
+    import torch
+
     gpus = visible_gpus()
     if device == "auto":
         return "cuda:0" if gpus else "cpu"
@@ -139,6 +149,8 @@ def _single_process_device(device: str) -> str:
 
 
 def _default_dtype(device: str, backend: str) -> str:
+    import torch
+
     if not device.startswith("cuda"):
         return "float32"
     if backend == "vllm":

@@ -19,8 +19,11 @@ The shipped suites live in eval/suites/; `--suite` takes one of their names or a
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from ladder.errors import UsageError, excerpt
 from ladder.io.yaml_files import load_yaml_file
@@ -28,39 +31,56 @@ from ladder.io.yaml_files import load_yaml_file
 SUITES_DIR = Path(__file__).parent / "suites"
 TASKS_DIR = Path(__file__).parent / "tasks"  # our task YAMLs, each named as its task
 
-_SUITE_KEYS = {"description", "offline", "tasks"}
-_CHAT_KEYS = {"apply_chat_template", "fewshot_as_multiturn", "system_instruction", "gen_kwargs"}
-_TASK_KEYS = {"task", "num_fewshot", "every", "limit"} | _CHAT_KEYS
+Count = Annotated[StrictInt, Field(ge=1)]
 
 
-@dataclass(frozen=True)
-class SuiteTask:
-    task: str
-    num_fewshot: int | None = None
-    limit: int | None = None
-    every: int = 1
+class SuiteTask(BaseModel):
+    """One task of a suite, as its YAML entry gives it (validated by pydantic: each fault one line)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    task: Annotated[StrictStr, Field(min_length=1)]
+    num_fewshot: Annotated[StrictInt, Field(ge=0)] | None = None
+    limit: Count | None = None
+    every: Count = 1
     # A share of the items (lm-eval's --limit below 1): ceil(fraction x the items `every` picks).
-    fraction: float | None = None
+    fraction: Annotated[float, Field(gt=0, lt=1)] | None = None
     # lm-eval's chat options (simple_evaluate's arguments of the same names).
-    apply_chat_template: bool | str = False
-    fewshot_as_multiturn: bool = False
-    system_instruction: str | None = None
-    gen_kwargs: tuple[tuple[str, object], ...] = ()  # sorted (key, value) pairs: hashable, one order
+    apply_chat_template: StrictBool | Annotated[StrictStr, Field(min_length=1)] = False
+    fewshot_as_multiturn: StrictBool = False
+    system_instruction: StrictStr | None = None
+    gen_kwargs: dict[StrictStr, StrictStr | StrictBool | StrictInt | float | list] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _turns_need_the_template(self) -> SuiteTask:
+        if self.fewshot_as_multiturn and not self.apply_chat_template:
+            raise ValueError("fewshot_as_multiturn needs apply_chat_template (the turns are chat messages)")
+        return self
 
     def chat_options(self) -> dict:
         """simple_evaluate's keyword arguments for this task's chat options."""
-        return {
-            "apply_chat_template": self.apply_chat_template,
-            "fewshot_as_multiturn": self.fewshot_as_multiturn,
-            "system_instruction": self.system_instruction,
-            "gen_kwargs": self.gen_kwargs_dict() or None,
-        }
+        options = self.model_dump(include={"apply_chat_template", "fewshot_as_multiturn", "system_instruction"})
+        return {**options, "gen_kwargs": self.gen_kwargs or None}
 
-    def gen_kwargs_dict(self) -> dict:
-        return {key: list(value) if isinstance(value, tuple) else value for key, value in self.gen_kwargs}
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "gen_kwargs": self.gen_kwargs_dict()}
+    def describe(self) -> str:
+        """The task and the settings it is scored with, as the log and the report name them."""
+        settings = []
+        if self.num_fewshot:
+            settings.append(f"{self.num_fewshot}-shot")
+        if self.every > 1:
+            settings.append(f"one item in {self.every}")
+        if self.fraction is not None:
+            settings.append(f"a share of {self.fraction:g}")
+        if self.limit:
+            settings.append(f"at most {self.limit}")
+        if self.apply_chat_template:
+            template = "" if self.apply_chat_template is True else f" {self.apply_chat_template}"
+            settings.append(f"chat template{template}" + (", few-shot as turns" if self.fewshot_as_multiturn else ""))
+        if self.system_instruction:
+            settings.append("system instruction")
+        if self.gen_kwargs:
+            settings.append(", ".join(f"{key}={value}" for key, value in self.gen_kwargs.items()))
+        return f"{self.task} ({', '.join(settings)})" if settings else self.task
 
     def item_indices(self, size: int) -> list[int]:
         """The items scored of a leaf task of `size` items: every `every`-th, the `fraction` of
@@ -71,6 +91,14 @@ class SuiteTask:
         return picked[: self.limit]
 
 
+class _SuiteFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    description: str = ""
+    offline: StrictBool = False  # every task reads local files: run with the Hub switched off
+    tasks: Annotated[list, Field(min_length=1)]
+
+
 @dataclass(frozen=True)
 class Suite:
     name: str
@@ -78,18 +106,26 @@ class Suite:
     offline: bool
     tasks: tuple[SuiteTask, ...]
 
+    def _with(self, where: str, **given) -> Suite:
+        """The suite with `given` set on every task (None values left out), each checked again."""
+        given = {key: value for key, value in given.items() if value is not None}
+        if not given:
+            return self
+        tasks = tuple(_task({**t.model_dump(), **given}, f"suite {self.name} ({t.task}) {where}") for t in self.tasks)
+        return replace(self, tasks=tasks)
+
     def with_limit(self, limit: int | float | None) -> Suite:
         """The suite with every task capped at `limit` items, or at that share of them for a
         fraction below 1 (as lm-eval's --limit); a task's own smaller limit stays."""
         if limit is None:
             return self
-        if isinstance(limit, float):
-            capped = tuple(
-                replace(t, fraction=limit if t.fraction is None else min(t.fraction, limit)) for t in self.tasks
-            )
-        else:
-            capped = tuple(replace(t, limit=limit if t.limit is None else min(t.limit, limit)) for t in self.tasks)
-        return replace(self, tasks=capped)
+        key = "fraction" if isinstance(limit, float) else "limit"
+        capped = (min(limit, getattr(t, key) or limit) for t in self.tasks)
+        return replace(self, tasks=tuple(t.model_copy(update={key: value}) for t, value in zip(self.tasks, capped)))
+
+    def with_num_fewshot(self, num_fewshot: int | None) -> Suite:
+        """The suite with `num_fewshot` examples before every task's items (lm_eval's --num_fewshot)."""
+        return self._with("with --num-fewshot", num_fewshot=num_fewshot)
 
     def with_chat(
         self,
@@ -99,110 +135,52 @@ class Suite:
         gen_kwargs: dict | None = None,
     ) -> Suite:
         """The suite with the chat options that are not None set on every task (command-line flags)."""
-        given = {
-            "apply_chat_template": apply_chat_template,
-            "fewshot_as_multiturn": fewshot_as_multiturn,
-            "system_instruction": system_instruction,
-            "gen_kwargs": None if gen_kwargs is None else _gen_kwargs_pairs(gen_kwargs),
-        }
         if apply_chat_template is False and fewshot_as_multiturn is None:
-            given["fewshot_as_multiturn"] = False  # plain prompts have no turns
-        given = {key: value for key, value in given.items() if value is not None}
-        if not given:
-            return self
-        tasks = tuple(replace(t, **given) for t in self.tasks)
-        for task in tasks:
-            _check_chat(task, f"suite {self.name} ({task.task}) with the command-line chat options")
-        return replace(self, tasks=tasks)
+            fewshot_as_multiturn = False  # plain prompts have no turns
+        return self._with(
+            "with the command-line chat options",
+            apply_chat_template=apply_chat_template,
+            fewshot_as_multiturn=fewshot_as_multiturn,
+            system_instruction=system_instruction,
+            gen_kwargs=gen_kwargs,
+        )
 
 
 def suite_names() -> list[str]:
     return sorted(path.stem for path in SUITES_DIR.glob("*.yaml"))
 
 
-def _natural(value, key: str, where: str, minimum: int) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive integer" if minimum == 1 else "a non-negative integer"
-        raise UsageError(f"{where}: {key} must be {kind}, got {excerpt(value)}")
-    return value
+def _validated(model: type[BaseModel], data: object, where: str) -> BaseModel:
+    """`model` from `data`, or pydantic's first fault as one UsageError line naming `where` and the key."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        fault = error.errors()[0]
+        key = str(fault["loc"][0]) if fault["loc"] else ""
+        if fault["type"] == "extra_forbidden":
+            raise UsageError(f"{where}: unknown key {excerpt(key)}; allowed: {sorted(model.model_fields)}") from None
+        message = fault["msg"].removeprefix("Value error, ")
+        value = f"{key} = {excerpt(fault['input'])}: " if key else ""
+        raise UsageError(f"{where}: {value}{message[0].lower()}{message[1:]}") from None
 
 
-def _check_chat(task: SuiteTask, where: str) -> None:
-    if task.fewshot_as_multiturn and not task.apply_chat_template:
-        raise UsageError(f"{where}: fewshot_as_multiturn needs apply_chat_template (the turns are chat messages)")
-
-
-def _chat_options(entry: dict, where: str) -> dict:
-    """The chat keys of a suite entry, type-checked."""
-    options = {}
-    template = entry.get("apply_chat_template", False)
-    if not isinstance(template, (bool, str)) or template == "":
-        raise UsageError(
-            f"{where}: apply_chat_template must be true, false or a template name, got {excerpt(template)}"
-        )
-    options["apply_chat_template"] = template
-    multiturn = entry.get("fewshot_as_multiturn", False)
-    if not isinstance(multiturn, bool):
-        raise UsageError(f"{where}: fewshot_as_multiturn must be true or false, got {excerpt(multiturn)}")
-    options["fewshot_as_multiturn"] = multiturn
-    system = entry.get("system_instruction")
-    if system is not None and not isinstance(system, str):
-        raise UsageError(f"{where}: system_instruction must be a string, got {excerpt(system)}")
-    options["system_instruction"] = system
-    gen_kwargs = entry.get("gen_kwargs") or {}
-    if not isinstance(gen_kwargs, dict) or not all(
-        isinstance(key, str) and isinstance(value, (str, int, float, bool, list)) for key, value in gen_kwargs.items()
-    ):
-        raise UsageError(f"{where}: gen_kwargs must be a mapping of generation settings, got {excerpt(gen_kwargs)}")
-    options["gen_kwargs"] = _gen_kwargs_pairs(gen_kwargs)
-    return options
-
-
-def _gen_kwargs_pairs(gen_kwargs: dict) -> tuple[tuple[str, object], ...]:
-    return tuple(sorted((key, tuple(v) if isinstance(v, list) else v) for key, v in gen_kwargs.items()))
+def _task(entry: object, where: str) -> SuiteTask:
+    return _validated(SuiteTask, {"task": entry} if isinstance(entry, str) else entry, where)
 
 
 def parse_suite(data, name: str) -> Suite:
     """Validate a suite's parsed YAML; errors name the suite, the entry and the key."""
     if not isinstance(data, dict):
-        raise UsageError(f"suite {name}: expected a mapping with keys {sorted(_SUITE_KEYS)}")
-    if unknown := set(data) - _SUITE_KEYS:
-        raise UsageError(
-            f"suite {name}: unknown key(s) {excerpt(sorted(map(str, unknown)))}; allowed: {sorted(_SUITE_KEYS)}"
-        )
-    entries = data.get("tasks")
-    if not isinstance(entries, list) or not entries:
-        raise UsageError(f"suite {name}: `tasks` must be a non-empty list")
-    offline = data.get("offline", False)
-    if not isinstance(offline, bool):
-        raise UsageError(f"suite {name}: offline must be true or false, got {excerpt(offline)}")
+        raise UsageError(f"suite {name}: expected a mapping with keys {sorted(_SuiteFile.model_fields)}")
+    suite = _validated(_SuiteFile, data, f"suite {name}")
     tasks = []
-    for position, entry in enumerate(entries, 1):
-        where = f"suite {name}, task {position}"
-        if isinstance(entry, str):
-            entry = {"task": entry}
-        if not isinstance(entry, dict) or not isinstance(entry.get("task"), str) or not entry["task"]:
-            raise UsageError(f"{where}: expected a task name or a mapping with a `task` name")
-        if unknown := set(entry) - _TASK_KEYS:
-            raise UsageError(
-                f"{where} ({entry['task']}): unknown key(s) {excerpt(sorted(map(str, unknown)))}; allowed: {sorted(_TASK_KEYS)}"
-            )
-        where = f"{where} ({entry['task']})"
-        task = SuiteTask(
-            task=entry["task"],
-            num_fewshot=_natural(entry.get("num_fewshot"), "num_fewshot", where, 0),
-            limit=_natural(entry.get("limit"), "limit", where, 1),
-            every=_natural(entry.get("every", 1), "every", where, 1),
-            **_chat_options(entry, where),
-        )
-        _check_chat(task, where)
-        tasks.append(task)
+    for position, entry in enumerate(suite.tasks, 1):
+        named = f" ({entry.get('task')})" if isinstance(entry, dict) and isinstance(entry.get("task"), str) else ""
+        tasks.append(_task(entry, f"suite {name}, task {position}{named}"))
     names = [t.task for t in tasks]
     if duplicates := sorted({n for n in names if names.count(n) > 1}):
         raise UsageError(f"suite {name}: task(s) listed twice: {excerpt(duplicates)}")
-    return Suite(name=name, description=str(data.get("description", "")), offline=offline, tasks=tuple(tasks))
+    return Suite(name=name, description=suite.description, offline=suite.offline, tasks=tuple(tasks))
 
 
 def load_suite(name_or_path: str) -> Suite:
@@ -225,12 +203,6 @@ def tasks_suite(names: str) -> Suite:
     tasks = [name.strip() for name in names.split(",")]
     if not all(tasks):
         raise UsageError(f"--tasks {excerpt(names)}: expected task names separated by commas")
-    if duplicates := sorted({t for t in tasks if tasks.count(t) > 1}):
-        raise UsageError(f"--tasks: task(s) listed twice: {excerpt(duplicates)}")
     offline = all((TASKS_DIR / f"{task}.yaml").is_file() for task in tasks)
-    return Suite(
-        name=tasks[0] if len(tasks) == 1 else "tasks",
-        description=f"--tasks {','.join(tasks)}",
-        offline=offline,
-        tasks=tuple(SuiteTask(task) for task in tasks),
-    )
+    name = tasks[0] if len(tasks) == 1 else "tasks"
+    return parse_suite({"description": f"--tasks {','.join(tasks)}", "offline": offline, "tasks": tasks}, name)

@@ -5,7 +5,8 @@ macro recursion). Counting inside jinja is a race that the next filter wins; a p
 `TemplateWorker` renders each chat with transformers' own `render_jinja_template` (its sandbox,
 filters and globals) in a process whose address space is capped (`RLIMIT_AS`, MAX_RENDER_BYTES),
 and waits at most MAX_RENDER_SECONDS for each chat; past either, the worker is killed and the
-render fails with `TemplateLimitExceeded`, a jinja TemplateError whose one line names the limit.
+render fails with `TemplateLimitExceeded`, a UsageError whose one line names the template and the
+limit.
 adapt renders every chat this way, eval every prompt lm-eval renders (and a probe chat before
 any model loads)."""
 
@@ -21,6 +22,8 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
+from ladder.errors import UsageError
+
 # Far above what a chat template needs for one chat (a few kB of markup around its messages); the
 # worker's own Python with transformers' template code takes about 200 MB of address space.
 MAX_RENDER_BYTES = 1 << 30
@@ -32,16 +35,17 @@ START_SECONDS = 120.0
 PROBE_CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
 
 
-class TemplateLimitExceeded(TemplateError):
+class TemplateLimitExceeded(UsageError):
     """A render went past MAX_RENDER_BYTES or MAX_RENDER_SECONDS (its worker was stopped)."""
 
 
 class TemplateWorker:
     """A process rendering chat templates under MAX_RENDER_BYTES and MAX_RENDER_SECONDS (read at
-    its start), started on the first render and again after a limit stopped it."""
+    its start), started on the first render and again after a limit stopped it. `owner` names the
+    template in the limits' messages (a model, a tokenizer)."""
 
-    def __init__(self) -> None:
-        self.process: subprocess.Popen | None = None
+    def __init__(self, owner: str = "the tokenizer") -> None:
+        self.owner, self.process = owner, None
 
     def __enter__(self) -> TemplateWorker:
         return self
@@ -60,7 +64,7 @@ class TemplateWorker:
                 json.dumps({"template": template, "messages": messages, "options": options}).encode()
             )
             if not self.replies.poll(self.seconds):
-                raise TemplateLimitExceeded(f"it ran past {self.seconds:g} s on one chat (its time limit)")
+                raise self._limit(f"ran past {self.seconds:g} s on one chat (its time limit)")
             reply = json.loads(self.replies.recv_bytes())
         except (EOFError, OSError):
             reply = {"limit": "memory"}  # the worker died: only a limit ends it
@@ -69,10 +73,13 @@ class TemplateWorker:
             raise
         if "limit" in reply:
             self.close()
-            raise TemplateLimitExceeded(f"it went past {self.memory >> 20:,} MB of memory (its memory limit)")
+            raise self._limit(f"went past {self.memory >> 20:,} MB of memory (its memory limit)")
         if "error" in reply:
             raise TemplateError(reply["error"])
         return reply["text"]
+
+    def _limit(self, what: str) -> TemplateLimitExceeded:
+        return TemplateLimitExceeded(f"the chat template of {self.owner} failed on this chat: it {what}")
 
     def _start(self) -> None:
         self.memory, self.seconds = MAX_RENDER_BYTES, MAX_RENDER_SECONDS

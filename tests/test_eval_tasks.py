@@ -30,7 +30,7 @@ OFFLINE_TASKS = {  # our task: (stock task yaml, items in the scored split)
 
 @pytest.fixture(scope="module")
 def our_tasks():
-    return task_manager(Suite("ours", "", True, tuple(SuiteTask(t) for t in OFFLINE_TASKS)))
+    return task_manager(Suite("ours", "", True, tuple(SuiteTask(task=t) for t in OFFLINE_TASKS)))
 
 
 # --- suites ---------------------------------------------------------------------------------
@@ -58,18 +58,30 @@ def test_paper_suite_names_resolve_in_lm_eval():
     "data, message",
     [
         (["ladder_piqa"], "expected a mapping"),
-        ({"tasks": []}, "non-empty list"),
+        ({"tasks": []}, r"tasks = \[\]: list should have at least 1 item"),
         ({"tasks": ["ladder_piqa"], "shots": 5}, "unknown key"),
         ({"tasks": [{"task": "ladder_piqa", "fewshot": 5}]}, r"task 1 \(ladder_piqa\): unknown key"),
-        ({"tasks": [{"task": "ladder_piqa", "limit": 0}]}, "limit must be a positive integer"),
-        ({"tasks": [{"task": "ladder_piqa", "num_fewshot": -1}]}, "num_fewshot must be a non-negative"),
-        ({"tasks": [{"limit": 3}]}, "task 1: expected a task name"),
+        ({"tasks": [{"task": "ladder_piqa", "limit": 0}]}, "limit = 0: input should be greater than or equal to 1"),
+        (
+            {"tasks": [{"task": "ladder_piqa", "num_fewshot": -1}]},
+            "num_fewshot = -1: input should be greater than or equal to 0",
+        ),
+        ({"tasks": [{"limit": 3}]}, "task 1: task = .*: field required"),
         ({"tasks": ["ladder_piqa", "ladder_piqa"]}, "listed twice"),
-        ({"tasks": ["ladder_piqa"], "offline": "yes"}, "offline must be true or false"),
+        ({"tasks": ["ladder_piqa"], "offline": "yes"}, "offline = 'yes': input should be a valid boolean"),
         ({"tasks": [{"task": "ladder_piqa", "fewshot_as_multiturn": True}]}, "fewshot_as_multiturn needs apply_chat"),
-        ({"tasks": [{"task": "ladder_piqa", "apply_chat_template": 1}]}, "apply_chat_template must be"),
-        ({"tasks": [{"task": "ladder_piqa", "gen_kwargs": "max_gen_toks=5"}]}, "gen_kwargs must be a mapping"),
-        ({"tasks": [{"task": "ladder_piqa", "system_instruction": 3}]}, "system_instruction must be a string"),
+        (
+            {"tasks": [{"task": "ladder_piqa", "apply_chat_template": 1}]},
+            "apply_chat_template = 1: input should be a valid boolean",
+        ),
+        (
+            {"tasks": [{"task": "ladder_piqa", "gen_kwargs": "max_gen_toks=5"}]},
+            "gen_kwargs = 'max_gen_toks=5': input should be a valid dictionary",
+        ),
+        (
+            {"tasks": [{"task": "ladder_piqa", "system_instruction": 3}]},
+            "system_instruction = 3: input should be a valid string",
+        ),
     ],
 )
 def test_bad_suites_name_the_fault(data, message):
