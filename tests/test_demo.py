@@ -46,6 +46,7 @@ def _suite(directory: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # three demo runs: convert, retrain, score three models
 def test_demo_runs_the_pipeline_then_reuses_it(tmp_path, tiny_checkpoint, capsys):
     out, suite = tmp_path / "demo", str(_suite(tmp_path))
     arguments = ["--recipe", str(_recipe(tmp_path, tiny_checkpoint)), "--suite", suite, "--out", str(out)]
