@@ -1,14 +1,9 @@
-"""`ladder serve MODEL [--tp N] [--host H] [--port P] [--api-key KEY] [-- VLLM_ARGS...]`: an OpenAI-compatible HTTP
-server for a ladder (or plain Llama) checkpoint, run by vLLM (`vllm serve`) on its own distributed
-runtime, with this package's plugin loading the ladder architecture.
-
-It runs in the serving environment (`make serve-env` builds .venv-serve: vLLM pins another
-transformers than this package). It checks the checkpoint with vLLM's own configuration checks
-first, so that a checkpoint vLLM cannot serve (an architecture it does not know, heads that do
-not split over the ranks, a head size the CPU attention cannot run) is one line and exit status 2
-instead of a server's traceback, then replaces itself with `vllm serve`. It listens on loopback
-unless given an API key (the arguments for vLLM read by vLLM's own parser), which the server then
-asks of every client on every path but /health and /ping.
+"""`ladder serve MODEL [--tp N] [--host H] [--port P] [--api-key KEY] [-- VLLM_ARGS...]`: vLLM's
+OpenAI-compatible server (`vllm serve`, in .venv-serve) for a ladder or Llama checkpoint, the plugin
+loading the ladder architecture. It first checks, in one line and exit status 2, what vLLM would
+refuse only after starting (the checkpoint, read by vLLM's own configuration checks; the arguments,
+read by vLLM's own parser; the listening address, which needs a key beyond loopback; the memory),
+then replaces itself with `vllm serve` (docs/serving.md).
 """
 
 from __future__ import annotations
