@@ -170,7 +170,7 @@ class BatchSpec(Spec):
 
 
 class OptimizerSpec(Spec):
-    lr: real(gt=0, le=1) = 2e-5
+    lr: real(gt=0) = 2e-5  # finite; a huge one diverges, and the NaN guard says so
     betas: Annotated[list[Fraction], BeforeValidator(_as_list), Field(min_length=2, max_length=2)] = [0.9, 0.95]
     weight_decay: real(ge=0, le=10) = 0.0
     eps: real(gt=0, le=1) = 1e-8  # keeps Adam's division finite
