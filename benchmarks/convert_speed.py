@@ -6,8 +6,8 @@ The checkpoint (written once into runs/bench/convert-source-<layers>l and reused
 (hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256) with 4 layers instead of 32 and
 tied embeddings, random float32 weights, 2 GB shards: 5.6 GB, largest tensor 2.1 GB.
 
-In one run, for each mode (`copy`: same dtype, the files are copied with `shutil.copyfile`
-; `link`: the files are hard-linked; `bfloat16`: every tensor is read, cast and written)
+In one run, for each mode (`copy`: same dtype, the files are copied with `shutil.copyfile`;
+`link`: the files are hard-linked; `bfloat16`: every tensor is read, cast and written)
 and each page-cache state, it times `cp -r SRC DST && sync` and `ladder convert SRC --out DST
 --no-verify` (the conversion flushes its files; a `sync` follows it too), best of --repeats, and
 reports the ratio and the spread over the repeats (slowest / fastest). `--verify` converts with
