@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,7 +156,9 @@ def check_random_states(checkpoint: Path, process_index: int) -> None:
 
     path = checkpoint / f"random_states_{process_index}.pkl"
     try:
-        load(path)
+        with warnings.catch_warnings():  # torch's note on the pickle protocol: the refusal is the one line
+            warnings.simplefilter("ignore")
+            load(path)
     except Exception as error:  # any reason the file is not a random state accelerate wrote
         raise UsageError(
             f"resume: {path} is not the random state a checkpoint of ladder adapt holds ({type(error).__name__}); "
