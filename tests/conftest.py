@@ -16,7 +16,11 @@ from pathlib import Path
 # second time under their folder names (`adapt.recipe` beside `ladder.adapt.recipe`, two classes
 # for one): the suite imports the stages as the package installs them, `ladder.*`, only.
 _CHECKOUT = Path(__file__).resolve().parents[1]
-sys.path[:] = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != _CHECKOUT]
+sys.path[:] = [str(Path(entry or os.curdir).resolve()) for entry in sys.path]
+sys.path[:] = [entry for entry in sys.path if Path(entry) != _CHECKOUT]
+# Tests name the checkout's files (recipes/, eval/tasks/) as a user in it does: run from any folder,
+# the suite runs in the checkout (sys.path holds no relative entry that this would change).
+os.chdir(_CHECKOUT)
 
 _HF_HOME = tempfile.mkdtemp(prefix="ladder-tests-hf-")
 # The cache root of tokenized data and eval scores (LADDER_CACHE): the session's own, never the user's.

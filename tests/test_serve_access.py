@@ -275,7 +275,7 @@ def test_served_beyond_loopback_answers_only_with_the_key(namespace, tmp_path, s
             assert time.monotonic() < deadline, "the server did not answer /health within 600 s"
             time.sleep(2)
         reply = subprocess.run(
-            [*in_namespace, CLIENT, base, KEY, str(model)], capture_output=True, text=True, timeout=600
+            [*in_namespace, CLIENT, base, KEY, model.name], capture_output=True, text=True, timeout=600
         )
         assert reply.returncode == 0, (reply.stderr, log_path.read_text()[-3000:])
         answers = json.loads(reply.stdout.strip().splitlines()[-1])
