@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ladder.errors import UsageError
+from ladder.errors import run_command
 from ladder.io.tensors import TensorSpec, cut_into_shards, write_shards
 from ladder.plan.models import published_config
 
@@ -55,16 +55,8 @@ def machine() -> dict:
 
 
 def run_benchmark(name: str, measure: Callable[[list[str]], int | None], argv: list[str] | None) -> int:
-    """A benchmark's `main`, as every benchmark ends: bad input is one line `NAME: error: ...` and status 2
-    (before any work), Ctrl-C status 130."""
-    try:
-        return measure(sys.argv[1:] if argv is None else argv) or 0
-    except UsageError as error:
-        print(f"{name}: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted", file=sys.stderr)
-        return 130
+    """A benchmark's `main`, as every command ends (ladder.errors.run_command), under its own name."""
+    return run_command(name, measure, sys.argv[1:] if argv is None else argv, label=name)
 
 
 def write_synthetic_checkpoint(directory: Path, config: LlamaConfig, max_shard_size: int, seed: int = 0) -> None:

@@ -56,14 +56,16 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def run_command(name: str, main: Callable[[list[str]], int | None], argv: list[str]) -> int:
+def run_command(name: str, main: Callable[[list[str]], int | None], argv: list[str], label: str = "") -> int:
     """Run a command's `main` the way the user sees every command end: a `UsageError` is one line
-    on stderr and status 2, Ctrl-C is status 130, anything else is the command's own status."""
+    on stderr and status 2, Ctrl-C is status 130, anything else is the command's own status. The
+    lines start with `label`, `ladder NAME` unless given (a benchmark is its own program)."""
+    label = label or f"ladder {name}"
     try:
         return main(argv) or 0
     except UsageError as error:
-        print(f"ladder {name}: error: {error}", file=sys.stderr)
+        print(f"{label}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"ladder {name}: interrupted", file=sys.stderr)
+        print(f"{label}: interrupted", file=sys.stderr)
         return 130
