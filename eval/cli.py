@@ -23,6 +23,7 @@ import yaml
 from ladder.cli_types import non_negative_int, positive_int
 from ladder.errors import ArgumentParser, UsageError, first_line, run_command
 from ladder.io.files import ladder_data_dir
+from ladder.io.loading import gguf_parsed_once
 from ladder.io.yaml_files import parse_yaml
 from ladder.launch import multi_process_launcher
 
@@ -242,17 +243,19 @@ def main(argv: list[str]) -> int:
     runtime = resolve_runtime(
         args.device, args.dtype, args.batch_size, args.parallelize, args.backend, args.tp, args.data_parallel
     )
-    evaluation = evaluate_models(
-        models,
-        suite,
-        runtime,
-        out=out,
-        force=args.force,
-        data_dir=data_dir,
-        cache_dir=cache_dir,
-        verbose=args.verbose,
-        log_samples=args.log_samples,
-    )
+    # A GGUF model is parsed once in the run: for its template check, its cache key and its load.
+    with gguf_parsed_once():
+        evaluation = evaluate_models(
+            models,
+            suite,
+            runtime,
+            out=out,
+            force=args.force,
+            data_dir=data_dir,
+            cache_dir=cache_dir,
+            verbose=args.verbose,
+            log_samples=args.log_samples,
+        )
     if evaluation is not None:  # process 0 of several prints for all
         print(evaluation.table)
         print(f"\nresults in {evaluation.out} ({evaluation.wall_seconds:.0f} s):")

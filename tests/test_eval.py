@@ -163,9 +163,10 @@ def test_two_processes_score_the_items_of_one(tiny_checkpoint, tmp_path, capfd):
                 assert two["results"][task][key] == pytest.approx(value, rel=1e-5), (task, key)
 
 
-def test_chat_template_renders_role_markers_on_the_embedded_instruct_model(tmp_path):
+def test_chat_template_renders_role_markers_on_the_embedded_instruct_model(tmp_path, gguf_parses):
     """SmolLM2-Instruct's template (ChatML) marks each turn with <|im_start|>ROLE; a plain task has
-    none. One run, one model load: the chat options are per suite task."""
+    none. One run, one model load: the chat options are per suite task. The GGUF file is parsed
+    once, for the template check, the cache key (its class) and the load."""
     chat = {"apply_chat_template": True, "fewshot_as_multiturn": True, "system_instruction": "Answer the question."}
     suite = write_suite(
         tmp_path / "s.yaml",
@@ -174,9 +175,9 @@ def test_chat_template_renders_role_markers_on_the_embedded_instruct_model(tmp_p
             {"task": "ladder_arc_challenge", "limit": 2, "num_fewshot": 1},
         ],
     )
-    assert (
-        cli.main(["embedded", "--suite", str(suite), "--no-cache", "--log-samples", "--out", str(tmp_path / "o")]) == 0
-    )
+    cache, out = str(tmp_path / "c"), str(tmp_path / "o")
+    assert cli.main(["embedded", "--suite", str(suite), "--cache", cache, "--log-samples", "--out", out]) == 0
+    assert len(gguf_parses) == 1
     label = "SmolLM2-135M-Instruct.Q4_1"
     for sample in samples(tmp_path / "o", label, "ladder_arc_challenge"):
         context = sample["arguments"][0][0]  # (context, continuation) of the first answer choice
