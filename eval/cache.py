@@ -26,9 +26,8 @@ import lm_eval
 import torch
 import transformers
 
-from ladder.errors import UsageError, first_line
 from ladder.io.files import atomic_write, sha256_file
-from ladder.io.loading import from_pretrained_arguments
+from ladder.io.loading import load_config
 
 from .runtime import DEFAULT_BACKEND, Runtime
 from .suite import SuiteTask
@@ -72,16 +71,9 @@ def fingerprint(path: Path, hashes: FileHashes) -> str:
 def model_class(path: Path) -> type:
     """The class that will run a model's weights: the installed one (ladder's own for a ladder
     checkpoint, not the copy of its code inside the checkpoint; transformers' Llama for a GGUF)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    import ladder.model.auto  # noqa: F401  (the ladder model's Auto registration, as load_model does)
-
-    location, extra = from_pretrained_arguments(path)
-    try:
-        config = AutoConfig.from_pretrained(location, trust_remote_code=False, **extra)
-    except (OSError, ValueError, KeyError) as error:
-        raise UsageError(f"cannot read the config of {path}: {first_line(error)}") from None
-    return AutoModelForCausalLM._model_mapping[type(config)]
+    return AutoModelForCausalLM._model_mapping[type(load_config(path))]
 
 
 def code_digest(classes: list[type]) -> str:
