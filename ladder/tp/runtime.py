@@ -23,11 +23,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, LlamaConfig
+from transformers import LlamaConfig
 
-import ladder.model.auto  # noqa: F401  (read_config reads ladder configs through AutoConfig)
 from ladder.errors import UsageError
-from ladder.io.loading import check_llama_checkpoint
+from ladder.io.loading import load_config
 from ladder.io.tensors import LazyTensorLoader, ShardedTensorIndex
 from ladder.serving.ops import InFlight
 from ladder.tp.shard import LlamaShard, Ready, ShardShape, local_sum
@@ -63,8 +62,7 @@ def read_config(path: str | Path) -> LlamaConfig:
         raise UsageError(
             f"{path} is not a checkpoint directory with config.json and safetensors (convert a .gguf first)"
         )
-    check_llama_checkpoint(path)  # before transformers reads it: an unknown model_type may ship code
-    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    return load_config(path)  # checked first: an unknown model_type may ship code
 
 
 def _scaled(heads: range, width: int) -> range:
