@@ -1,6 +1,5 @@
-"""The final model's README.md: what was rewired, how it was trained (recipe, data, budget) and the
-held-out loss before and after, from the run's metrics.jsonl; the front matter is
-`ladder.io.model_card`'s."""
+"""The final model's README.md: what was rewired, how it was trained and the held-out loss before and
+after (from the run's metrics.jsonl); the front matter is `ladder.io.model_card`'s."""
 
 from __future__ import annotations
 
@@ -72,6 +71,3 @@ def model_card(recipe: Recipe, source: SourceFacts, licences: list[str], run: Tr
             f"The source's licence terms apply: {', '.join(f'`{name}`' for name in licences)} are copied from it.",
         ]
     return render_card(source, f"{recipe.name} (ladder, retrained)", "\n".join(lines), datasets=hub_datasets)
-
-
-__all__ = ["TrainingFacts", "model_card"]

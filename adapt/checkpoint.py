@@ -15,7 +15,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-import ladder
 from ladder.errors import UsageError
 from ladder.io.files import atomic_directory, atomic_write, write_failure
 from ladder.io.yaml_files import load_yaml_file
@@ -28,10 +27,9 @@ METRICS_FILE = "metrics.jsonl"  # in the run folder: one JSON line per step and 
 
 @dataclass
 class TrainState:
-    """What a checkpoint holds beside accelerate's state. Rules on resume: `step` continues as is;
-    `data_position` must equal step * blocks_per_step (the batch shape cannot change mid-run);
-    `processes` must equal the new run's (RNG states are saved per process); `data_files` must hold
-    the same contents (`check_same_data`)."""
+    """What a checkpoint holds beside accelerate's state. On resume `step` continues; `data_position`
+    must equal step * blocks_per_step, `processes` the new run's (RNG states are per process), and
+    `data_files` the same contents."""
 
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0  # step * tokens per step, all processes together
@@ -41,7 +39,7 @@ class TrainState:
 
 
 def checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporaries of interrupted saves are hidden `.step-...` names)."""
+    """Complete checkpoints, oldest first (an interrupted save's temporary is a hidden name)."""
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.glob("step-*") if (p / STATE_FILE).is_file())
@@ -96,8 +94,8 @@ def save_checkpoint(accelerator: Accelerator, final: Path, state: TrainState, re
 
 
 def check_same_recipe(path: Path, recipe: Recipe) -> None:
-    """Refuse to continue from (or return) the checkpoint or final model at `path` unless the recipe
-    it was trained with equals `recipe` in every key but those free to change on resume."""
+    """Refuse the checkpoint or final model at `path` unless its recipe equals `recipe` (but for the keys
+    free to change on resume)."""
     if not (path / RECIPE_FILE).is_file():
         raise UsageError(
             f"resume: {path} has no {RECIPE_FILE}, so which recipe made it is unknown; "
@@ -112,8 +110,7 @@ def check_same_recipe(path: Path, recipe: Recipe) -> None:
 
 
 def check_same_data(path: Path, data_files: dict[str, str]) -> None:
-    """Refuse to continue from the checkpoint at `path` when a local data file's contents differ from
-    those it was trained on (the same recipe may name a file that has since changed)."""
+    """Refuse the checkpoint at `path` when a local data file's contents differ from those it trained on."""
     recorded = json.loads((path / STATE_FILE).read_text()).get("data_files")
     if not recorded:  # written before checkpoints recorded the data
         return
@@ -133,8 +130,7 @@ def check_same_data(path: Path, data_files: dict[str, str]) -> None:
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path, recipe: Recipe, blocks_per_step: int) -> TrainState:
-    """Restore accelerate's state from `path` after checking it was written by the same recipe and
-    the same number of processes; returns its `TrainState`."""
+    """Restore accelerate's state from `path` (the same recipe and number of processes); its `TrainState`."""
     check_same_recipe(path, recipe)
     state = TrainState(**json.loads((path / STATE_FILE).read_text()))
     assert state.data_position == state.step * blocks_per_step, "batch shape changed under an equal recipe"
@@ -148,10 +144,9 @@ def load_checkpoint(accelerator: Accelerator, path: Path, recipe: Recipe, blocks
 
 
 def check_random_states(checkpoint: Path, process_index: int) -> None:
-    """accelerate reads a checkpoint's random states with `torch.load(weights_only=True)` (no object
-    is built but tensors, numbers and numpy arrays), and when that fails it goes on without them, in
-    silence. Read them the same way before any weight loads: a file that is missing or holds anything
-    else (a pickle crafted to run code) is refused in one line, and nothing in it runs."""
+    """accelerate reads a checkpoint's random states with `torch.load(weights_only=True)`, and goes on
+    without them, in silence, when that fails. Read them the same way before any weight loads: a file
+    missing or holding anything else (a pickle crafted to run code) is refused in one line, never run."""
     from accelerate.utils import load
 
     path = checkpoint / f"random_states_{process_index}.pkl"
@@ -167,8 +162,7 @@ def check_random_states(checkpoint: Path, process_index: int) -> None:
 
 
 def truncate_metrics(metrics: Path, step: int) -> None:
-    """Keep the metrics log's lines up to `step`: what an interrupted run logged after its last
-    checkpoint is computed again by the resumed run."""
+    """Keep the metrics log's lines up to `step` (the resumed run computes the rest again)."""
     kept = []
     for line in metrics.read_text().splitlines(keepends=True):
         try:
@@ -180,28 +174,13 @@ def truncate_metrics(metrics: Path, step: int) -> None:
 
 
 def plain_ladder_model(trained: torch.nn.Module, state_dict: dict, dtype: torch.dtype) -> torch.nn.Module:
-    """The trained weights in a fresh ladder model built on the meta device (in `dtype`), so that one
-    process, DDP and FSDP (whose gathered `state_dict` this takes) save the same plain checkpoint."""
+    """The trained weights in a fresh ladder model built on the meta device (in `dtype`): one process, DDP
+    and FSDP save the same plain checkpoint."""
+    from ladder.model.auto import ladder_causal_lm  # here: the checks before training stay free of transformers
+
     with torch.device("meta"):
-        plain = ladder.LadderLlamaForCausalLM(trained.config)
+        plain = ladder_causal_lm(trained.config)(trained.config)
     plain.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=True, assign=True)
     plain.tie_weights()
     plain.generation_config = trained.generation_config
     return plain
-
-
-__all__ = [
-    "METRICS_FILE",
-    "STATE_FILE",
-    "TrainState",
-    "check_random_states",
-    "check_same_data",
-    "check_same_recipe",
-    "checkpoints",
-    "differing_keys",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "plain_ladder_model",
-    "save_checkpoint",
-    "truncate_metrics",
-]

@@ -22,7 +22,6 @@ from .recipe import Recipe, dump_recipe, load_recipe
 
 
 def build_parser() -> ArgumentParser:
-    """The recipe, its overrides and the flags, in any order (`parse_intermixed_args`)."""
     parser = ArgumentParser(
         prog="ladder adapt",
         description="Retrain a ladder model from a YAML recipe; key=value arguments override recipe keys "
@@ -55,8 +54,7 @@ def build_parser() -> ArgumentParser:
 
 
 def parse_arguments(parser: ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """Flags and overrides in any order; an unknown flag is named alone (argparse would also name
-    the overrides after it, which it leaves unparsed)."""
+    """Flags and overrides in any order; an unknown flag is named alone (not with the overrides after it)."""
     args, unknown = parser.parse_known_intermixed_args(argv)
     if unknown:
         flags = [item for item in unknown if item.startswith("-")]
@@ -93,7 +91,6 @@ def print_plan(recipe: Recipe, args: argparse.Namespace) -> int:
 
 def prepare_data(recipe: Recipe) -> int:
     """Tokenize and cache the recipe's data, loading no weights."""
-    # torch, transformers and accelerate load here, after the recipe is checked: a bad recipe fails fast.
     from .train import prepare
 
     splits = prepare(recipe)
@@ -106,9 +103,8 @@ def prepare_data(recipe: Recipe) -> int:
 
 
 def train(recipe: Recipe, recipe_file: str, overrides: list[str]) -> int:
-    """Run the recipe; a diverged run, or one whose processes lost touch, is one line on stderr and
-    status 1; a run stopped by SIGTERM or SIGUSR1 (a scheduler's preemption) says how to resume
-    and ends with status 0."""
+    """Run the recipe: a diverged run, or one whose processes lost touch, is one line and status 1; a run
+    stopped by SIGTERM or SIGUSR1 says how to resume, status 0."""
     from .train import Preempted, ProcessesLost, TrainingDiverged
     from .train import train as run_recipe
 

@@ -1,24 +1,12 @@
-"""Training data: sources -> documents -> tokens -> packed `seq_len` blocks, cached on disk.
+"""Training data: sources -> documents -> tokens -> packed `seq_len` blocks, cached on disk
+(docs/data.md).
 
-Every source yields documents (plain text files, blank-line blocks, JSONL text records, JSONL
-chat records rendered with the tokenizer's chat template, or Hugging Face datasets streamed from
-the Hub). Documents are tokenized without special tokens, joined with EOS after each one, and cut
-into blocks of exactly `seq_len` tokens (the incomplete tail is dropped). Beside each token two
-flags are kept: whether it is a training target (chat records trained on the assistant turns only
-have their system and user turns masked) and whether it starts a document (for attention that
-stays inside each document: position ids restart there).
-
-`data.sample_seed` reads each source's documents in a seeded random order (else file order) before
-`max_tokens` cuts it; weights on data.train's sources mix them, `data.mix_tokens` in all, each
-source's documents spread evenly through the stream. The work (adapt/pack.py) runs on every core
-and keeps each chunk's tokens as a shard, so that a killed prepare continues where it stopped.
-
-The blocks of a group of sources are written once to `data.cache_folder()/<group>-<key>/` (the
-recipe's `data.cache_dir`, else `$LADDER_CACHE/adapt`, shared by runs from any folder): blocks.bin (token
-ids, uint16 when the vocabulary fits, else uint32), targets.bits and starts.bits (the flags, one bit
-per token, each row padded to whole bytes: `np.packbits(axis=1)`) and `meta.json`. The key hashes the
-source and sampling settings, the bytes of every local file, the tokenizer and `seq_len`, so a rerun
-with the same inputs maps the files instead of tokenizing again.
+Documents are tokenized without special tokens, joined with EOS after each one and cut into blocks
+of exactly `seq_len` tokens (the incomplete tail dropped); beside each token two flags are kept:
+whether it is a training target, and whether it starts a document. The blocks of a group of sources
+are written once to `data.cache_folder()/<group>-<key>/` (blocks.bin; targets.bits and starts.bits,
+one bit per token, rows padded to whole bytes; meta.json), whose key hashes everything the blocks
+depend on, so that a rerun with the same inputs maps the files instead of tokenizing again.
 """
 
 from __future__ import annotations
@@ -46,9 +34,8 @@ from .sources import HF_PREFIX, local_files
 
 @dataclass
 class Blocks:
-    """Packed blocks, each row one example of `seq_len` tokens: the token ids, and per token two flags
-    kept as bits: whether it is a training target (its prediction is trained on), and whether it
-    starts a document. Indexing takes rows of all three."""
+    """Packed blocks, a row per `seq_len` tokens: the ids, and per token two flags kept as bits (a
+    training target; a document's start). Indexing takes rows of all three."""
 
     ids: np.ndarray
     target_bits: np.ndarray
@@ -62,12 +49,10 @@ class Blocks:
 
     @property
     def targets(self) -> np.ndarray:
-        """1 where a token is a training target (uint8, the shape of `ids`)."""
         return np.unpackbits(self.target_bits, axis=-1, count=self.ids.shape[-1])
 
     @property
     def starts(self) -> np.ndarray:
-        """1 where a token starts a document (uint8, the shape of `ids`)."""
         return np.unpackbits(self.start_bits, axis=-1, count=self.ids.shape[-1])
 
     def masked_share(self) -> float:
@@ -81,8 +66,6 @@ class Blocks:
 
 @dataclass
 class Splits:
-    """Training and held-out blocks."""
-
     train: Blocks
     eval: Blocks
 
@@ -98,11 +81,8 @@ def document_positions(starts: np.ndarray) -> np.ndarray:
 
 
 def prepare_data(data: DataSpec, tokenizer: PreTrainedTokenizerBase) -> Splits:
-    """Build (or reuse from the cache) the training and evaluation blocks of a recipe.
-
-    With no `data.eval` sources, the last `heldout_fraction` of the training blocks is held out
-    (and never trained on); evaluation uses at most `eval_blocks` blocks, spread evenly.
-    """
+    """The training and held-out blocks of a recipe, built or read from the cache. With no `data.eval`,
+    the last `heldout_fraction` of the training blocks is held out; at most `eval_blocks`, spread evenly."""
     cache = data.cache_folder()
     train = load_blocks(data.train, tokenizer, data.seq_len, cache, "train", sampling(data, "train"))
     if data.eval:
@@ -135,8 +115,8 @@ BLOCK_FILES = {"ids": "blocks.bin", "target_bits": "targets.bits", "start_bits":
 
 
 def cached_meta(cache_dir: Path, group: str, key: str) -> dict | None:
-    """The meta.json of the cache entry of `key`, or None when the entry is missing or not whole (a
-    file cut short or replaced, a meta.json of another key): such an entry is built again."""
+    """The meta.json of the cache entry of `key`, or None when it is missing or not whole (a file cut
+    short or replaced, another key's meta.json): such an entry is built again."""
     directory = cache_dir / f"{group}-{key[:16]}"
     try:
         meta = json.loads((directory / "meta.json").read_text())
@@ -160,8 +140,7 @@ def load_blocks(
     group: str,
     sampled: Sampling | None = None,
 ) -> Blocks:
-    """The packed blocks of `sources`, as read-only memory maps of (blocks, seq_len) ids and
-    (blocks, seq_len / 8 rounded up) bytes of flags."""
+    """The packed blocks of `sources`, as read-only memory maps."""
     sampled = sampled or Sampling()
     key = cache_key(sources, tokenizer, seq_len, group, sampled)
     directory = cache_dir / f"{group}-{key[:16]}"
@@ -189,8 +168,7 @@ def load_blocks(
 def cache_key(
     sources: list[SourceSpec], tokenizer: PreTrainedTokenizerBase, seq_len: int, group: str, sampled: Sampling
 ) -> str:
-    """A hash of everything the blocks depend on: source and sampling settings, the sources' bytes,
-    the tokenizer, seq_len."""
+    """A hash of everything the blocks depend on."""
     digest = hashlib.sha256()
     described = {
         "format": CACHE_FORMAT,
@@ -214,13 +192,10 @@ def cache_key(
 
 
 class BlockOrder:
-    """Which blocks each optimizer step reads: a pure function of (seed, step), so a resumed run
-    reads exactly what an uninterrupted one would, whatever the number of processes.
-
-    The training blocks are read in a fresh seeded permutation per epoch; step `s` takes positions
-    `[s * G, (s + 1) * G)` of that endless stream, G = micro_batch * grad_accum * processes. Within a
-    step, micro-step `a` of process `p` takes the slice `(a * processes + p) * micro_batch`.
-    """
+    """Which blocks each optimizer step reads: a pure function of (seed, step), so a resumed run reads
+    exactly what an uninterrupted one would. The blocks come in a fresh seeded permutation per epoch;
+    step `s` takes positions `[s * G, (s + 1) * G)` of that endless stream (G blocks per step), and
+    micro-step `a` of process `p` the slice at `(a * processes + p) * micro_batch`."""
 
     def __init__(self, blocks: int, seed: int, micro_batch: int, grad_accum: int, processes: int):
         self.blocks, self.seed = blocks, seed
@@ -235,15 +210,3 @@ class BlockOrder:
         start = step * self.per_step + (micro_step * self.processes + process) * self.micro_batch
         positions = np.arange(start, start + self.micro_batch)
         return np.array([self._permutation(p // self.blocks)[p % self.blocks] for p in positions])
-
-
-__all__ = [
-    "BlockOrder",
-    "Blocks",
-    "Splits",
-    "data_prepared",
-    "document_positions",
-    "load_blocks",
-    "local_files",
-    "prepare_data",
-]

@@ -1,14 +1,11 @@
 """The teacher's side of `kd` and `hidden`, without redoing the student's work.
 
-Under `trainable: ladder` (the default) the layers below the first ladder layer are frozen, and
-the teacher is a copy of the same original model, so those layers compute the same streams in
-both. The student's forward runs them once; hooks on the student's decoder layers keep the
-streams entering the first ladder layer (and the mask and rotary embeddings every layer takes),
-and the teacher starts there: for the upper 8 of SmolLM2's 30 layers it runs 8 layers instead of
-30. The same hooks keep the student's residual stream after each ladder layer for `hidden`.
-
-When the prefix is not shared (a separate `model.teacher`, LoRA, or trainable layers below the
-first ladder layer) the teacher runs from its own embeddings, as before.
+When the layers below the first ladder layer are frozen and the teacher is a copy of the same original,
+those layers compute the same streams in both: hooks on the student's decoder layers keep the streams
+entering the first ladder layer (and what every layer takes besides), and the teacher starts there
+(for the upper 8 of 30 layers it runs 8). The same hooks keep the student's stream after each ladder
+layer for `hidden`. Otherwise the teacher runs from its own embeddings. The teacher is a ladder model
+with no ladder layer, so its layers take and return the student's two streams.
 """
 
 from __future__ import annotations
@@ -45,8 +42,6 @@ class Distiller:
         ladder_layers: list[int],
         shared_prefix: bool,
     ):
-        # The teacher is a ladder model with no ladder layer (`ladder.to_ladder(original, [])`): its
-        # layers take and return (attn_stream, mlp_stream) like the student's.
         self.teacher, self.student_layers = teacher, student_layers
         self.ladder_layers, self.shared_prefix = list(ladder_layers), shared_prefix
         assert not shared_prefix or self.ladder_layers, "a shared prefix ends at the first ladder layer"
@@ -54,8 +49,8 @@ class Distiller:
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[StudentCapture]:
-        """Hooks on the student's layers for the duration of one forward (not during a backward
-        recomputation under activation checkpointing, which would overwrite the captures)."""
+        """Hooks on the student's layers for the duration of one forward (not during a recomputation in
+        the backward, which would overwrite the captures)."""
         captured, handles = StudentCapture(), []
 
         def keep_prefix(module, args, kwargs):
@@ -85,8 +80,7 @@ class Distiller:
         self, input_ids: torch.Tensor, captured: StudentCapture, final: bool, position_ids: torch.Tensor | None = None
     ) -> TeacherOutput:
         """The teacher's streams after the ladder layers and (when `final`) its final normed hidden
-        states, which the chunked head losses turn into its logits; it stops after the last ladder
-        layer when those are not needed."""
+        states; it stops after the last ladder layer when those are not needed."""
         if self.shared_prefix:
             start, (attn_stream, mlp_stream), layer_kwargs = self.first, captured.prefix, captured.layer_kwargs
         else:
@@ -100,6 +94,3 @@ class Distiller:
             if index in self.ladder_layers:
                 streams.append(mlp_stream)
         return TeacherOutput(streams, self.teacher.model.norm(mlp_stream) if final else None)
-
-
-__all__ = ["Distiller", "StudentCapture", "TeacherOutput"]

@@ -1,5 +1,5 @@
-"""The accelerator a run trains under (one process, DDP or FSDP, as `accelerate launch` says) and
-its experiment trackers."""
+"""The accelerator a run trains under (one process, DDP or FSDP, as `accelerate launch` says) and its
+experiment trackers."""
 
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ WANDB_ID_FILE = "wandb-run-id"
 
 
 def make_accelerator(recipe: Recipe, run_dir: Path) -> Accelerator:
-    """The accelerator with the recipe's experiment trackers; a tracker whose package is missing is
-    refused here, before any weight loads."""
+    """The accelerator with the recipe's experiment trackers (a missing package refused before any weight loads)."""
     for name in recipe.logging.log_with:
         if name not in {str(t) for t in get_available_trackers()}:
             raise UsageError(f"logging.log_with: {name} needs its package (pip install {name.replace('_', '-')})")
@@ -56,11 +55,9 @@ def make_accelerator(recipe: Recipe, run_dir: Path) -> Accelerator:
 
 
 def fsdp_plugin(recipe: Recipe) -> FullyShardedDataParallelPlugin:
-    """The FSDP settings `accelerate launch` passed (its config file), with the mixed-precision policy
-    set here: parameters gathered in the recipe's precision, gradients reduce-scattered in fp32.
-    (accelerate's own policy for `mixed_precision: bf16` reduces in bf16, which rounds every
-    gradient summed over the ranks to 8 bits of mantissa; fp32 reductions, as torchtitan does, cost
-    twice the reduce-scatter bytes, a small share of a step.)"""
+    """The FSDP settings `accelerate launch` passed, with parameters gathered in the recipe's precision and
+    gradients reduce-scattered in fp32 (accelerate's bf16 policy would round every summed gradient to 8
+    bits of mantissa; fp32, as torchtitan does, costs twice the reduce-scatter bytes)."""
     plugin = FullyShardedDataParallelPlugin()  # the rest from the FSDP_* variables the launcher set
     compute = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
     policy = {"param_dtype": compute, "reduce_dtype": torch.float32}
@@ -72,8 +69,7 @@ def fsdp_plugin(recipe: Recipe) -> FullyShardedDataParallelPlugin:
 
 
 def fsdp_precision(model: torch.nn.Module) -> str:
-    """The mixed-precision policy every FSDP2 unit of a prepared model holds, read back from the
-    units themselves, in words (e.g. "parameters in bfloat16, gradients reduced in float32")."""
+    """The mixed-precision policy every FSDP2 unit of a prepared model holds, read back from the units, in words."""
     from torch.distributed.fsdp import FSDPModule
 
     policies = {
@@ -88,9 +84,8 @@ def fsdp_precision(model: torch.nn.Module) -> str:
 
 
 def set_timeout(seconds: float) -> None:
-    """Every process group's timeout for the collectives that follow (none without several processes).
-    torch sets it per group (`_set_pg_timeout`, as torchtitan does after its first step): FSDP's
-    device mesh may add groups beside the default one."""
+    """Every process group's timeout for the collectives that follow (per group, as torchtitan does:
+    FSDP's device mesh may add groups beside the default one)."""
     if not torch.distributed.is_initialized():
         return
     from torch.distributed import distributed_c10d
@@ -101,8 +96,7 @@ def set_timeout(seconds: float) -> None:
 
 @contextlib.contextmanager
 def long_waits(recipe: Recipe) -> Iterator[None]:
-    """The setup timeout while the processes may wait long on each other (a checkpoint or the final
-    model written), then the collective timeout again."""
+    """The setup timeout while the processes may wait long on each other, then the collective one."""
     set_timeout(recipe.timeout.setup)
     try:
         yield
@@ -111,9 +105,8 @@ def long_waits(recipe: Recipe) -> Iterator[None]:
 
 
 def start_trackers(accelerator: Accelerator, recipe: Recipe, run_dir: Path, resumed_at: int) -> None:
-    """Open the trackers so that a resumed run continues its history instead of repeating it:
-    TensorBoard purges the events the interrupted run logged after the checkpoint (`purge_step`),
-    wandb reopens the same run (its id is kept in the run folder) and ignores steps it has already."""
+    """Open the trackers so that a resumed run continues its history: TensorBoard purges what the
+    interrupted run logged after the checkpoint, wandb reopens the same run (its id kept in the run folder)."""
     if not recipe.logging.log_with:
         return
     init_kwargs = {"tensorboard": {"purge_step": resumed_at + 1} if resumed_at else {}}
@@ -132,23 +125,17 @@ def start_trackers(accelerator: Accelerator, recipe: Recipe, run_dir: Path, resu
 
 
 def enable_fsdp_on_cpu(process_group: InitProcessGroupKwargs) -> None:
-    """Let an FSDP launch (`accelerate launch --config_file recipes/accelerate/fsdp-cpu-2proc.yaml`)
-    run FSDP2 on CPU processes over gloo instead of silently falling back to DDP.
-
-    accelerate 1.16 applies FSDP only to GPU-type process groups: `AcceleratorState.__init__`
-    (accelerate/state.py:947, `elif self.distributed_type in [DistributedType.MULTI_GPU, ...]`)
-    leaves a CPU group as MULTI_CPU, which `prepare` wraps in DDP. FSDP2 itself (`fully_shard`,
-    DTensor parameters, the sharded checkpoints) runs over gloo, so the CPU process group is
-    started here and marked MULTI_GPU: the Accelerator built next takes that FSDP branch, and its
-    device stays the CPU. This is how the tests run the FSDP code path without GPUs."""
+    """Let an FSDP launch run FSDP2 on CPU processes over gloo instead of silently falling back to DDP:
+    accelerate 1.16 applies FSDP only to GPU-type process groups (`AcceleratorState.__init__`), while
+    FSDP2 itself runs over gloo. The CPU group is started here and marked MULTI_GPU, so the Accelerator
+    built next takes the FSDP branch on the CPU: how the tests run FSDP without GPUs."""
     state = PartialState(cpu=True, **process_group.to_kwargs())
     if state.distributed_type == DistributedType.MULTI_CPU:
         PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
 
 
 def warn_single_cpu_launch() -> None:
-    """`accelerate launch --cpu --num_processes N` starts one process unless mpirun is set up
-    (accelerate issue #2741); say so instead of silently training alone."""
+    """`accelerate launch --cpu --num_processes N` starts one process (accelerate issue #2741): say so."""
     if (
         os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
         and "MASTER_ADDR" in os.environ
@@ -163,23 +150,8 @@ def warn_single_cpu_launch() -> None:
 
 
 def raised_by_a_collective(error: BaseException) -> bool:
-    """Whether `error` comes out of torch.distributed (gloo raises a plain RuntimeError on a timeout
-    or a lost peer, NCCL a DistBackendError)."""
+    """Whether `error` comes out of torch.distributed (gloo raises a plain RuntimeError, NCCL a DistBackendError)."""
     frames = traceback.extract_tb(error.__traceback__)
     return isinstance(error, torch.distributed.DistError) or (
         bool(frames) and f"torch{os.sep}distributed{os.sep}" in frames[-1].filename
     )
-
-
-__all__ = [
-    "WANDB_ID_FILE",
-    "enable_fsdp_on_cpu",
-    "fsdp_plugin",
-    "fsdp_precision",
-    "long_waits",
-    "make_accelerator",
-    "raised_by_a_collective",
-    "set_timeout",
-    "start_trackers",
-    "warn_single_cpu_launch",
-]

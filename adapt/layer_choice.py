@@ -41,6 +41,3 @@ def resolve_ladder_layers(
             return json.loads(record.read_text())["chosen"]
 
     return resolve_layer_choice(choice, search)
-
-
-__all__ = ["LAYER_SEARCH_FILE", "resolve_ladder_layers"]

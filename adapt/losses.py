@@ -1,20 +1,14 @@
-"""The training objectives' arithmetic, apart from the loop: next-token labels, per-block losses
-(adapt's held-out evaluation, and the recovery benchmark), the training losses computed from the
-final hidden states and the LM head chunk by chunk, so that full logits never exist, and the
+"""The training objectives' arithmetic, apart from the loop: next-token labels (transformers'
+convention: the token each position must predict, -100 where nothing is trained), per-block losses,
+the training losses computed from the final hidden states and the LM head chunk by chunk, and the
 hidden-state distillation term.
 
-Labels follow transformers' convention: the token each position must predict, -100 where nothing
-is trained (the last position, and before tokens that are not targets, such as a chat's user turns).
-
 Full logits are tokens x vocabulary in float32: for Llama-3.1's 128k vocabulary about 4 GB per
-8k-token micro-batch, and as much again for their gradient. `head_losses` instead computes the
-logits of a chunk of positions at a time (16 MiB of float32 logits on the CPU, 512 MiB on
-accelerators; under autocast bf16 operands with float32 accumulation), takes the loss and its
-gradient with respect to those logits at once (the softmax is needed for both, and overwrites the
-logits in place), turns it into the gradients of the hidden states and of the head's weight, and
-drops the chunk: the same FLOPs as the plain computation, the memory of one chunk. `lm_loss` and
-`kd_loss` are its two terms; `losses_in_lm_head` runs it inside a model's own forward (where FSDP
-has the head's weight gathered). Held-out evaluation (`block_loss_sums`) goes the same way.
+8k-token micro-batch, and as much again for their gradient. `head_losses` instead computes the logits
+of a chunk of positions at a time, takes the loss and its gradient with respect to them at once (the
+softmax serves both, in place), turns that into the gradients of the hidden states and the head's
+weight, and drops the chunk: the same FLOPs, the memory of one chunk. `losses_in_lm_head` runs it
+inside a model's own forward (where FSDP has the head's weight gathered).
 """
 
 from __future__ import annotations
@@ -26,14 +20,10 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
-# Float32 logits per chunk, computed, turned into their gradient in place, and dropped. On the CPU
-# 16 MiB (85 positions of SmolLM2's 49k vocabulary): larger chunks are mapped and faulted in afresh
-# each time (glibc maps blocks over 32 MiB) and raised the CPU recipe's peak RSS by 140 MiB, at no
-# measurable gain in speed. On accelerators 512 MiB (1,046 positions of Llama-3's 128k vocabulary):
-# each chunk reads the whole head weight (1 GB in bf16) three times (logits, the hidden states'
-# gradient, the weight's), so chunks must be long enough for those matmuls to be bound by compute
-# (a few hundred positions per weight read on an H100) and few: 8 per 8k-token micro-batch instead
-# of 63. adapt/training_cost.py counts the chunk in the peak.
+# Float32 logits per chunk. On the CPU 16 MiB: glibc maps larger blocks afresh each time, which raised
+# the CPU recipe's peak RSS by 140 MiB for no speed. On accelerators 512 MiB (1,046 positions of a 128k
+# vocabulary): each chunk reads the whole head weight three times, so chunks must be long enough for
+# those matmuls to be bound by compute, and few.
 CPU_CHUNK_BYTES = 16 * 2**20
 ACCELERATOR_CHUNK_BYTES = 512 * 2**20
 IGNORE_INDEX = -100
@@ -51,14 +41,6 @@ def float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
     return (a @ b).float()
-
-
-def low_precision(device: torch.device) -> torch.dtype | None:
-    """The dtype autocast computes matmuls in here, or None outside autocast (float32 throughout)."""
-    if torch.is_autocast_enabled(device.type):
-        dtype = torch.get_autocast_dtype(device.type)
-        return None if dtype == torch.float32 else dtype
-    return None
 
 
 def next_token_labels(input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,18 +83,18 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=dtype) if needs_grad[1] else None
         # Under autocast (bf16 recipes) each matmul takes bf16 operands (the weights cast once, not per
         # chunk) and accumulates in float32 (`float32_product`): no float32 GEMM; outside it, as given.
-        low = low_precision(flat.device)
+        device = flat.device.type
+        low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+        low = None if low == torch.float32 else low
         lhs, rhs = (flat, weight) if low is None else (flat.to(low), weight.to(low))
         if kd_weight:
-            teacher_lhs = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
-            teacher_rhs = teacher_weight
+            teacher_lhs, teacher_rhs = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]), teacher_weight
             if low is not None:
                 teacher_lhs, teacher_rhs = teacher_lhs.to(low), teacher_rhs.to(low)
 
         def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             return (a @ b).to(dtype) if low is None else float32_product(a, b)
 
-        # the dtypes above are the ones used
         with torch.autocast(flat.device.type, enabled=False):
             for start in range(0, rows, chunk_tokens):
                 chunk = lhs[start : start + chunk_tokens]
@@ -168,18 +150,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return (
-            grad_hidden.view(ctx.shapes) * grad_loss if ctx.needs[0] else None,
-            grad_weight * grad_loss if ctx.needs[1] else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        grad_hidden = grad_hidden.view(ctx.shapes) * grad_loss if ctx.needs[0] else None
+        return grad_hidden, grad_weight * grad_loss if ctx.needs[1] else None, *[None] * 8
 
 
 def head_losses(
@@ -192,12 +164,10 @@ def head_losses(
     temperature: float = 1.0,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training loss, next-token loss) from the final hidden states (batch x seq x hidden, after
-    the final norm) and the LM head's weight (vocab x hidden), chunk by chunk.
-
-    The next-token loss is the mean cross-entropy over the positions whose label is not -100; the
-    training loss is (1 - kd_weight) x that + kd_weight x `kd_loss` (the teacher's hidden states
-    and head then needed). Equal to computing full logits first (a test checks loss and gradients)."""
+    """(training loss, next-token loss) from the final hidden states (after the final norm) and the LM
+    head's weight, chunk by chunk: the next-token loss is the mean cross-entropy over the labels that
+    are not -100; the training loss (1 - kd_weight) x that + kd_weight x `kd_loss`. Equal to computing
+    full logits first (a test checks loss and gradients)."""
     if kd_weight and (teacher_hidden is None or teacher_weight is None):
         raise ValueError("kd_weight > 0 needs the teacher's hidden states and LM head weight")
     needs_grad = (torch.is_grad_enabled() and hidden.requires_grad, torch.is_grad_enabled() and weight.requires_grad)
@@ -240,11 +210,9 @@ def kd_loss(
 def losses_in_lm_head(
     model: torch.nn.Module, compute: Callable[[torch.Tensor, torch.Tensor], object]
 ) -> Iterator[list]:
-    """While active, a forward of `model` (a causal LM: its output embeddings are applied once, to the
-    final hidden states) calls `compute(hidden_states, head_weight)` where the logits would be
-    computed, and its LM head then returns logits for no position. Yields a list that receives
-    what `compute` returned. Runs inside the model's forward, so wrappers (DDP, FSDP, which gathers
-    the head's weight only there) see an ordinary forward."""
+    """While active, a forward of `model` calls `compute(hidden_states, head_weight)` where the logits
+    would be computed, and its LM head returns logits for no position; the yielded list receives what
+    `compute` returned. Inside the model's forward, so DDP and FSDP see an ordinary forward."""
     head = extract_model_from_parallel(model).get_output_embeddings()  # the model inside DDP and the like
     results: list = []
 
@@ -291,11 +259,10 @@ def block_loss_sums(
 
 
 def hidden_loss(student_streams: list[torch.Tensor], teacher_streams: list[torch.Tensor]) -> torch.Tensor:
-    """Mean over layers and positions of ||s - t||² / ||t||², the student's residual stream after
-    each ladder layer against the teacher's after the same layer. Relative per position because every
-    module reads the stream through RMSNorm, which divides each position by its own scale: what the
-    next module sees is the error relative to that scale. Raw MSE would let the upper layers (larger
-    streams) and the few positions with huge activations (the first token's) outweigh the rest."""
+    """Mean over layers and positions of ||s - t||² / ||t||², the student's residual stream after each
+    ladder layer against the teacher's. Relative per position because every module reads the stream
+    through RMSNorm, which divides each position by its own scale; raw MSE would let the larger upper
+    streams and the few huge positions (the first token's) outweigh the rest."""
     terms = [
         ((student.float() - teacher.float()).pow(2).sum(-1) / teacher.float().pow(2).sum(-1).clamp_min(1e-12)).mean()
         for student, teacher in zip(student_streams, teacher_streams, strict=True)
@@ -307,18 +274,3 @@ def block_losses(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tenso
     """The mean next-token loss of each row of `input_ids`."""
     sums, counts = block_loss_sums(model, input_ids)
     return sums / counts
-
-
-__all__ = [
-    "IGNORE_INDEX",
-    "block_loss_sums",
-    "block_losses",
-    "chunk_positions",
-    "head_losses",
-    "hidden_loss",
-    "kd_loss",
-    "lm_loss",
-    "losses_in_lm_head",
-    "next_token_labels",
-    "token_losses",
-]

@@ -1,20 +1,13 @@
 """Training in less memory, for the same forward and the same gradients: fewer saved activations per
 trained decoder layer, and the optimizer's state allocated before the first forward.
 
-Autograd keeps, for each trained layer, every tensor its backward pass reads. Two groups of them are
-cheap to compute again and expensive to keep:
-
 - The MLP (`down(silu(gate(x)) * up(x))`) keeps silu(gate) and the product, each tokens x the
-  intermediate size (for SmolLM2: 2.7x the hidden size; for Llama-3.1-8B: 3.5x). `SwiGLUDown` keeps
-  only gate and up and recomputes the two elementwise products in the backward pass; the down
-  projection's matmuls are not recomputed.
-- Each RMSNorm keeps its input and its normalized input; run under `torch.utils.checkpoint` it keeps
-  the input only and recomputes the rest (elementwise) in the backward pass.
+  intermediate size; `SwiGLUDown` keeps only gate and up and recomputes the elementwise products in
+  the backward (not the matmuls).
+- Each RMSNorm keeps its input and its normalized input; under `torch.utils.checkpoint` only the input.
 
-On the CPU recipe (8 trained layers, 2 x 512 tokens) that is 127 of 346 MiB of saved activations;
-`benchmarks/train_speed.py` measures what it does to peak RSS and to the speed. The forward runs the
-modules' own code, so outputs are those of the unchanged modules; the backward computes what
-autograd would, from recomputed values (tests/test_adapt_objectives.py checks the gradients, fp32 and bf16).
+On the CPU recipe that is 127 of 346 MiB of saved activations (benchmarks/train_speed.py measures the
+effect; tests/test_adapt_objectives.py checks the gradients, fp32 and bf16).
 """
 
 from __future__ import annotations
@@ -31,8 +24,7 @@ class SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         device_type = gate.device.type
-        # The backward pass recomputes under the forward's autocast, so that its matmuls take the
-        # forward's dtypes (bf16 recipes train under autocast).
+        # The backward recomputes under the forward's autocast: its matmuls take the forward's dtypes.
         ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
         ctx.save_for_backward(gate, up, weight)
         return F.linear(F.silu(gate).mul_(up), weight)  # in place: one transient instead of two
@@ -72,9 +64,8 @@ class CheckpointedLlamaRMSNorm(LlamaRMSNorm):
 
 
 def keep_fewer_activations(model: torch.nn.Module) -> int:
-    """Turn the model's Llama MLPs and RMSNorms into the classes above, in place (same parameters,
-    same names); returns how many modules changed. An MLP whose projections are not plain bias-free
-    `nn.Linear` (LoRA wraps them) stays as it is."""
+    """Turn the model's Llama MLPs and RMSNorms into the classes above, in place (same parameters and
+    names); returns how many changed. An MLP whose projections are not bias-free `nn.Linear` (LoRA's) stays."""
     changed = 0
     for module in model.modules():
         if (
@@ -95,11 +86,9 @@ def keep_fewer_activations(model: torch.nn.Module) -> int:
 
 
 def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give an AdamW optimizer its zero moments now, as its first step would (the state is the same).
-    Allocated before the first forward, they sit below the activations on the CPU heap; allocated by
-    the first step, they fill the holes its freed activations left and the next forward's activations
-    take new memory (the CPU recipe's peak RSS: about 40 MiB less). A resumed run loads its saved
-    state instead, at the same point."""
+    """Give an AdamW optimizer its zero moments now, as its first step would: before the first forward they
+    sit below the activations on the CPU heap, instead of filling the holes freed activations leave (the
+    CPU recipe's peak RSS: about 40 MiB less)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     zeros = {
         index: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}

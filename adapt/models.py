@@ -1,12 +1,9 @@
-"""The models a run trains and learns from: the student as loaded (with its tokenizer and the facts
-its model card names), the student's training settings, and the teacher for `kd` and `hidden`.
+"""The models a run trains and learns from: the student as loaded, its training settings, and the
+teacher for `kd` and `hidden`.
 
-Under FSDP with `fsdp_cpu_ram_efficient_loading` (recipes/accelerate/fsdp-8gpu.yaml) only the main
-process reads the checkpoints; the others build the same models with their parameters on the meta
-device (`empty_model`: no weight read, no host memory) and receive them. The rewiring and the
-teacher's copy work on the meta device as on real tensors; the student's shards come with FSDP's
-preparation (accelerate's `fsdp2_load_full_state_dict` broadcasts each tensor from the main
-process), and the teacher, which every process holds whole, by broadcast in `prepare_teacher`.
+Under FSDP with `fsdp_cpu_ram_efficient_loading` only the main process reads the checkpoints; the
+others build the same models on the meta device (`empty_model`) and receive them: the student's shards
+with FSDP's preparation, the teacher, which every process holds whole, by broadcast.
 """
 
 from __future__ import annotations
@@ -36,8 +33,7 @@ PEAK_RSS_UNIT = 1 if sys.platform == "darwin" else 1024  # getrusage's ru_maxrss
 
 
 def weights_from_main(accelerator: Accelerator) -> bool:
-    """Whether only the main process reads the checkpoints: FSDP on several processes with
-    `fsdp_cpu_ram_efficient_loading` (the launcher's config)."""
+    """Whether only the main process reads the checkpoints (FSDP with `fsdp_cpu_ram_efficient_loading`)."""
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     return (
         accelerator.distributed_type == DistributedType.FSDP
@@ -47,10 +43,8 @@ def weights_from_main(accelerator: Accelerator) -> bool:
 
 
 def load_student(source: Path, empty: bool = False) -> tuple[torch.nn.Module, PreTrainedTokenizerBase, SourceFacts]:
-    """The model at `source` (`empty`: its parameters on the meta device, see `empty_model`), its
-    tokenizer, and the facts its model card will name."""
-    # The model card's facts now, from the load's own parse of a GGUF file: at the end of training
-    # a second parse (1-2 s, 170 MiB for SmolLM2's vocabulary) would set the run's peak RSS.
+    """The model at `source` (`empty`: on the meta device), its tokenizer, and its model card's facts,
+    read now from the load's own parse of a GGUF file (a second parse at the end would set the peak RSS)."""
     with gguf_parsed_once():
         model, tokenizer = (empty_model(source), load_tokenizer(source)) if empty else load_model(source)
         facts = source_facts(source)
@@ -58,9 +52,8 @@ def load_student(source: Path, empty: bool = False) -> tuple[torch.nn.Module, Pr
 
 
 def empty_model(source: Path) -> PreTrainedModel:
-    """The model at `source` as `load_model` builds it (float32), its parameters on the meta device:
-    no weight is read. Its buffers (the rotary frequencies) are real, computed from the config as the
-    load computes them, so that FSDP's preparation, which receives only the state dict, keeps them."""
+    """The model at `source` as `load_model` builds it, its parameters on the meta device (no weight
+    read); its buffers (the rotary frequencies) real, since FSDP's preparation receives only the state dict."""
     import ladder.model.auto  # noqa: F401  (registers the ladder model with the Auto classes)
 
     config = load_config(source)
@@ -72,8 +65,7 @@ def empty_model(source: Path) -> PreTrainedModel:
 def load_teacher(
     recipe: Recipe, teacher_source: Path | None, student: torch.nn.Module, empty: bool = False
 ) -> torch.nn.Module | None:
-    """For `kd` and `hidden`, the teacher: model.teacher (`empty`: on the meta device), else the
-    original model, a copy of the student taken before its rewiring."""
+    """For `kd` and `hidden`, the teacher: model.teacher, else a copy of the student before its rewiring."""
     if not recipe.objective.needs_teacher():
         return None
     if teacher_source is not None:
@@ -82,8 +74,7 @@ def load_teacher(
 
 
 def configure_student(model: torch.nn.Module, spec: ModelSpec, checkpointing: str = "none") -> None:
-    """Attention implementation, activation checkpointing (`checkpointing`: model.activation_checkpointing
-    resolved, adapt/training_cost.py) and compilation, as model.* asks."""
+    """Attention implementation, activation checkpointing (resolved) and compilation, as model.* asks."""
     model.set_attn_implementation(spec.attn_implementation)
     if checkpointing != "none":
         model.activation_checkpointing_enable(
@@ -99,8 +90,7 @@ def prepare_teacher(
     teacher: torch.nn.Module, recipe: Recipe, device: torch.device, from_main: bool = False
 ) -> torch.nn.Module:
     """The teacher frozen on `device` in the recipe's precision, as a ladder model with its own wiring
-    (none, for an original), so that its layers take the student's (attn_stream, mlp_stream)
-    (adapt/distill.py). `from_main` (`weights_from_main`): every process receives it from the main one."""
+    (none, for an original), so that its layers take the student's two streams (adapt/distill.py)."""
     dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
     teacher = ladder.to_ladder(teacher, list(getattr(teacher.config, "ladder_layers", None) or []))
     teacher.set_attn_implementation(recipe.model.attn_implementation)  # the student's masks fit it
@@ -112,9 +102,7 @@ def prepare_teacher(
 
 
 def receive_from_main(module: torch.nn.Module, device: torch.device) -> None:
-    """`module` on `device` in every process as the main process holds it: a process whose parameters
-    are on the meta device allocates them there, then every parameter and buffer is broadcast from the
-    main process (one tensor at a time: no second copy of the model anywhere)."""
+    """`module` on `device` in every process as the main process holds it, broadcast a tensor at a time."""
     if any(parameter.is_meta for parameter in module.parameters()):
         module.to_empty(device=device)  # its buffers too: they are received below
         module.tie_weights()  # to_empty gave tied parameters a tensor each
@@ -125,8 +113,7 @@ def receive_from_main(module: torch.nn.Module, device: torch.device) -> None:
 
 
 def reset_peak_host_memory() -> None:
-    """Start this process's peak resident memory (Linux' VmHWM) afresh, so that `peak_host_memory`
-    measures from here (where the kernel refuses, it measures from the process's start)."""
+    """Start this process's peak resident memory (Linux' VmHWM) afresh: `peak_host_memory` measures from here."""
     with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
 
@@ -145,9 +132,7 @@ def peak_host_memory(accelerator: Accelerator) -> str:
 def make_trainable(
     model: torch.nn.Module, trainable: TrainableSpec, ladder_layers: list[int]
 ) -> tuple[torch.nn.Module, list[int]]:
-    """Freeze all but the ladder layers (`ladder`), the named layers (`layers`), or wrap the model in
-    LoRA adapters (`lora`); `all` trains everything. Returns the model and the layers left trainable
-    (empty for `all` and `lora`)."""
+    """The model with all but the layers trainable.mode names frozen (or in LoRA adapters), and those layers."""
     mode = trainable.mode
     layers: list[int] = []
 
@@ -177,17 +162,3 @@ def make_trainable(
         except ValueError as error:
             raise UsageError(f"trainable.lora.target_modules: {first_line(error)}") from None
     return model, layers
-
-
-__all__ = [
-    "configure_student",
-    "empty_model",
-    "load_student",
-    "load_teacher",
-    "make_trainable",
-    "peak_host_memory",
-    "prepare_teacher",
-    "receive_from_main",
-    "reset_peak_host_memory",
-    "weights_from_main",
-]

@@ -41,8 +41,7 @@ def warmup_steps(schedule: ScheduleSpec, total_steps: int) -> int:
 def build_schedule(
     optimizer: torch.optim.Optimizer, schedule: ScheduleSpec, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """The learning-rate schedule of `schedule` over `total_steps` optimizer steps (a LambdaLR,
-    whose state_dict is its step: a resumed run continues it exactly)."""
+    """The learning-rate schedule over `total_steps` (a LambdaLR: a resumed run continues it exactly)."""
     warmup = warmup_steps(schedule, total_steps)
     if schedule.decay == "cosine":
         return get_scheduler(
@@ -52,9 +51,8 @@ def build_schedule(
             num_training_steps=total_steps,
             scheduler_specific_kwargs={"min_lr_rate": schedule.min_lr_ratio},
         )
-    # transformers' linear and constant schedules warm up from lr 0 (a step that trains nothing), and
-    # its linear decay has no floor (its warmup_stable_decay warms up from the floor instead): the
-    # same warmup and floor as the cosine's, by hand.
+    # transformers' linear and constant schedules warm up from lr 0 (a step that trains nothing) and its
+    # linear decay has no floor: the cosine's warmup and floor, by hand.
     factor = functools.partial(_lr_factor, schedule.decay, schedule.min_lr_ratio, warmup, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -66,6 +64,3 @@ def _lr_factor(decay: str, min_lr_ratio: float, warmup: int, total_steps: int, s
         return 1.0
     progress = min(1.0, (step - warmup + 1) / max(1, total_steps - warmup))
     return min_lr_ratio + (1 - min_lr_ratio) * (1 - progress)
-
-
-__all__ = ["build_optimizer", "build_schedule"]

@@ -33,10 +33,8 @@ def parse_overrides(overrides: list[str] | dict | None) -> list[tuple[str, Any]]
 
 
 def set_dotted(raw: dict, key: str, value: Any) -> None:
-    """Set `key` (dotted; a number addresses a list item: `data.train.0.max_tokens`, or
-    `data.train[0].max_tokens` as errors name it) in the raw recipe. A list item written as a bare
-    string (a source's path) becomes a mapping when one of its keys is set; the index one past the
-    end appends an item."""
+    """Set the dotted `key` in the raw recipe. A list item written as a bare string (a source's path)
+    becomes a mapping when one of its keys is set; the index one past the end appends an item."""
     node: dict | list = raw
     parts = re.sub(r"\[(\d+)\]", r".\1", key).split(".")
     for depth, part in enumerate(parts):
@@ -67,6 +65,3 @@ def set_dotted(raw: dict, key: str, value: Any) -> None:
         if not isinstance(child, (dict, list)):
             raise UsageError(f"override {key}: {where} is not a section")
         node = child
-
-
-__all__ = ["parse_overrides", "set_dotted"]

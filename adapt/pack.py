@@ -1,13 +1,9 @@
 """Tokenize a group of sources on every core, keep each chunk's tokens as a shard, pack the blocks.
 
-Chunks of each source (adapt/sources.py) go to a pool of worker processes, one per core, each with
-its own single-threaded Rust tokenizer (adapt/tokenize.py). Their results come back in chunk order
-and are written as shards (`<source>-<chunk>.npz`, atomically) to a folder beside the cache entry;
-a source stops once its shards hold its `max_tokens` (or its share of a mixture). A prepare killed
-at any point finds the shards written so far, tokenizes only the rest and packs the same blocks:
-nothing in the blocks depends on timing, the number of workers, or where the kill fell. Packing
-reads the shards in order, cuts each source at its quota, interleaves mixed sources document by
-document (each next document from the source furthest behind its share) and writes whole rows.
+Chunks (adapt/sources.py) go to a pool of worker processes, one per core (adapt/tokenize.py); their
+results come back in chunk order and are written as shards beside the cache entry, so that a prepare
+killed at any point tokenizes only the rest and packs the same blocks. Packing reads the shards in
+order, cuts each source at its quota and interleaves mixed sources document by document.
 """
 
 from __future__ import annotations
@@ -46,15 +42,11 @@ ROWS_PER_WRITE = 256
 
 @dataclass(frozen=True)
 class Sampling:
-    """How a group's sources are sampled: a seed that shuffles each source's documents (None: file order),
-    and the tokens of a mixture of weighted sources (0: no mixture)."""
-
-    seed: int | None = None
-    mix_tokens: int = 0
+    seed: int | None = None  # shuffles each source's documents (None: file order)
+    mix_tokens: int = 0  # the tokens of a mixture of weighted sources (0: no mixture)
 
 
 def id_dtype(tokenizer: PreTrainedTokenizerBase) -> type:
-    """uint16 when every token id fits in it, else uint32."""
     return np.uint16 if max(tokenizer.get_vocab().values()) < 1 << 16 else np.uint32
 
 
@@ -95,9 +87,12 @@ def write_blocks(
             for i, (source, quota) in enumerate(zip(sources, quotas))
         ]
     tokenizing = time.perf_counter() - started
-    meta = pack(
-        tokenized, mixture_quotas(tokenized, quotas, sources, sampled, group), sampled, directory, seq_len, dtype, group
-    )
+    # The sources one after the other, or interleaved document by document when mixed.
+    writer, quotas = BlockWriter(directory, seq_len, dtype), mixture_quotas(tokenized, quotas, sources, sampled, group)
+    streams = [source_documents(t.shards, quota) for t, quota in zip(tokenized, quotas)]
+    for ids, targets, lengths in interleaved(streams, quotas) if sampled.mix_tokens else itertools.chain(*streams):
+        writer.add(ids, targets, lengths)
+    meta = writer.finish(group)
     packing = time.perf_counter() - started - tokenizing
     tokens = sum(t.tokens for t in tokenized)
     log.info(
@@ -106,23 +101,6 @@ def write_blocks(
         f"{tokenizing:.1f} s ({tokens / tokenizing:,.0f} tokens/s, {workers} worker(s)), packed in {packing:.1f} s"
     )
     return meta
-
-
-def pack(
-    tokenized: list[SourceTokens],
-    quotas: list[int],
-    sampled: Sampling,
-    directory: Path,
-    seq_len: int,
-    dtype: type,
-    group: str,
-) -> dict:
-    """Write the blocks from the shards: the sources one after the other, or interleaved when mixed."""
-    writer = BlockWriter(directory, seq_len, dtype)
-    streams = [source_documents(t.shards, quota) for t, quota in zip(tokenized, quotas)]
-    for ids, targets, lengths in interleaved(streams, quotas) if sampled.mix_tokens else itertools.chain(*streams):
-        writer.add(ids, targets, lengths)
-    return writer.finish(group)
 
 
 def source_quotas(sources: list[SourceSpec], sampled: Sampling) -> list[int]:
@@ -153,8 +131,7 @@ def mixture_quotas(
 
 
 def estimate(sources: list[SourceSpec], quotas: list[int], group: str, dtype: type, workers: int) -> str:
-    """A line before the work: the tokens expected (local files at about 4 bytes per token, capped by the
-    quotas) and the cache's size."""
+    """A line before the work: the tokens expected (local files at about 4 bytes per token) and the cache's size."""
     tokens, unknown = 0, False
     for i, (source, quota) in enumerate(zip(sources, quotas)):
         if source.path.startswith(HF_PREFIX):
@@ -176,9 +153,8 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def start_pool_worker(worker: Worker) -> None:
-    """A forked worker's start: the default signal actions back first. A fork inherits the parent's
-    Python handlers, and adapt's (SIGTERM and SIGUSR1 only set a flag, adapt/preemption.py) would
-    keep a SIGTERM from ending a worker."""
+    """A forked worker's start: the default signal actions back first (adapt's handlers, inherited,
+    would keep a SIGTERM from ending a worker)."""
     for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(number, signal.SIG_DFL)
     # A worker ends with its parent (Linux's PR_SET_PDEATHSIG): a killed prepare leaves none behind.
@@ -189,10 +165,8 @@ def start_pool_worker(worker: Worker) -> None:
 
 class ChunkRunner:
     """Tokenizes chunks in worker processes (in this one when there is one core), results in order.
-
-    concurrent.futures rather than multiprocessing.Pool: a worker that dies (the OOM killer, a kill)
-    breaks the executor, and the run ends in one line, its shards kept for the rerun; a Pool would
-    replace the worker and wait forever for the chunk it held."""
+    concurrent.futures rather than multiprocessing.Pool: a worker that dies breaks the executor, and
+    the run ends in one line; a Pool would wait forever for the chunk the dead worker held."""
 
     def __init__(self, worker: Worker, workers: int):
         self.worker, self.workers, self.pool = worker, workers, None
@@ -267,7 +241,7 @@ def tokenize_source(
     dtype: type,
 ) -> SourceTokens:
     """The shards of one source, in order, until they hold `quota` tokens (0: all); shards already
-    written are used as they are, and a Hub stream reopens after the last of them."""
+    written are kept, and a Hub stream reopens after the last of them."""
     done, tokens, first, state = [], 0, 0, None
     if source.path.startswith(HF_PREFIX):
         while (shards / shard_name(index, first)).is_file():  # the stream's position is in the last shard
@@ -321,8 +295,7 @@ def shard_field(path: Path, field: str) -> np.ndarray:
 
 
 def source_documents(shards: list[Path], quota: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(ids, targets, document lengths) shard by shard, the stream cut at `quota` tokens (0: all): the
-    document that crosses it is cut short."""
+    """(ids, targets, document lengths) shard by shard, cut at `quota` tokens (0: all)."""
     given = 0
     for path in shards:
         ids, targets, lengths = read_shard(path)
@@ -339,9 +312,8 @@ def source_documents(shards: list[Path], quota: int) -> Iterator[tuple[np.ndarra
 
 
 def interleaved(streams: list[Iterator], quotas: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The documents of several streams merged: each next document comes from the stream that has given
-    the smallest share of its quota (ties: the first), so every stretch of the result holds the sources
-    in proportion to their quotas."""
+    """The documents of several streams merged, each next one from the stream furthest behind its quota
+    (ties: the first), so every stretch holds the sources in proportion."""
     cursors = [DocumentCursor(stream) for stream in streams]
     given = [0] * len(streams)
     while True:
@@ -375,8 +347,7 @@ class DocumentCursor:
 
 
 class BlockWriter:
-    """Appends documents to the block files, a whole number of rows at a time; the tail that does not fill
-    a row is dropped at the end."""
+    """Appends documents to the block files, whole rows at a time; the tail short of a row is dropped."""
 
     def __init__(self, directory: Path, seq_len: int, dtype: type):
         self.seq_len, self.dtype = seq_len, dtype

@@ -1,10 +1,7 @@
-"""Preemption: the signals a cluster scheduler sends before it stops a job (SIGTERM; SIGUSR1 where
-the job asks for an early warning, e.g. Slurm's `--signal=USR1@120`) end the run after the step in
-progress, with a checkpoint of that step, instead of losing every step since the last one.
-
-A signal only sets a flag (nothing is written from a signal handler, so no state is left half
-made); the loop asks at each step's end, and the processes agree (a max all-reduce), so that all of
-them stop after the same step even when the signal reaches them at different moments.
+"""Preemption: the signals a cluster scheduler sends before it stops a job (SIGTERM; SIGUSR1 where the
+job asks for an early warning, e.g. Slurm's `--signal=USR1@120`) end the run after the step in progress,
+with a checkpoint of it. A signal only sets a flag (nothing is written from a handler); the processes
+agree at each step's end (a max all-reduce), so that all of them stop after the same step.
 """
 
 from __future__ import annotations
@@ -52,6 +49,3 @@ class StopSignals:
         flag = torch.tensor([self.received], device=accelerator.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return int(flag)
-
-
-__all__ = ["STOP_SIGNALS", "Preempted", "StopSignals"]

@@ -10,9 +10,9 @@ from accelerate import Accelerator
 
 from ladder.errors import UsageError
 from ladder.io.files import sha256_file
-from ladder.io.loading import check_llama_checkpoint, load_tokenizer, read_config_dict, resolve_model_path
+from ladder.io.loading import check_checkpoint, load_tokenizer, read_config_dict, resolve_model_path
 from ladder.io.outputs import check_output
-from ladder.layers import LADDER_MODEL_TYPE, parse_layer_choice
+from ladder.layers import is_ladder_model_type, parse_layer_choice
 
 from .checkpoint import METRICS_FILE, check_same_recipe, latest_checkpoint
 from .data import data_prepared, local_files
@@ -36,9 +36,9 @@ def source_path(text: str) -> Path:
 def check_model(recipe: Recipe) -> ModelSources:
     """The recipe's model paths, resolved; refuses recipes that cannot work, before any weight loads."""
     path = source_path(recipe.model.path)
-    check_llama_checkpoint(path)  # any other model_type is refused, as convert does
+    check_checkpoint(path)  # any other model_type is refused, as convert does
     config = read_config_dict(path) if path.is_dir() else {}  # a .gguf file holds an original Llama
-    is_ladder = config.get("model_type") == LADDER_MODEL_TYPE
+    is_ladder = is_ladder_model_type(config.get("model_type"))
     context = config.get("max_position_embeddings")
     if isinstance(context, int) and recipe.data.seq_len > context:
         raise UsageError(
@@ -46,7 +46,7 @@ def check_model(recipe: Recipe) -> ModelSources:
             f"{context} in {path / 'config.json'})"
         )
     if recipe.model.ladder_layers is None and not is_ladder:
-        raise UsageError("model.ladder_layers: model.path is an original Llama, so name the layers to rewire")
+        raise UsageError("model.ladder_layers: model.path is not a ladder model yet, so name the layers to rewire")
     if recipe.model.ladder_layers is not None and "num_hidden_layers" in config:
         parse_layer_choice(recipe.model.ladder_layers, config["num_hidden_layers"], "model.ladder_layers")
     if recipe.objective.needs_teacher() and is_ladder and not recipe.model.teacher:
@@ -59,10 +59,8 @@ def check_model(recipe: Recipe) -> ModelSources:
 
 
 def check_outputs(recipe: Recipe, sources: ModelSources) -> None:
-    """output_dir and data.cache_dir under the output rule (`ladder.io.outputs.check_output`): never
-    a model the run reads nor a data source's folder (the whole folder, whatever files it holds now),
-    inside one or above one, never `/` or a home folder, never another command's output, writable;
-    before any weight loads."""
+    """output_dir and data.cache_dir under the output rule (`ladder.io.outputs.check_output`), a data
+    source's whole folder an input, before any weight loads."""
     data = recipe.data.train + recipe.data.eval
     roots = [source_root(s, f"data source {i} ({s.path})") for i, s in enumerate(data) if not s.path.startswith("hf:")]
     inputs = [sources.student, sources.teacher, *roots]
@@ -89,10 +87,8 @@ def step_budget(recipe: Recipe, processes: int, fsdp: bool) -> StepBudget:
 
 
 def resume_point(recipe: Recipe) -> Path | None:
-    """Where a run of `recipe` continues: its final model when complete, else its latest checkpoint,
-    else None (a fresh start). Either is refused, before any weight loads, when it was made with a
-    recipe that differs from `recipe` (the UsageError names the keys), and so is an earlier run
-    without `resume`."""
+    """Where a run of `recipe` continues: its final model when complete, else its latest checkpoint, else
+    None. Either is refused when made with another recipe, and so is an earlier run without `resume`."""
     run_dir = recipe.run_dir()
     final_dir, checkpoint_dir = run_dir / "model", run_dir / "checkpoints"
     if not recipe.resume:
@@ -109,8 +105,7 @@ def resume_point(recipe: Recipe) -> Path | None:
 
 
 def check_data_files(recipe: Recipe) -> dict[str, str]:
-    """Every local data source matches files (Hub sources are checked when they stream); returns the
-    SHA-256 of each file, which a checkpoint records so that a resumed run trains on the same data."""
+    """The SHA-256 of each local data file (a checkpoint records them: a resumed run trains on the same data)."""
     return {
         str(path): sha256_file(path)
         for i, source in enumerate(recipe.data.train + recipe.data.eval)
@@ -120,8 +115,7 @@ def check_data_files(recipe: Recipe) -> dict[str, str]:
 
 
 def check_data_prepared(recipe: Recipe, accelerator: Accelerator) -> None:
-    """Several processes refuse data that is not tokenized yet, before any weight loads: all but one
-    (GPUs, on a real launch) would wait while it tokenizes. The main process says so in one line."""
+    """Several processes refuse data not tokenized yet (all but one would wait); the main process says so."""
     processes = accelerator.num_processes
     if processes == 1 or data_prepared(recipe.data, load_tokenizer(source_path(recipe.model.path))):
         return
@@ -131,16 +125,3 @@ def check_data_prepared(recipe: Recipe, accelerator: Accelerator) -> None:
         f"the data is not prepared, and {processes - 1} of {processes} processes would wait while one "
         "tokenizes it: run `ladder adapt RECIPE.yaml [key=value ...] --prepare-data` first"
     )
-
-
-__all__ = [
-    "ModelSources",
-    "StepBudget",
-    "check_data_files",
-    "check_data_prepared",
-    "check_model",
-    "check_outputs",
-    "resume_point",
-    "source_path",
-    "step_budget",
-]

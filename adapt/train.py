@@ -1,21 +1,11 @@
-"""The adapt recipe script: one plain accelerate loop that retrains a ladder model.
+"""The adapt recipe script: one plain accelerate loop that retrains a ladder model, the same code on one
+CPU process, DDP or FSDP (`accelerate launch` decides).
 
-    start()    checks first (the model paths resolved once, outputs, resume point: no weight loads
-               before them), then `AdaptRun.__init__` in order: budget, data files, student, packed
-               data, teacher for `kd` and `hidden`, rewiring (in memory when model.path is an
-               original), trainable parameters, AdamW with warmup + decay, resume state, trackers
-    train()    per step (`AdaptRun.step`): micro-batches (forward, loss, backward; adapt/step.py),
-               clip, the NaN guard, optimizer step; then the metrics line, evaluation and atomic
-               checkpoints on their schedules, SIGTERM or SIGUSR1 ending the run after the step with a
-               checkpoint (adapt/preemption.py); collectives wait `timeout.collective` from the
-               second step (`timeout.setup` before)
-    save_final()  the final model (LoRA merged) with its card (adapt/card.py)
-
-The same code runs on one CPU process, on DDP and on FSDP: `accelerate launch` decides.
-Checkpoints are `accelerator.save_state` (model, optimizer, scheduler, python/numpy/torch RNG
-of every process) plus `TrainState` (step and data position) and the resolved recipe, written
-atomically. Which blocks a step reads is a pure function of (seed, step) (`BlockOrder`), so a
-resumed run computes exactly what an uninterrupted run computes.
+`start` runs the checks that need no weights, then `AdaptRun.__init__` sets up what the loop reads;
+`AdaptRun.train` runs the steps (adapt/step.py computes them) with evaluation, atomic checkpoints and
+stop signals on their schedules; `save_final` writes the model with its card. Which blocks a step
+reads is a pure function of (seed, step) (`BlockOrder`), so a resumed run computes exactly what an
+uninterrupted run computes.
 """
 
 from __future__ import annotations
@@ -92,8 +82,8 @@ class TrainingDiverged(RuntimeError):
 
 
 class ProcessesLost(RuntimeError):
-    """A collective failed: another process hung past `timeout.collective`, or died; the message names
-    the step and what was kept."""
+    """A collective failed (a process hung past `timeout.collective`, or died); the message names the
+    step and what was kept."""
 
 
 def prepare(recipe: Recipe) -> Splits:
@@ -214,9 +204,8 @@ class AdaptRun:
         self.describe(student, resumed=resume_from is not None)
 
     def make_distiller(self, model: torch.nn.Module) -> Distiller | None:
-        """The distiller over the trainable student, when there is a teacher. The teacher starts from
-        the student's streams when the layers below the first ladder layer are frozen and the teacher
-        is the same original (adapt/distill.py)."""
+        """The distiller, when there is a teacher; it starts from the student's streams when the layers
+        below the first ladder layer are frozen and the teacher is the same original (adapt/distill.py)."""
         if self.teacher is None:
             return None
         if self.recipe.objective.uses_hidden() and not self.ladder_layers:
@@ -298,8 +287,7 @@ class AdaptRun:
         self.progress.close()
 
     def step(self) -> None:
-        """One optimizer step: gradients over the micro-batches, clipping, the NaN guard, the update; then its
-        metrics line."""
+        """One optimizer step: gradients, clipping, the NaN guard, the update; then its metrics line."""
         started = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]
         result = self.training_step.gradients(self.state.step)
@@ -364,11 +352,11 @@ class AdaptRun:
             self.save_checkpoint()
         raise Preempted(received, self.state.step, checkpoint, self.accelerator)
 
-    def evaluate(self) -> float | None:
+    def evaluate(self) -> None:
         """The held-out loss (adapt/step.py), logged and printed."""
         eval_loss = self.training_step.held_out_loss()
         if eval_loss is None:
-            return None
+            return
         perplexity = math.exp(min(eval_loss, 50.0))
         self.log(
             {
@@ -380,15 +368,10 @@ class AdaptRun:
         )
         self.postfix["eval_loss"] = f"{eval_loss:.4f}"
         message = f"step {self.state.step}: held-out loss {eval_loss:.4f} (perplexity {perplexity:.2f})"
-        if not self.progress.disable:
-            self.progress.write(message)
-        else:
-            log.info(message)
-        return eval_loss
+        (log.info if self.progress.disable else self.progress.write)(message)
 
     def log(self, record: dict) -> None:
-        """One metrics line; accelerate's trackers flush as they log (TensorBoard's events reach the disk
-        before a checkpoint, so a resumed run purges only what came after it)."""
+        """One metrics line, to metrics.jsonl and accelerate's trackers."""
         if self.main:
             with open(self.run_dir / METRICS_FILE, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
@@ -405,8 +388,7 @@ class AdaptRun:
 
     def save_final(self) -> Path:
         """The trained model as a plain checkpoint (LoRA merged, in the recipe's precision) with its
-        tokenizer and recipe. The weights go through a fresh model built on the meta device, so the
-        same code serves one process, DDP and FSDP (whose `get_state_dict` gathers the shards)."""
+        tokenizer, recipe and card; FSDP's `get_state_dict` gathers the shards."""
         accelerator = self.accelerator
         set_timeout(self.recipe.timeout.setup)  # the others wait while the main process writes
         if self.recipe.trainable.mode == "lora":
@@ -440,6 +422,3 @@ class AdaptRun:
             self.accelerator.num_processes,
             len(self.data.eval),
         )
-
-
-__all__ = ["AdaptRun", "Preempted", "ProcessesLost", "TrainingDiverged", "prepare", "resume_point", "start", "train"]

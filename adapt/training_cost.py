@@ -1,30 +1,16 @@
 """What a recipe's training costs before it runs (`ladder adapt RECIPE --plan`, and each layer choice's
-retraining in `ladder plan --recipe`), from the model's config alone (its sizes and parameter counts
-from ladder/plan/costs.py: no weight is read).
+retraining in `ladder plan --recipe`), from the model's config alone (ladder/plan/costs.py counts its
+parameters; no weight is read): memory per device by part, whether it fits (and else the fewest
+devices that do), FLOPs per token (model and hardware: recompute included; backward only where
+gradients flow), tokens/s at an assumed utilisation beside a measured anchor, and device-hours.
+docs/retraining.md describes each part and its sources.
 
-Memory per device, by part: the parameters (fp32 master weights), the trained parameters' gradients
-and AdamW's two moments (all three sharded over the devices under FSDP), the activations each
-decoder layer saves for its backward pass at the recipe's micro-batch and seq_len under each
-recompute policy, the head's logits chunks and gradients, and buffers (FSDP's gathered bf16 units,
-one layer's backward); on a GPU the caching allocator's reserve above what is allocated, and what
-the process holds outside it (the CUDA context, NCCL's buffers; on a CPU the runtime: Python,
-torch, the tokenizer and the data). Whether that fits the device, and when not, the fewest devices
-(then the micro-batch) that fit. FLOPs per token: the model FLOPs (forward, backward; MFU counts
-these) and the hardware FLOPs (plus recompute; time is spent on these), with causal attention, and
-the backward only where gradients flow (below the lowest trained layer nothing flows). Tokens/s at
-an assumed utilisation of the device's peak, beside the measured anchor (torchtitan's 8B MFU);
-device-hours for the budget at both.
-
-Saved activations per trained layer and token, as autograd keeps them with adapt/memory.py's lean
-MLP and norms and sdpa (tests/test_adapt_plan.py counts them with saved-tensor hooks): the layer's two
-stream inputs (kept for the recomputed norms), the normed inputs of the attention and of the MLP
-(q/k/v and gate/up read them), q, k, v, the attention output (o_proj reads it), the attention's
-log-sum-exp (fp32, one per head), gate and up (SwiGLUDown). Under `full` recompute a layer keeps its
-two input streams; `selective` recomputes every other layer (transformers' every_n_layers=2).
-
-The memory model is checked against the one published measurement of an 8B FSDP run, torchtitan's
-(`torchtitan_reserved_bytes`, docs/retraining.md): `TORCHTITAN` describes how that program holds memory
-where it differs from adapt (one residual stream, its `op` recompute policy, an unchunked fp32 loss).
+Saved activations per trained layer and token, as autograd keeps them with adapt/memory.py's lean MLP
+and norms and sdpa (tests/test_adapt_plan.py counts them with saved-tensor hooks): the layer's stream
+inputs, the normed inputs of the attention and of the MLP, q, k, v, the attention output and its
+fp32 log-sum-exp, gate and up. `full` recompute keeps only the stream inputs; `selective` recomputes
+every other layer. The memory model is checked against torchtitan's published 8B FSDP runs
+(`torchtitan_reserved_bytes`, as the program `TORCHTITAN` holds memory).
 """
 
 from __future__ import annotations
@@ -45,46 +31,26 @@ from ladder.plan.speed import Device
 from .recipe import Recipe
 
 POLICIES = ("none", "selective", "full")
-# torchtitan's selective "op" policy (not one adapt runs; priced for its published check, see Program).
-TORCHTITAN_OP_POLICY = "op"
-# Share of a device's memory a training may fill. The count includes the allocator's reserve, the CUDA
-# context and NCCL; the rest is for what it does not (the spread of the reserve, a transient it misses).
+TORCHTITAN_OP_POLICY = "op"  # torchtitan's selective policy: priced for its published check only
+# Share of a device's memory a training may fill; the rest is for what the count misses.
 MEMORY_MARGIN = 0.95
-# The most devices a training that does not fit is tried on, looking for the fewest that fit.
-MAX_DEVICES = 1024
-# The CUDA caching allocator's peak reserve above its peak allocation, as a share of the allocation.
-# From torchtitan's own tables (benchmarks/llama3_h100_202412_torchtitan.md): going from 8 to 128 GPUs
-# shrinks only the sharded fp32 parameters, gradients and AdamW moments, by 14.0 GiB per GPU, and the
-# measured peak reserve falls by 15.4 GiB eager and 15.0 GiB compiled: 1.10 and 1.07 per allocated byte.
+MAX_DEVICES = 1024  # the most devices a training that does not fit is tried on
+# On a GPU: the caching allocator's peak reserve above its peak allocation (from torchtitan's tables),
+# and what is held outside it: the CUDA context, NCCL's buffers (docs/retraining.md).
 ALLOCATOR_RESERVE = 0.10
-# Held outside the caching allocator on a GPU (torchtitan's figures leave it out): the CUDA context,
-# about 0.4 GB with lazy module loading (CUDA >= 11.7; pytorch/pytorch#109888) and cuBLAS's workspace;
-# NCCL's buffers for one communicator over 8 H100s: NVLink SHARP's 288 MiB per rank (the log in
-# vllm-project/vllm#9699) and the ring and tree channels' (NCCL_BUFFSIZE, 4 MiB per channel and peer).
 CUDA_CONTEXT_BYTES = 0.5 * 2**30
 NCCL_BYTES = 0.75 * 2**30
-# The process's own memory on a CPU, whatever the batch: Python, torch and transformers, the tokenizer
-# and the run's tokenized data (measured 541-1,095 MiB, 555 beside the CPU recipe's own setting,
-# 2026-12-04/05: docs/retraining.md).
+# A CPU process's own memory, whatever the batch: Python, torch, the tokenizer, the data (measured 541-1,095 MiB).
 CPU_RUNTIME_BYTES = 550 * 2**20
-# Share of the device's peak FLOP/s spent on the hardware FLOPs (recompute included), assumed on
-# accelerators. The measured anchor, torchtitan's Llama-3.1-8B (8 H100s, FSDP2, seq_len 8192), is
-# 5,762 tokens/s per GPU eager and 6,667 compiled (ANCHOR): MFU 0.30 and 0.35 by this module's count,
-# 0.35-0.39 and 0.40-0.46 of the 989 TFLOP/s peak once its recompute (selective to full) is counted.
-# The assumption is the low end of the latter, so its tokens/s lie above the anchor's MFU.
+# Share of the peak FLOP/s spent on the hardware FLOPs, assumed on accelerators: the low end of what the
+# measured anchor (ANCHOR) reaches by this module's count, recompute included.
 UTILISATION = {"eager": 0.35, "compiled": 0.40}
 UTILISATION_SOURCE = "assumed, {mode}"
-# torchtitan's published throughput (its benchmarks/llama3_h100_202412_torchtitan.md, commit 9dec370 of
-# 2024-12-26, Table 1): Llama-3.1-8B, FSDP2 over 8 H100s, local batch 2 x 8192 tokens, compiled.
+# torchtitan's published throughput and peak reserve (GiB: name, GPUs, eager, compiled) for Llama-3.1-8B
+# under FSDP2 (its benchmarks/llama3_h100_202412_torchtitan.md, commit 9dec370, Tables 1 and 3).
 ANCHOR = dict(model="meta-llama/Llama-3.1-8B", gpus=8, tokens_per_second_per_gpu=6667, peak_flops=989e12)
 ANCHOR_SOURCE = "torchtitan's Llama-3.1-8B on 8 H100s, FSDP2, compiled: 6,667 tokens/s/GPU, measured"
-# torchtitan's published peak memory per GPU, same document (Tables 1 and 3), on H100s of 96 GB at
-# 500 W: `max_reserved` in GiB, (name, GPUs, eager, compiled).
 PUBLISHED_MEMORY = [("torchtitan 8B, 8 GPUs", 8, 82.4, 77.0), ("torchtitan 8B, 128 GPUs", 128, 67.0, 62.0)]
-# What one node's processes write together per second into a checkpoint (each its shard), assumed: a
-# network filesystem every node sees (multi-node runs need one); a node's local NVMe writes faster.
-CHECKPOINT_WRITE_RATE = 1e9
-GPUS_PER_NODE = 8
 
 
 def model_shape(config) -> ModelShape:
@@ -97,16 +63,12 @@ class Program:
     """How a training program's own code holds memory, where programs differ."""
 
     name: str
-    streams: int  # residual streams a decoder layer takes, kept for its backward (a ladder layer: two)
-    # The loss: "chunked" (adapt/losses.py: float32 logits a chunk at a time, the head's gradient built
-    # in the forward) or "unchunked" (the micro-batch's logits at once, upcast to float32).
-    loss: str
+    streams: int  # residual streams a decoder layer keeps for its backward (a ladder layer: two)
+    loss: str  # "chunked" (adapt/losses.py) or "unchunked" (the micro-batch's float32 logits at once)
 
 
 ADAPT = Program("ladder adapt", streams=2, loss="chunked")
-# torchtitan at the commit of its published Llama-3.1-8B figures (9dec370, 2024-12-26): a plain Llama
-# block (one stream), FSDP2 with bf16 parameters and fp32 gradient reduction, the loss
-# `cross_entropy(pred.flatten(0, 1).float(), labels)` on the whole micro-batch's bf16 logits.
+# torchtitan at its published figures' commit: plain Llama blocks, the loss on the whole micro-batch's logits.
 TORCHTITAN = Program("torchtitan", streams=1, loss="unchunked")
 
 
@@ -118,10 +80,8 @@ def saved_bytes_per_token(shape: ModelShape, compute_bytes: int, stream_bytes: i
 
 
 def op_policy_bytes_per_token(shape: ModelShape, compute_bytes: int, stream_bytes: int, streams: int) -> int:
-    """Bytes a layer keeps per token under torchtitan's selective "op" policy (its parallelize_llama.py,
-    `_save_list`): the outputs of the flash/efficient attention (the output and its fp32 log-sum-exp)
-    and of every other matmul in call order (q of q, k, v, o; gate of gate, up, down; and down), all
-    else recomputed from the layer's input, which the checkpoint keeps."""
+    """Bytes a layer keeps per token under torchtitan's "op" policy (its `_save_list`): the attention's
+    output and log-sum-exp, every other matmul's output in call order, and the layer's input."""
     hidden, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
     matmuls = hidden + kv + shape.intermediate_size + hidden  # q, v, gate, down: 1st, 3rd, 5th, 7th
     return streams * hidden * stream_bytes + (matmuls + hidden) * compute_bytes + 4 * shape.num_heads
@@ -165,19 +125,16 @@ def setup_of(
 ) -> TrainingSetup:
     """The recipe's training on `devices` devices (FSDP over them by default when more than one);
     `ladder_layers`: the model's, where a run knows them (a ladder checkpoint's own, or auto:N's choice)."""
-    mode = recipe.trainable.mode
+    mode, layers = recipe.trainable.mode, shape.num_layers
+    trained = []  # lora: adapters on every layer, base weights frozen
     if mode == "all":
-        trained, head = list(range(shape.num_layers)), True
+        trained = list(range(layers))
+    elif mode == "ladder" and ladder_layers is not None:
+        trained = ladder_layers
     elif mode == "ladder":
-        if ladder_layers is None:
-            ladder_layers = parse_ladder_layers(
-                recipe.model.ladder_layers or [], shape.num_layers, "model.ladder_layers"
-            )
-        trained, head = ladder_layers, False
+        trained = parse_ladder_layers(recipe.model.ladder_layers or [], layers, "model.ladder_layers")
     elif mode == "layers":
-        trained, head = parse_ladder_layers(recipe.trainable.layers, shape.num_layers, "trainable.layers"), False
-    else:  # lora: adapters on every layer, base weights frozen
-        trained, head = [], False
+        trained = parse_ladder_layers(recipe.trainable.layers, layers, "trainable.layers")
     return TrainingSetup(
         micro_batch=recipe.batch.micro_batch,
         seq_len=recipe.data.seq_len,
@@ -185,8 +142,8 @@ def setup_of(
         fsdp=devices > 1 if fsdp is None else fsdp,
         bf16=recipe.precision == "bf16",
         trained=sorted(trained),
-        grads_from=0 if mode == "lora" else min(trained, default=shape.num_layers),
-        head_trained=head,
+        grads_from=0 if mode == "lora" else min(trained, default=layers),
+        head_trained=mode == "all",
         accelerator=accelerator,
         tokens=recipe.budget,
     )
@@ -213,20 +170,17 @@ def memory_parts(shape: ModelShape, setup: TrainingSetup, policy: str, chunk_pos
     )
     head_weight = counts.lm_head or counts.embedding
     if program.loss == "unchunked":
-        # Largest in the loss's backward: log-softmax's float32 output (kept for backward), its gradient
-        # and the logits' gradient, all float32 over every position (in the forward: the bf16 logits,
-        # their float32 copy and the output, fewer bytes); then the hidden states and their gradient.
+        # Largest in the loss's backward: log-softmax's float32 output, its gradient and the logits', over
+        # every position; then the hidden states and their gradient.
         head = tokens * shape.vocab_size * 4 * 3 + tokens * shape.hidden_size * compute_bytes * 2
     else:
         # The chunk's logits and their gradient; the hidden states and theirs.
         head = chunk_positions * shape.vocab_size * 4 * 2 + tokens * shape.hidden_size * 4 * 2
         if setup.head_trained:
-            # The head's gradient, built in the forward: a float32 sum; in bf16 also each chunk's float32
-            # product and the sum's cast to the weight's dtype (adapt/losses.py).
+            # The head's gradient, a float32 sum built in the forward (in bf16 also a chunk's product and the cast).
             head += head_weight * (4 + 4 + compute_bytes if setup.bf16 else 4)
-    # FSDP2 leaves the root unit (the embedding and the head) gathered from its forward to its backward;
-    # a layer's unit is gathered, the next one prefetched, and a layer's gradients reduce-scattered in
-    # float32.
+    # FSDP2 keeps the root unit (embedding, head) gathered from forward to backward; a layer's unit is
+    # gathered with the next one prefetched, and its gradients reduce-scattered in float32.
     root = counts.embedding + counts.lm_head
     buffers = ((root + 2 * counts.per_layer) * compute_bytes + counts.per_layer * 4) if setup.fsdp else 0
     allocated = {
@@ -293,10 +247,7 @@ class TrainingCost:
 
 def choose_policy(peaks: dict[str, float], device_memory: float) -> str:
     """The least recompute whose peak fits `device_memory` with the margin (full when none fits)."""
-    for policy in POLICIES:
-        if peaks[policy] <= MEMORY_MARGIN * device_memory:
-            return policy
-    return "full"
+    return next((policy for policy in POLICIES if peaks[policy] <= MEMORY_MARGIN * device_memory), "full")
 
 
 def smallest_fit(shape: ModelShape, setup: TrainingSetup, device_memory: float, policy: str, chunk: int) -> dict | None:
@@ -355,8 +306,7 @@ def training_cost(
 
 
 def torchtitan_setup(gpus: int) -> tuple[ModelShape, TrainingSetup]:
-    """torchtitan's published Llama-3.1-8B runs (ANCHOR, PUBLISHED_MEMORY): FSDP2 over `gpus` GPUs,
-    local batch 2 x 8192 tokens, every weight trained, its own program (TORCHTITAN)."""
+    """torchtitan's published Llama-3.1-8B runs on `gpus` GPUs: local batch 2 x 8192, all weights trained."""
     shape = ModelShape.from_config(published_config(ANCHOR["model"]))
     layers = list(range(shape.num_layers))
     setup = TrainingSetup(
@@ -389,13 +339,10 @@ def recipe_cost(
     shape: ModelShape | None = None,
     ladder_layers: list[int] | None = None,
 ) -> TrainingCost:
-    """The cost of `recipe`'s training on `devices` of `device` (a ladder/plan/devices.tsv row, a
-    FLOPS,BANDWIDTH,MEMORY description or a calibration, as `ladder adapt --plan --hardware` and `ladder
-    plan --recipe` name it), for the recipe's model (nothing downloaded: a Hub ID is priced from its
-    cached config.json or its published shape) or one of `shape`, whose `ladder_layers` train under
-    trainable.mode ladder. A CPU trains with every core: its measured matmul peak, not the one-core
-    decode rate its profile holds, and this machine's RAM unless a calibration recorded it. A GPU whose
-    memory is not known is refused, never guessed."""
+    """The cost of `recipe`'s training on `devices` of `device` (as `--hardware` names it), for the
+    recipe's model (nothing downloaded) or one of `shape`, whose `ladder_layers` train under
+    trainable.mode ladder. A CPU trains with every core: its measured matmul peak, not its profile's
+    one-core decode rate. A GPU whose memory is not known is refused, never guessed."""
     if not (device.on_cpu or device.memory):
         raise UsageError(
             f"the memory of device {device.name} is not known: give it as FLOPS,BANDWIDTH,MEMORY "
@@ -440,8 +387,7 @@ def checkpointing_policy(recipe: Recipe, config, processes: int, fsdp: bool) -> 
 
 
 def peak_flops(recipe: Recipe, device) -> float | None:
-    """The FLOP/s per device that MFU is measured against (recipe key logging.peak_flops, which says
-    where the default comes from)."""
+    """The FLOP/s per device that MFU is measured against (recipe key logging.peak_flops)."""
     if recipe.logging.peak_flops:
         return recipe.logging.peak_flops
     if device.type == "cuda":

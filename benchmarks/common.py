@@ -1,7 +1,6 @@
-"""What the benchmarks share: published shapes to build with random weights, a synthetic checkpoint of
-any shape written to disk, the machine a figure was measured on, and how a benchmark's `main` ends.
-Every benchmark runs as `python -m benchmarks.NAME`: a `main(argv)` with argparse that prints its
-ratios and writes one JSON result."""
+"""What the benchmarks share. Every benchmark has one shape: `python -m benchmarks.NAME` runs
+`run_benchmark(NAME, measure)`, whose `measure(argv)` parses its options with ladder.errors.ArgumentParser
+(a bad one is one line, status 2, before any work)."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ from ladder.errors import run_command
 from ladder.io.tensors import TensorSpec, cut_into_shards, write_shards
 from ladder.plan.models import published_config
 
-# The published shapes the speed benchmarks can build with random weights (on GPU machines; each
-# benchmark adds its own CPU-sized shapes), by the short names they take: rows of the one table of
-# published shapes, ladder/plan/models.tsv.
+# Published shapes to build with random weights (on GPU machines; each benchmark adds its own CPU
+# sizes), by short names: rows of the one table of published shapes, ladder/plan/models.tsv.
 SHAPE_KEYS = (
     "hidden_size",
     "intermediate_size",
@@ -54,8 +52,8 @@ def machine() -> dict:
     )
 
 
-def run_benchmark(name: str, measure: Callable[[list[str]], int | None], argv: list[str] | None) -> int:
-    """A benchmark's `main`, as every command ends (ladder.errors.run_command), under its own name."""
+def run_benchmark(name: str, measure: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
+    """A benchmark run as every command ends (ladder.errors.run_command), under its own name."""
     return run_command(name, measure, sys.argv[1:] if argv is None else argv, label=name)
 
 
@@ -81,6 +79,3 @@ def write_synthetic_checkpoint(directory: Path, config: LlamaConfig, max_shard_s
     )
     config.save_pretrained(staging)
     staging.rename(directory)
-
-
-__all__ = ["PUBLISHED_SHAPES", "machine", "run_benchmark", "write_synthetic_checkpoint"]

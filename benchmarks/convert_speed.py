@@ -1,28 +1,19 @@
 """Conversion time and memory against a plain recursive copy, on a synthetic checkpoint of a few GB.
 
-    .venv/bin/python -m benchmarks.convert_speed [--repeats 2]
+    .venv/bin/python -m benchmarks.convert_speed [--repeats 2] [--verify]
 
-The checkpoint (written once into runs/bench/convert-source-<layers>l and reused): Llama-3.1-8B shapes
-(hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256) with 4 layers instead of 32 and
-tied embeddings, random float32 weights, 2 GB shards: 5.6 GB, largest tensor 2.1 GB.
-
-In one run, for each mode (`copy`: same dtype, the files are copied with `shutil.copyfile`;
-`link`: the files are hard-linked; `bfloat16`: every tensor is read, cast and written)
-and each page-cache state, it times `cp -r SRC DST && sync` and `ladder convert SRC --out DST
---no-verify` (the conversion flushes its files; a `sync` follows it too), best of --repeats, and
-reports the ratio and the spread over the repeats (slowest / fastest). `--verify` converts with
-verification on instead (both models compared one module at a time), to measure its peak memory. "cold": the source is evicted from the page cache
-first, as for a checkpoint larger than RAM; "warm": it was just read. The conversion's time is
-measured inside its process (`convert`), and also with the interpreter and library start-up
-(`+start`, about constant per run). Peak RSS is the conversion process's own (VmHWM).
-The child process imports what the CLI imports: in copy and link mode neither torch nor transformers.
-Goals (issue 41): copy at most 1.25x `cp -r && sync`; link under 0.05x; peak RSS under 1.5x the largest
-shard.
+The checkpoint (written once into runs/bench/convert-source-<layers>l): Llama-3.1-8B shapes with 4
+layers, tied embeddings, random float32 weights, 2 GB shards (5.6 GB, largest tensor 2.1 GB). For each
+mode (`copy`: shutil.copyfile; `link`: hard links; `bfloat16`: every tensor read, cast and written)
+and page-cache state (`cold`: evicted first, as for a checkpoint larger than RAM; `warm`: just read) it
+times `cp -r SRC DST && sync` and `ladder convert SRC --out DST --no-verify` (`--verify`: with the
+verification, for its peak memory), best of --repeats: the ratio, the conversion with its start-up
+(`+start`), its own peak RSS (VmHWM) and the spread over the repeats. Goals (issue 41): copy <= 1.25x
+`cp -r && sync`, link < 0.05x, peak RSS < 1.5x the largest shard.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -33,7 +24,8 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
-from benchmarks.common import PUBLISHED_SHAPES, write_synthetic_checkpoint
+from benchmarks.common import PUBLISHED_SHAPES, run_benchmark, write_synthetic_checkpoint
+from ladder.errors import ArgumentParser
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -42,7 +34,7 @@ import json, os, sys, time
 from ladder.convert.convert import convert_checkpoint
 source, out, dtype, weights, verify = sys.argv[1:6]
 started = time.perf_counter()
-convert_checkpoint(source, out=out, dtype=None if dtype == "keep" else dtype, verify=verify == "verify", weights=weights)
+convert_checkpoint(source, out=out, dtype=None if dtype == "keep" else dtype, verify=verify == "True", weights=weights)
 os.sync()
 seconds = time.perf_counter() - started
 # VmHWM is this process's own peak: wait4's ru_maxrss would also count the parent's memory at fork.
@@ -83,46 +75,29 @@ def time_copy(source: Path, out: Path) -> float:
     return time.perf_counter() - started
 
 
-def time_conversion(
-    source: Path, out: Path, dtype: str, weights: str, verify: bool = False
-) -> tuple[float, float, int]:
+def time_conversion(source: Path, out: Path, dtype: str, weights: str, verify: bool) -> tuple[float, float, int]:
     """(seconds inside the process, seconds with start-up, peak RSS in bytes) of one conversion."""
-    command = [
-        sys.executable,
-        "-c",
-        CONVERT_IN_CHILD,
-        str(source),
-        str(out),
-        dtype,
-        weights,
-        "verify" if verify else "no-verify",
-    ]
+    command = [sys.executable, "-c", CONVERT_IN_CHILD, str(source), str(out), dtype, weights, str(verify)]
     started = time.perf_counter()
-    child = subprocess.Popen(command, cwd=REPOSITORY, stdout=subprocess.PIPE, text=True)
-    stdout = child.stdout.read()
-    status = child.wait()
+    child = subprocess.run(command, cwd=REPOSITORY, stdout=subprocess.PIPE, text=True)
     wall = time.perf_counter() - started
-    if status != 0:
-        raise SystemExit(f"conversion failed with status {status}")
-    result = json.loads(stdout.strip().splitlines()[-1])
+    if child.returncode != 0:
+        raise SystemExit(f"conversion failed with status {child.returncode}")
+    result = json.loads(child.stdout.strip().splitlines()[-1])
     if result["heavy_imports"] and dtype == "keep":
         print(f"  (the copy path imported {', '.join(result['heavy_imports'])})")
     return result["seconds"], wall, result["peak_rss"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def measure(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="benchmarks.convert_speed", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument(
-        "--verify",
-        action="store_true",
-        help="convert with verification on (layer by layer; goal: peak RSS within 2 shards)",
-    )
+    parser.add_argument("--verify", action="store_true", help="with verification (goal: peak RSS <= 2 shards)")
     parser.add_argument("--cache", choices=["cold", "warm"], nargs="+", default=["cold", "warm"])
     parser.add_argument("--mode", choices=["copy", "link", "bfloat16"], nargs="+", default=["copy", "link", "bfloat16"])
     parser.add_argument("--workdir", type=Path, default=REPOSITORY / "runs" / "bench")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     source = args.workdir / f"convert-source-{args.layers}l"
     if not source.exists():
@@ -163,7 +138,8 @@ def main() -> None:
                 flush=True,
             )
     print("goals: copy ratio <= 1.25, link ratio < 0.05, RSS/shard < 1.5")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_benchmark("convert_speed", measure))

@@ -1,39 +1,29 @@
 """Speed of `ladder adapt --prepare-data` against the tokenizer's own batch encoding, in one run.
 
-The data: the books under $LADDER_DATA/train (one document per blank-line paragraph) and a chat
-JSON-lines file built from the same paragraphs (records of two exchanges, user and assistant, trained
-on the assistant turns), written to a temporary folder. Three sides, alternating round by round so
-that a change in the machine's load hits each:
-- prepare: `load_blocks` end to end into a fresh cache (reading, chat rendering, tokenizing on every
-  core in worker processes, masks, shards, packing, writing);
-- tokenizer: the fast tokenizer's own call on the same texts (the chats rendered beforehand, untimed),
-  in batches of 1,024, its Rust threads on every core: the rate to reach (goal: prepare >= 0.8x);
-- datasets.map: the same worker code run by `datasets.Dataset.map(batched=True, num_proc=cores)`
-  instead of prepare's process pool, to the ids as numpy (no packing): the alternative measured.
-Each side's rate is the tokens of the same texts over its best round's wall time. Prints the machine,
-its load average before and after, each side's rate, and the ratio prepare / tokenizer last.
+The data: the books under $LADDER_DATA/train (a document per paragraph) and chats made of the same
+paragraphs (two exchanges each, trained on the assistant turns). Three sides, alternating round by
+round, each rated by the same tokens over its best round's wall time:
+- prepare: `load_blocks` end to end into a fresh cache (chat rendering, tokenizing in worker
+  processes on every core, masks, shards, packing);
+- tokenizer: the fast tokenizer's own batch call on the same texts (chats rendered beforehand), its
+  Rust threads on every core: the rate to reach (goal: prepare >= 0.8x);
+- datasets.map: prepare's worker code under `datasets.Dataset.map(num_proc=cores)` instead of its pool.
 
     .venv/bin/python -m benchmarks.data_speed [--rounds 2] [--books 24]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-def machine() -> str:
-    model = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"
-    )
-    return f"{platform.machine()} {model}, {len(os.sched_getaffinity(0))} cores"
+from benchmarks.common import machine, run_benchmark
+from ladder.errors import ArgumentParser
 
 
 def build_corpus(folder: Path, books: int) -> tuple[Path, Path]:
@@ -60,13 +50,11 @@ def texts_of(sources, tokenizer) -> list[str]:
     """The texts the prepare tokenizes: the paragraphs and the rendered chats."""
     from ladder.adapt.sources import local_items
 
-    texts = []
-    for i, source in enumerate(sources):
-        for kind, item, _ in local_items(source, f"data.train[{i}]"):
-            texts.append(
-                item if kind == "text" else tokenizer.apply_chat_template(json.loads(item)["messages"], tokenize=False)
-            )
-    return texts
+    return [
+        item if kind == "text" else tokenizer.apply_chat_template(json.loads(item)["messages"], tokenize=False)
+        for i, source in enumerate(sources)
+        for kind, item, _ in local_items(source, f"data.train[{i}]")
+    ]
 
 
 def time_tokenizer(tokenizer, texts: list[str]) -> tuple[float, int]:
@@ -94,28 +82,19 @@ def time_datasets_map(sources, tokenizer) -> float:
     from ladder.adapt.sources import local_items
     from ladder.adapt.tokenize import Chunk, Worker
 
-    worker = Worker(
-        tokenizer.backend_tokenizer.to_str(),
-        tokenizer.chat_template,
-        tokenizer.special_tokens_map,
-        tokenizer.eos_token_id,
-    )
+    backend, template = tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template
+    worker = Worker(backend, template, tokenizer.special_tokens_map, tokenizer.eos_token_id)
     started = time.perf_counter()
-    rows = {"source": [], "kind": [], "item": [], "where": []}
-    for i, source in enumerate(sources):
-        for kind, item, where in local_items(source, f"data.train[{i}]"):
-            for column, value in zip(rows, (i, kind, item, where)):
-                rows[column].append(value)
+    items = [(i, kind, item) for i, source in enumerate(sources) for kind, item, _ in local_items(source, "x")]
+    rows = dict(zip(("source", "kind", "item"), map(list, zip(*items))))
 
     def tokenize(batch: dict) -> dict:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         out = {"ids": [], "targets": []}
         for i in sorted(set(batch["source"])):  # a batch may straddle the two sources
             picked = [n for n, s in enumerate(batch["source"]) if s == i]
-            chunk = Chunk(
-                sources[i], "x", batch["kind"][picked[0]], [batch["item"][n] for n in picked], ["x"] * len(picked)
-            )
-            result = worker.tokenize(chunk)
+            items = [batch["item"][n] for n in picked]
+            result = worker.tokenize(Chunk(sources[i], "x", batch["kind"][picked[0]], items, ["x"] * len(picked)))
             ends = np.cumsum(result.lengths)[:-1]
             out["ids"] += [a.astype(np.uint16) for a in np.split(result.ids, ends)]
             out["targets"] += [a for a in np.split(result.targets, ends)]
@@ -129,8 +108,8 @@ def time_datasets_map(sources, tokenizer) -> float:
     return time.perf_counter() - started
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def measure(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="benchmarks.data_speed", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating")
     parser.add_argument("--books", type=int, default=24, help="how many of the books (the chats come from the same)")
     args = parser.parse_args(argv)
@@ -143,7 +122,7 @@ def main(argv: list[str]) -> int:
     datasets.disable_progress_bars()
     gguf = embedded_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    load_before = os.getloadavg()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as temporary:
         folder = Path(temporary)
         books, chat_file = build_corpus(folder, args.books)
@@ -155,7 +134,10 @@ def main(argv: list[str]) -> int:
             seconds["prepare"].append(time_prepare(sources, tokenizer, folder / f"cache-{round_number}"))
             seconds["datasets.map"].append(time_datasets_map(sources, tokenizer))
         _, tokens = time_tokenizer(tokenizer, texts)
-    print(f"machine: {machine()}; load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
+    where = machine()
+    print(
+        f"machine: {where['cpu']}, {where['cpus']} CPUs; load average {load_before:.2f}, then {where['load_average']:.2f}"
+    )
     print(f"data: {args.books} books as {len(texts):,} documents (paragraphs and chats), {tokens:,} tokens")
     rates = {side: tokens / min(times) for side, times in seconds.items()}
     for side, times in seconds.items():
@@ -167,4 +149,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_benchmark("data_speed", measure))

@@ -1,17 +1,14 @@
 """Checks `ladder plan`'s speed model (ladder/plan/speed.py) against measurements and published numbers,
-in one run, and prints them side by side; exits 1 when a row misses its bound.
+in one run, side by side; exits 1 when a row misses its bound.
 
-(a) here: this machine is calibrated (`ladder plan --calibrate`'s probe: both ranks' memory bandwidth,
-    matmul rate and operator cost; gloo all-reduce latency, bandwidth and cost to the CPU) on each link
-    setting, then benchmarks/tp_speed.py measures standard, all-ladder and upper-half-ladder decode on
-    that link right after (TP=2 over gloo, the same synthetic weights, the wirings interleaved in each
-    round), and the model's predicted ladder/standard speed-up must be within 10% of the measured one.
+(a) here: on each link setting this machine is calibrated (`ladder plan --calibrate`'s probe), then
+    benchmarks/tp_speed.py measures standard, all-ladder and upper-half-ladder decode (TP=2 over gloo,
+    the wirings interleaved in each round); the predicted speed-up must be within 10% of the measured.
 (b) published (arXiv 2501.06589, gpt-fast on H100, prompt 1024, 512 new tokens): the paper's 70B and
-    405B rows predicted from the H100 and interconnect profiles (devices.tsv, links.tsv), each within
-    15%; the no-communication bound beside the published 1.43x.
-(c) published memory (torchtitan's Llama-3.1-8B FSDP runs on H100s of 96 GB, 500 W, end of 2024):
-    adapt/training_cost.py's peak per GPU set to torchtitan's program and setting, against its peak reserve
-    (the caching allocator's, which leaves out the CUDA context and NCCL), each within 15%.
+    405B rows predicted from the device and link profiles, each within 15%; the no-communication bound
+    beside the published 1.43x.
+(c) published memory: adapt/training_cost.py's peak per GPU for torchtitan's Llama-3.1-8B FSDP runs
+    (its program and setting) against their published peak reserve, each within 15%.
 
     python -m benchmarks.plan_check                        # as root (the links are shaped namespaces)
     python -m benchmarks.plan_check --links loopback,400mbit,100mbit --batch 1,4
@@ -33,8 +30,8 @@ from transformers import LlamaConfig
 from benchmarks.common import PUBLISHED_SHAPES, machine, run_benchmark
 from benchmarks.tp_speed import BOUND, STANDARD, Variant, Workload, launch
 from ladder.adapt.training_cost import PUBLISHED_MEMORY, torchtitan_reserved_bytes
-from ladder.cli_types import positive_ints
-from ladder.errors import UsageError
+from ladder.cli_types import int_in, positive_int, positive_ints
+from ladder.errors import ArgumentParser
 from ladder.io.files import atomic_write
 from ladder.plan.calibrate import measure_link
 from ladder.plan.costs import ModelShape
@@ -123,15 +120,8 @@ def check_here(args: argparse.Namespace, config: LlamaConfig, report: dict) -> l
                 flush=True,
             )
             measured = launch(plan, prefix)
-        report["links"].append(
-            dict(
-                device=asdict(device),
-                link=asdict(link),
-                rows=measured,
-                load_before=load_before,
-                load_after=os.getloadavg()[0],
-            )
-        )
+        loads = dict(load_before=load_before, load_after=os.getloadavg()[0])
+        report["links"].append(dict(device=asdict(device), link=asdict(link), rows=measured, **loads))
         rows += compare(shape, device, link, args, measured, wirings)
     return rows
 
@@ -147,28 +137,12 @@ def compare(
             setting = Setting(device, link, tp=2, batch=batch, prompt=args.prompt_length,
                               new_tokens=args.new_tokens, dtype_bytes=4, cuda_graphs=False)  # fmt: skip
             prediction = predict(shape, setting, chosen or [])
+            where = f"{link.name}, batch {batch}, " + (BOUND if chosen is None else f"ladder {name}")
             if chosen is None:
-                rows.append(
-                    Row(
-                        "here",
-                        f"{link.name}, batch {batch}, {BOUND}",
-                        prediction.bound_speedup,
-                        speedup,
-                        None,
-                        spread=spread,
-                    )
-                )
+                rows.append(Row("here", where, prediction.bound_speedup, speedup, None, spread=spread))
             else:
                 rows.append(
-                    Row(
-                        "here",
-                        f"{link.name}, batch {batch}, ladder {name}",
-                        prediction.speedup,
-                        speedup,
-                        HERE_TOLERANCE,
-                        prediction.bound_speedup,
-                        spread,
-                    )
+                    Row("here", where, prediction.speedup, speedup, HERE_TOLERANCE, prediction.bound_speedup, spread)
                 )
     return rows
 
@@ -205,12 +179,8 @@ def table(rows: list[Row]) -> str:
     for row in rows:
         bound = f"{row.bound:.2f}x" if row.bound is not None else ""
         spread = f"{row.spread:.0%}" if row.spread is not None else ""
-        if row.tolerance is None:
-            verdict = "(reference)"
-        else:
-            verdict = (
-                "ok" if row.passed else f"MISS (by {abs(row.error) - row.tolerance:.0%} beyond ±{row.tolerance:.0%})"
-            )
+        verdict = "ok" if row.passed else f"MISS (by {abs(row.error) - row.tolerance:.0%} beyond ±{row.tolerance:.0%})"
+        verdict = "(reference)" if row.tolerance is None else verdict
         lines.append(
             f"{row.check:<6} {row.setting:<50} {row.predicted:>8.2f}{row.unit} {row.observed:>8.2f}{row.unit} {row.error:>+7.1%} "
             f"{bound:>6} {spread:>6}  {verdict}"
@@ -225,19 +195,17 @@ def table(rows: list[Row]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="benchmarks.plan_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--links", default=f"{LOOPBACK},400mbit,100mbit", help="link settings (default %(default)s)")
     parser.add_argument("--batch", type=positive_ints, default="1,4", help="batch sizes (default %(default)s)")
-    parser.add_argument("--prompt-length", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=10, help="timed rounds per link (default %(default)s)")
+    parser.add_argument("--prompt-length", type=positive_int, default=4)
+    parser.add_argument("--new-tokens", type=int_in(2, 1 << 20), default=8)
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed rounds per link (default %(default)s)")
     parser.add_argument("--published-only", action="store_true", help="only (b): no measurement")
     parser.add_argument("--out", default="runs/bench/plan_check.json")
     args = parser.parse_args(argv)
     args.links = [check_rate(link.strip()) for link in args.links.split(",") if link.strip()]
     args.batches = args.batch
-    if args.repeats < 1 or args.new_tokens < 2 or args.prompt_length < 1:
-        raise UsageError("--repeats and --prompt-length must be at least 1, --new-tokens at least 2")
     return args
 
 
@@ -266,9 +234,5 @@ def measure(argv: list[str]) -> int:
     return 1 if missed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_benchmark("plan_check", measure, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_benchmark("plan_check", measure))

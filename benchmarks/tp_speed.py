@@ -42,7 +42,7 @@ from ladder.io.loading import DTYPES
 from ladder.launch import rank_environment, torchrun
 from ladder.plan.emulated_link import LOOPBACK, check_rate, emulated_link
 from ladder.tp.runtime import GLOO_THREADS, prioritize_gloo_threads
-from ladder.tp.shard import LlamaShard, ShardShape
+from ladder.tp.shard import ModelShard, ShardShape
 
 # The ranks run `python -m benchmarks.tp_speed`: from the repository root, whatever the caller's folder.
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -53,25 +53,15 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 # for several ms before hiding one pays. Ladder hides the MLP's all-reduce behind the next attention
 # branch, which grouped-query attention makes 3x cheaper: "cpu-gqa" (Llama-3 style) shows the
 # difference. The others are the published shapes, for GPU machines.
-SHAPES = {
-    "cpu": dict(
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_attention_heads=24,
-        num_key_value_heads=24,
-        num_hidden_layers=8,
-        vocab_size=8192,
-    ),
-    "cpu-gqa": dict(
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_attention_heads=24,
-        num_key_value_heads=8,
-        num_hidden_layers=8,
-        vocab_size=8192,
-    ),
-    **PUBLISHED_SHAPES,
-}
+CPU_SHAPE = dict(
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_attention_heads=24,
+    num_key_value_heads=24,
+    num_hidden_layers=8,
+    vocab_size=8192,
+)
+SHAPES = {"cpu": CPU_SHAPE, "cpu-gqa": {**CPU_SHAPE, "num_key_value_heads": 8}, **PUBLISHED_SHAPES}
 SYNTHETIC = "synthetic:"
 STANDARD, BOUND = "standard", "no-comm bound"  # the variants every other is compared with
 
@@ -164,14 +154,14 @@ class Workload:
 
 def synthetic_shard(
     config: LlamaConfig, rank: int, tp_size: int, dtype: torch.dtype, device: torch.device
-) -> LlamaShard:
+) -> ModelShard:
     """This rank's shard with random weights (the default nn init): speed runs need no checkpoint."""
     torch.manual_seed(rank)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in its dtype on its device: a 70B shard never exists in fp32
     try:
         with torch.device(device):
-            return LlamaShard(config, ShardShape.of(config, rank, tp_size)).eval()
+            return ModelShard(config, ShardShape.of(config, rank, tp_size)).eval()
     finally:
         torch.set_default_dtype(default_dtype)
 
@@ -353,9 +343,8 @@ def make_workload(args: argparse.Namespace) -> tuple[Workload, str]:
         described = f"synthetic {name} (random weights)"
     else:
         config = read_config(args.model)
-        described = (
-            f"checkpoint {args.model} (its own ladder layers: {getattr(config, 'ladder_layers', None) or 'none'})"
-        )
+        ladder_layers = getattr(config, "ladder_layers", None) or "none"
+        described = f"checkpoint {args.model} ({config.model_type}, its own ladder layers: {ladder_layers})"
     try:
         for rank in range(args.tp):
             ShardShape.of(config, rank, args.tp)

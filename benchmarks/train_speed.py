@@ -1,21 +1,16 @@
 """Training speed of the adapt loop against a plain `transformers.Trainer`, in one run.
 
-Both train the same model (the CPU recipe's: SmolLM2-135M with its upper layers made ladder, the
-same trainable parameters), on the same packed blocks, with the same batch, sequence length,
-AdamW (torch's fused kernel: Trainer's default, and adapt's) and schedule, each in its own process
-so that peak RSS is its own. The sides alternate (adapt, Trainer, adapt, Trainer, ...) so that a
-change in the machine's load hits both. Prints each side's median step time over all its rounds,
-tokens/s and peak RSS, and the ratios adapt / Trainer (goals, issue 16: tokens/s at least 1.0x, peak
-RSS at most 0.7x; adapt computes its loss chunk by chunk, so full logits never exist). `--compile`
-adds a third side, adapt with `model.compile=true` (torch.compile of each decoder layer; its first
-steps, which compile, are not timed).
+Both train the CPU recipe's model (the same ladder layers and trainable parameters) on the same
+blocks with the same batch, fused AdamW and schedule, each in its own process (peak RSS is its own),
+the sides alternating round by round. Prints each side's median step time, tokens/s and peak RSS,
+and adapt / Trainer (goals: tokens/s >= 1.0x, peak RSS <= 0.7x: adapt's chunked loss never holds
+full logits). `--compile` adds adapt with `model.compile=true` (its compiling steps untimed).
 
     .venv/bin/python -m benchmarks.train_speed [--steps 8] [--rounds 2] [--compile] [key=value ...]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import statistics
@@ -24,6 +19,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.common import run_benchmark
+from ladder.errors import ArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "smollm2-135m-ladder-cpu.yaml"
@@ -34,17 +32,8 @@ def recipe_for(steps: int, overrides: list[str], out: Path):
 
     base = load_recipe(RECIPE, overrides)
     tokens = steps * base.batch.micro_batch * base.batch.grad_accum * base.data.seq_len
-    return load_recipe(
-        RECIPE,
-        [
-            *overrides,
-            f"budget={tokens}",
-            f"output_dir={out}",
-            "data.eval_blocks=0",
-            f"checkpoint_every={steps + 1}",
-            "logging.progress=false",
-        ],
-    )
+    settings = [f"budget={tokens}", f"output_dir={out}", f"checkpoint_every={steps + 1}"]
+    return load_recipe(RECIPE, [*overrides, *settings, "data.eval_blocks=0", "logging.progress=false"])
 
 
 def run_adapt(steps: int, overrides: list[str], out: Path) -> list[float]:
@@ -63,6 +52,7 @@ def run_trainer(steps: int, overrides: list[str], out: Path) -> list[float]:
 
     import ladder
     from ladder.adapt.data import prepare_data
+    from ladder.adapt.models import make_trainable
     from ladder.adapt.recipe import model_path
     from ladder.io.loading import load_model
     from ladder.layers import parse_ladder_layers
@@ -70,11 +60,7 @@ def run_trainer(steps: int, overrides: list[str], out: Path) -> list[float]:
     recipe = recipe_for(steps, overrides, out)
     model, tokenizer = load_model(model_path(recipe.model.path))
     layers = parse_ladder_layers(recipe.model.ladder_layers, model.config.num_hidden_layers)
-    model = ladder.to_ladder(model, layers).train()
-    if recipe.trainable.mode == "ladder":  # the same trainable parameters as the adapt run
-        model.requires_grad_(False)
-        for index in model.config.ladder_layers:
-            model.model.layers[index].requires_grad_(True)
+    model, _ = make_trainable(ladder.to_ladder(model, layers).train(), recipe.trainable, layers)  # adapt's own
     blocks = prepare_data(recipe.data, tokenizer).train.ids
     rows = [torch.from_numpy(blocks[i].astype("int64")) for i in range(steps * recipe.batch.micro_batch)]
     dataset = [{"input_ids": ids, "labels": ids} for ids in rows]
@@ -125,12 +111,12 @@ def child(kind: str, steps: int, overrides: list[str]) -> None:
     print(json.dumps({"seconds": seconds, "peak_rss_mib": peak_mib}))
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def measure(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="benchmarks.train_speed", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="steps per side; the first is warmup and not timed")
     parser.add_argument("--rounds", type=int, default=2, help="runs per side, alternating")
     parser.add_argument("--compile", action="store_true", help="also time adapt with model.compile=true")
-    parser.add_argument("--child", choices=["adapt", "trainer", "adapt-compile"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["adapt", "trainer", "adapt-compile"], help="(one side, in its process)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides for both sides")
     args = parser.parse_args(argv)
     if args.child:
@@ -142,18 +128,9 @@ def main(argv: list[str]) -> int:
     results = {kind: {"seconds": [], "peak_rss_mib": 0.0} for kind in kinds}
     for _ in range(args.rounds):
         for kind in results:
-            command = [
-                sys.executable,
-                "-m",
-                "benchmarks.train_speed",
-                "--child",
-                kind,
-                "--steps",
-                str(args.steps),
-                *args.overrides,
-            ]
-            output = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO).stdout
-            run = json.loads(output.strip().splitlines()[-1])
+            command = [sys.executable, "-m", "benchmarks.train_speed", "--child", kind, f"--steps={args.steps}"]
+            done = subprocess.run([*command, *args.overrides], check=True, capture_output=True, text=True, cwd=REPO)
+            run = json.loads(done.stdout.strip().splitlines()[-1])
             warmup = 2 if kind == "adapt-compile" else 1  # compilation happens in the first steps
             results[kind]["seconds"] += run["seconds"][warmup:]
             results[kind]["peak_rss_mib"] = max(results[kind]["peak_rss_mib"], run["peak_rss_mib"])
@@ -161,8 +138,7 @@ def main(argv: list[str]) -> int:
         step = statistics.median(result["seconds"])
         result["tokens_per_s"] = tokens / step
         print(
-            f"{kind:13} median step {step:.2f} s, {tokens / step:.0f} tokens/s, "
-            f"peak RSS {result['peak_rss_mib']:.0f} MiB"
+            f"{kind:13} median step {step:.2f} s, {tokens / step:.0f} tokens/s, peak RSS {result['peak_rss_mib']:.0f} MiB"
         )
     ratio = results["adapt"]["tokens_per_s"] / results["trainer"]["tokens_per_s"]
     print(
@@ -178,4 +154,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_benchmark("train_speed", measure))

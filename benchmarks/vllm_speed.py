@@ -1,25 +1,16 @@
-"""vLLM decode latency of the same model wired three ways, measured in one run, under vLLM's own
-tensor-parallel runtime:
+"""vLLM decode latency of the same model wired three ways, in one run, under vLLM's own tensor parallelism:
 
     standard            vLLM's own LlamaForCausalLM (every all-reduce inside its row-parallel layers)
     ladder (all)        every layer ladder (ladder/serving/model.py, through the plugin)
     ladder (upper half) the published conversion shape
 
-It prints per-token decode latency, tokens/s, the speed-up over standard, and the communication
-share of each variant's decode time: the time the compute stream spends in vLLM's all-reduce
-(waiting for the other rank included), timed in every worker by wrapping vLLM's
-`GroupCoordinator._all_reduce_out_place` (`ReductionTimer`): with `perf_counter` on the CPU, where
-the call returns when the reduction is done, and with CUDA events on a GPU, where it returns at the
-kernel launch. A reduction issued on vLLM's auxiliary stream (the ladder's attention all-reduce
-beside the MLP) is not timed: the compute stream waits only for what is left of it at the join,
-which the decode time includes; its whole duration would count hidden communication as
-communication. Under CUDA graphs (GPU with --compiled) a replay runs no Python, so the reductions
-inside the graphs are not timed: the share is then a lower bound; run without --compiled for it.
-The decode latency is timed on the host around whole generate calls, which wait for the GPU.
-Weights are vLLM's dummy weights (`load_format=dummy`, the same for every variant), so no
-checkpoint is written; the models differ only in config.json. Each variant's engine runs in a
-process of its own, one after another: vLLM does not always give back GPU memory when an `LLM` is
-deleted, and the next engine would size its KV cache from what was left.
+It prints per-token decode latency, tokens/s, the speed-up over standard and the communication share:
+the time the compute stream spends in vLLM's all-reduce (`ReductionTimer`, in every worker). Under CUDA
+graphs (a GPU with --compiled) the reductions inside the graphs are not timed: the share is then a
+lower bound. Weights are vLLM's dummy weights, the same for every variant (the models differ only in
+config.json). Each engine runs in a spawned process of its own, one after another: vLLM does not
+always give back GPU memory when an `LLM` is deleted, and the next engine would size its KV cache
+from what was left.
 
     make bench-vllm                                          # CPU, TP=2, one core per rank
     .venv-serve/bin/python -m benchmarks.vllm_speed --tp 2 --batch 1,4
@@ -36,7 +27,6 @@ import gc
 import json
 import multiprocessing
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -44,8 +34,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import PUBLISHED_SHAPES
-from ladder.cli_types import positive_int, positive_ints
+from benchmarks.common import PUBLISHED_SHAPES, machine, run_benchmark
+from ladder.cli_types import int_in, positive_int, positive_ints
+from ladder.errors import ArgumentParser, UsageError
 
 SHAPES = {
     # ~100M parameters in 8 layers: a decode step is a few ms per rank on one CPU core, so the
@@ -87,10 +78,10 @@ def write_config(directory: Path, shape: dict, ladder_layers: list[int] | None, 
 class ReductionTimer:
     """Seconds that reductions hold up the compute stream. On the CPU the call returns when the
     reduction is done: `perf_counter` around it. On a GPU it returns at the launch: CUDA events
-    around it on the current stream, read by `total`. A reduction issued while `hidden_stream()` is
-    the current stream (vLLM's auxiliary stream, where the ladder's start op reduces beside the MLP)
-    is not timed: the compute stream waits only for what is left of it at the join, which the decode
-    time includes. Under CUDA-graph capture no event is recorded (a replay runs no Python)."""
+    around it on the current stream, read by `total`. A reduction issued on `hidden_stream()`
+    (vLLM's auxiliary stream, where the ladder's attention all-reduce runs beside the MLP) is not
+    timed: the compute stream waits only for what is left of it at the join, which the decode time
+    includes. Under CUDA-graph capture no event is recorded (a replay runs no Python)."""
 
     def __init__(self, hidden_stream=lambda: None):
         self.hidden_stream = hidden_stream
@@ -98,7 +89,6 @@ class ReductionTimer:
         self.events: list = []
 
     def call(self, reduce, tensor, *args):
-        """`reduce(tensor, *args)`, timed as the class says."""
         import torch
 
         if tensor.is_cuda:
@@ -132,11 +122,9 @@ class ReductionTimer:
 
 
 def all_reduce_timer():
-    """Two functions for `collective_rpc`: one that makes every all-reduce of vLLM's communicator
-    in a worker go through a `ReductionTimer`, and one that reads the worker's total. Nested, so
-    that cloudpickle sends them by value (a module-level function would be sent by the name of the
-    module that runs this script, which the workers do not have); the workers import the timer
-    from this module by its package name."""
+    """Two functions for `collective_rpc`: one that times every all-reduce of vLLM's communicator in a
+    worker through a `ReductionTimer`, and one that reads its total. Nested, so that cloudpickle sends
+    them by value (the workers do not have the module that runs this script as __main__)."""
 
     def install(worker) -> None:
         from vllm.distributed import parallel_state
@@ -163,7 +151,7 @@ def all_reduce_timer():
     return install, total
 
 
-def measure(llm, total_all_reduce, batch: int, prompt_length: int, new_tokens: int, repeats: int) -> dict:
+def decode_speed(llm, total_all_reduce, batch: int, prompt_length: int, new_tokens: int, repeats: int) -> dict:
     """Decode ms per token = (time of N new tokens - time of 1) / (N - 1): the prefill cancels out.
     The communication share is measured the same way, per worker, and averaged over workers."""
     from vllm import SamplingParams
@@ -200,23 +188,18 @@ def measure(llm, total_all_reduce, batch: int, prompt_length: int, new_tokens: i
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(prog="benchmarks.vllm_speed", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--shape", choices=tuple(SHAPES), default="cpu", help="model shape, random (dummy) weights (default cpu)")
     add("--tp", type=positive_int, default=2, help="tensor-parallel degree (default 2)")
     add("--batch", type=positive_ints, default=[1, 4], help="batch sizes, comma-separated (default 1,4)")
     add("--prompt-length", type=positive_int, default=32, help="prompt tokens per sequence (default 32)")
-    add("--new-tokens", type=positive_int, default=32, help="tokens generated per timed run (default 32)")
+    add("--new-tokens", type=int_in(2, 1 << 20), default=32, help="tokens generated per timed run (default 32)")
     add("--repeats", type=positive_int, default=3, help="timed rounds; medians are reported (default 3)")
     add("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on GPUs, float32 on the CPU (slow bf16)")
     add("--compiled", action="store_true", help="vLLM's default torch.compile (and CUDA graphs on GPU), not eager")
     add("--out", default="runs/bench/vllm_speed.json", help="JSON results (default runs/bench/vllm_speed.json)")
-    args = parser.parse_args(argv)
-    if args.new_tokens < 2:
-        parser.error("--new-tokens must be at least 2")
-    return args
+    return parser.parse_args(argv)
 
 
 def run_variant(name: str, model: Path, args: argparse.Namespace, max_len: int) -> list[dict]:
@@ -239,12 +222,8 @@ def run_variant(name: str, model: Path, args: argparse.Namespace, max_len: int) 
     llm.collective_rpc(install_timer)
     rows = []
     for batch in args.batch:
-        row = dict(
-            variant=name,
-            batch=batch,
-            startup_s=startup,
-            **measure(llm, total_all_reduce, batch, args.prompt_length, args.new_tokens, args.repeats),
-        )
+        row = dict(variant=name, batch=batch, startup_s=startup)
+        row |= decode_speed(llm, total_all_reduce, batch, args.prompt_length, args.new_tokens, args.repeats)
         rows.append(row)
         print(
             f"{name:<20} batch {batch:>3}: {row['decode_ms_per_token']:8.2f} ms/token (spread {row['decode_spread']:.0%}), "
@@ -258,7 +237,7 @@ def run_variant(name: str, model: Path, args: argparse.Namespace, max_len: int) 
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str]) -> int:
     args = parse_args(argv)
     from ladder.serving.engine import cpu_binding, use_spawn_where_cuda_may_be
 
@@ -266,11 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from vllm.platforms import current_platform
     except ImportError:
-        print(
-            "vllm_speed.py: error: vLLM is not installed here; run it with .venv-serve/bin/python (make bench-vllm)",
-            file=sys.stderr,
-        )
-        return 2
+        raise UsageError("vLLM is not installed here; run it with .venv-serve/bin/python (make bench-vllm)") from None
     from ladder.io.files import atomic_write
 
     if args.dtype is None:  # bf16 is slow on these CPUs
@@ -308,17 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {
+    record = dict(command=["python", "-m", "benchmarks.vllm_speed", *argv], shape=shape)
+    record |= {
         name: getattr(args, name) for name in ("tp", "dtype", "compiled", "prompt_length", "new_tokens", "repeats")
     }
-    record = dict(
-        command=["python", "-m", "benchmarks.vllm_speed", *(argv if argv is not None else sys.argv[1:])],
-        shape=shape,
-        **settings,
-        binding=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), device=current_platform.device_name),
-        rows=rows,
-    )
+    where = machine() | {"device": current_platform.device_name}
+    record |= dict(binding=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), machine=where, rows=rows)
     atomic_write(out, json.dumps(record, indent=2) + "\n")
     print(f"\nresults in {out}")
     return 0
@@ -339,4 +309,4 @@ def table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":  # vLLM spawns its engine and workers: they re-import this file
-    sys.exit(main())
+    sys.exit(run_benchmark("vllm_speed", run))

@@ -1,8 +1,4 @@
-"""`ladder <command> ...`: one command for the three stages (convert, adapt, eval) and the demo.
-
-Each command owns its arguments (`convert.cli`, `adapt.cli`, `eval.cli`, `demo`); this only dispatches,
-and turns a `UsageError` into one line on stderr and exit status 2.
-"""
+"""`ladder <command> ...`: dispatches to each command, which owns its arguments."""
 
 from __future__ import annotations
 
@@ -12,7 +8,7 @@ import sys
 from ladder.errors import run_command
 
 STAGES = {
-    "convert": ("ladder.convert.cli", "rewire a Llama checkpoint into ladder form"),
+    "convert": ("ladder.convert.cli", "rewire a Llama, Mistral, Qwen2 or Qwen3 checkpoint into ladder form"),
     "adapt": ("ladder.adapt.cli", "retrain a ladder model from a YAML recipe"),
     "sample": ("ladder.adapt.sample", "sample text from a model to retrain on (self-distillation data)"),
     "eval": ("ladder.eval.cli", "score models side by side with lm-evaluation-harness"),

@@ -1,12 +1,7 @@
-"""`make demo` (or `ladder demo`): the whole pipeline on the embedded SmolLM2-135M-Instruct.
-
-Converts the recipe's upper layers into ladder form, retrains them with the recipe, and scores the
-original, the ladder model before retraining and the ladder model after it side by side on the
-`demo` eval suite. Each step is one a user could type: it calls the stages' library functions and prints the equivalent `ladder` command of each.
-Everything lands under runs/demo; a rerun reuses what is finished (the conversion, the
-tokenized data, the retrained model, every score in the demo's eval cache) unless `--redo` names it.
-Each folder under --out is replaced or deleted only when it carries the output marker of the command
-that made it (ladder/io/outputs.py): a folder of the user's there is refused before any stage runs.
+"""`make demo` (or `ladder demo`): convert the embedded SmolLM2-135M-Instruct's upper layers, retrain
+them, and score the original, the ladder model and the retrained one side by side, each step through
+the stages' library functions with the equivalent `ladder` command printed. A rerun reuses what is
+finished under --out unless `--redo` names it.
 """
 
 from __future__ import annotations
@@ -77,8 +72,6 @@ def _command(*words: object) -> None:
 
 @dataclass
 class Demo:
-    """What the stages share: the recipe, the folders under --out, what to redo and reuse, the times."""
-
     args: argparse.Namespace
     recipe: object  # ladder.adapt.recipe.Recipe (the stages import torch: loaded in `main`)
     adapt_recipe: object
@@ -110,7 +103,6 @@ def main(argv: list[str]) -> int:
 
 
 def plan_demo(args: argparse.Namespace) -> Demo:
-    """The recipe, and the adapt recipe that retrains the converted model in the demo's folders."""
     from ladder.adapt.recipe import load_recipe
     from ladder.eval.suite import load_suite
 
@@ -151,10 +143,9 @@ def plan_demo(args: argparse.Namespace) -> Demo:
 
 
 def check_reuse(demo: Demo) -> None:
-    """A result made under other settings is never reused: it is refused here, before any stage runs,
-    naming what differs, unless --redo asks for it again. A new conversion makes the retrained model
-    stale too (its recipe names the same folder, so only this order can tell)."""
-    from ladder.adapt.train import resume_point
+    """A result made under other settings is refused before any stage runs, unless --redo asks for
+    it again. A new conversion makes the retrained model stale too."""
+    from ladder.adapt.preflight import resume_point
     from ladder.convert.convert import conversion_differences
 
     layers = demo.recipe.model.ladder_layers
@@ -176,9 +167,7 @@ def check_reuse(demo: Demo) -> None:
 
 
 def check_folders(demo: Demo) -> None:
-    """Before any stage: each folder a stage replaces or deletes is an earlier output of the command
-    that writes it (convert's model, adapt's run and data cache, eval's report and cache), and adapt's
-    run folder is not another command's output."""
+    """Each folder a stage replaces or deletes is an earlier output of the command that writes it."""
     check_output(demo.ladder_dir, "convert", [demo.original], force=True)
     check_output(demo.adapt_dir, "adapt", existing="add", what="output_dir")
     check_output(demo.report_dir, "eval", force=True)
@@ -257,7 +246,6 @@ def eval_stage(demo: Demo) -> None:
 
 
 def write_summary(demo: Demo) -> None:
-    """The stage times and the headline numbers, printed and added to the eval stage's report."""
     report_dir = demo.report_dir
     report = json.loads((report_dir / "report.json").read_text())
     summary = _summary(report["rows"], demo.adapt_dir, demo.seconds, demo.reused)

@@ -2,13 +2,6 @@
 parallelism on the given hardware with the given engine (vLLM or the TP runtime), predicted by
 ladder/plan/speed.py from the model's config alone (no weights are read, nothing is downloaded).
 `ladder plan --calibrate` measures this machine's profile instead.
-
-Per layer choice it prints the decode time per token of standard and ladder wiring, the speed-up, the
-all-reduces ladder hides and the no-communication bound; which TP degrees each engine refuses, and why;
-when MODEL is a conversion's folder, its own ladder layers are a choice and the damage it measured
-(conversion.json, layer_search.json) is printed beside the matching choice; with `--recipe` (or when
-MODEL is a recipe, or a folder `ladder adapt` wrote, with its recipe.yaml), what retraining that choice
-costs (device-hours, from `ladder adapt --plan`'s model).
 """
 
 from __future__ import annotations
@@ -44,7 +37,6 @@ from ladder.tp.degrees import ENGINES, refusal
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 RECIPE_SUFFIXES = (".yaml", ".yml")
-# The TP degrees whose refusals every plan lists, besides --tp and the divisors of the head counts.
 LISTED_DEGREES = (1, 2, 4, 8, 16)
 # Share of a device's memory the weights and the KV cache may fill: vLLM's default gpu_memory_utilization.
 USABLE_MEMORY = 0.9
@@ -129,13 +121,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-# --- Reading the model's config and its measured damage --------------------------------------------
-
-
 def read_model(args: argparse.Namespace) -> tuple[ModelConfig, list[int]]:
-    """The model MODEL names and the ladder layers it already has: a checkpoint's own (its config's
-    ladder_layers), or a recipe's (model.ladder_layers, when it names them; the recipe then prices the
-    retraining too, unless --recipe names another)."""
+    """The model MODEL names and its ladder layers: a checkpoint's own, or a recipe's (which then
+    prices the retraining too, unless --recipe names another)."""
     if Path(args.model).suffix not in RECIPE_SUFFIXES:
         model = model_config(args.model)
         return model, own_ladder_layers(model.config)
@@ -153,8 +141,7 @@ def read_model(args: argparse.Namespace) -> tuple[ModelConfig, list[int]]:
 
 
 def recorded_damage(folder: Path | None) -> dict[tuple[int, ...], str]:
-    """Layer set -> the damage measured for it: a conversion's own (conversion.json `damage`), and every
-    candidate of a layer search (conversion.json or adapt's layer_search.json)."""
+    """Layer set -> its measured damage: a conversion's own, and each layer-search candidate's."""
     found: dict[tuple[int, ...], str] = {}
     if folder is None:
         return found
@@ -181,12 +168,9 @@ def _json_or_empty(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-# --- Layer choices -----------------------------------------------------------------------------------
-
-
 def layer_choices(specs: list[str] | None, num_layers: int, own: list[int] | None = None) -> dict[str, list[int]]:
-    """Label -> layers for each --layers spec (convert's: N, a range, a list, auto:N); default: the
-    model's own ladder layers (`own`, when it has some), then a quarter, half and all of the layers."""
+    """Label -> layers for each --layers spec; default: `own` (when there are some), then a quarter,
+    half and all of the layers."""
     default = specs is None
     if default:
         specs = [str(count) for count in sorted({max(1, num_layers // 4), max(1, num_layers // 2), num_layers})]
@@ -209,9 +193,6 @@ def _label(layers: list[int], num_layers: int) -> str:
     if layers != list(range(num_layers - len(layers), num_layers)):
         return format_layers(layers)
     return f"all {num_layers}" if len(layers) == num_layers else f"upper {len(layers)}"
-
-
-# --- Output ------------------------------------------------------------------------------------------
 
 
 def plan(args: argparse.Namespace, model: ModelConfig, own_layers: list[int]) -> dict:
@@ -264,8 +245,8 @@ def plan(args: argparse.Namespace, model: ModelConfig, own_layers: list[int]) ->
 
 
 def memory_fit(shape: ModelShape, args: argparse.Namespace, dtype_bytes: int, device: Device, degrees: dict) -> dict:
-    """Whether the weights and the KV cache of prompt + new tokens fit each device at every batch, and
-    when not, the smallest TP degree the engine runs at which they do, and the largest batch that fits."""
+    """Whether weights and KV cache fit each device at every batch; when not, the smallest TP degree
+    and the largest batch that do."""
     from ladder.plan.calibrate import machine_memory
 
     usable = USABLE_MEMORY * (device.memory or machine_memory())
@@ -285,9 +266,8 @@ def memory_fit(shape: ModelShape, args: argparse.Namespace, dtype_bytes: int, de
 
 
 def tp_degrees(shape: ModelShape, tp: int) -> dict[int, dict[str, str | None]]:
-    """TP degree -> engine -> why it refuses the model at that degree (None: it runs it), for --tp, the
-    usual degrees (LISTED_DEGREES) and the divisors of the head counts up to 16, with the engines' own
-    rules (ladder/tp/degrees.py)."""
+    """TP degree -> engine -> why it refuses the model (None: it runs it), for --tp, LISTED_DEGREES
+    and the divisors of the head counts up to 16."""
     heads, kv_heads = shape.num_heads, shape.num_kv_heads
     divisors = {d for d in range(1, 17) if heads % d == 0 or kv_heads % d == 0}
     return {
@@ -297,7 +277,6 @@ def tp_degrees(shape: ModelShape, tp: int) -> dict[int, dict[str, str | None]]:
 
 
 def adapted_recipe(folder: Path | None) -> str | None:
-    """The recipe `ladder adapt` saved beside the model it wrote (adapt/train.py), if MODEL is one."""
     from ladder.adapt.recipe import RECIPE_FILE
 
     found = folder / RECIPE_FILE if folder is not None else None
@@ -307,9 +286,7 @@ def adapted_recipe(folder: Path | None) -> str | None:
 def retraining_costs(
     args: argparse.Namespace, recipe_path: str, shape: ModelShape, device: Device, choices: dict
 ) -> dict[str, dict]:
-    """Choice -> what the recipe's retraining costs with its layers (adapt/training_cost.py, what `ladder
-    adapt RECIPE --plan` prints) on --train-devices devices of --hardware: under trainable.mode ladder only
-    the chosen layers train, so fewer ladder layers cost less; under `all` every choice costs the same."""
+    """Choice -> the recipe's retraining cost with its layers, as `ladder adapt RECIPE --plan` prices it."""
     from ladder.adapt.recipe import load_recipe
     from ladder.adapt.training_cost import recipe_cost
 
@@ -373,7 +350,6 @@ def render(result: dict) -> str:
 
 
 def memory_note(memory: dict, tp: int) -> str:
-    """Whether the weights and KV cache fit each device, and when not, what does."""
     needed, gib = memory["bytes_per_device"], 2**30
     line = f"memory per device (weights + KV cache): {_span([value / gib for value in needed.values()])} GiB of {memory['usable_bytes'] / gib:.1f} GiB usable ({USABLE_MEMORY:.0%}, vLLM's gpu_memory_utilization): "
     if memory["fits"]:
@@ -383,12 +359,10 @@ def memory_note(memory: dict, tp: int) -> str:
 
 
 def _span(values: list[float]) -> str:
-    """`1.5` or `1.5 to 3.0`."""
     return f"{min(values):,.1f}" + (f" to {max(values):,.1f}" if max(values) > min(values) else "")
 
 
 def _overlap(overlapped: list[str], engine: str) -> str:
-    """What a decode step hides."""
     if len(overlapped) == 2 and engine == "vllm":
         return (
             "a ladder layer's attention and MLP all-reduces both run behind compute in decode, one full CUDA graph "
@@ -402,7 +376,6 @@ def _overlap(overlapped: list[str], engine: str) -> str:
 
 
 def _degree(entry: dict) -> str:
-    """`TP=2  vllm refuses: ...; tp-runtime runs it`: one line per degree."""
     verdicts = [f"{engine} {'refuses: ' + why if why else 'runs it'}" for engine, why in entry["refused"].items()]
     return f"  TP={entry['tp']:<3} " + "; ".join(verdicts)
 

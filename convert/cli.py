@@ -1,5 +1,4 @@
-"""`ladder convert [MODEL] [--layers SPEC] [--out DIR] ...`: parse and check the arguments, call
-`convert_checkpoint`, print a one-screen summary. Bad input raises `UsageError` (one line, exit 2)."""
+"""`ladder convert [MODEL] [--layers SPEC] [--out DIR] ...`: `convert_checkpoint` and its summary."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ from .layout import WEIGHT_MODES, ConversionSummary
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="ladder convert",
-        description="Rewire a Llama checkpoint (a Hugging Face directory or a .gguf file) into Ladder Residual "
-        "form. No weight changes; the output loads with transformers.",
+        description="Rewire a Llama, Mistral, Qwen2 or Qwen3 checkpoint (a Hugging Face directory, or a Llama "
+        ".gguf file) into Ladder Residual form. No weight changes; the output loads with transformers.",
     )
     parser.add_argument(
         "model",

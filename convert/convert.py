@@ -1,12 +1,6 @@
-"""Convert a Llama checkpoint into a ladder checkpoint: `convert_checkpoint`, the one library
-function the CLI calls.
-
-Conversion changes no weight, only the wiring (`ladder_layers` in config.json). It runs in two
-halves: `ladder.convert.layout` opens and checks the source, chooses the layers and lays out the
-output without writing anything (every source tensor checked against the shapes the config
-implies, and used or dropped on purpose); `ladder.convert.execute` writes, verifies and records
-it, the output directory appearing only once it is complete. Bad input raises `UsageError` in the
-first half, before anything is written.
+"""`convert_checkpoint`: a Llama, Mistral, Qwen2 or Qwen3 checkpoint rewired into a ladder one (no
+weight changes, only `ladder_layers` in config.json). `ladder.convert.layout` checks and lays it out,
+writing nothing (bad input fails there); `ladder.convert.execute` writes, verifies and records it.
 """
 
 from __future__ import annotations
@@ -17,19 +11,19 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ladder.errors import UsageError
 from ladder.io.loading import gguf_parsed_once, resolve_model_path
 from ladder.layers import AutoLayers, LayerSpec, parse_layer_choice
 
 from .execute import write_conversion
 from .layout import (
     ConversionSummary,
-    check_calibration,
     check_weight_mode,
-    choose_layers,
     lay_out,
     open_source,
     output_dir,
     read_source,
+    search_layers,
 )
 
 if TYPE_CHECKING:
@@ -48,16 +42,9 @@ def convert_checkpoint(
     weights: str = "copy",
     calibration: list[str | Path] | None = None,
 ) -> ConversionSummary:
-    """Write a ladder copy of `source` (a checkpoint directory, a .gguf file, or None for the
-    embedded SmolLM2) into `out` (default `runs/convert/<name>-ladder<N>`).
-
-    `ladder_layers`: N (upper N), "16-31", "3,5,7" or a list; default the upper half; "auto:N" or
-    "auto:N:any" measure which layers to rewire (`ladder.layer_search`) on `calibration` text files or
-    folders (default: training books from the data folder, never evaluation text). `dtype`:
-    cast floating tensors (a torch dtype or its name; default: keep the source's; float32 for
-    GGUF). `max_shard_size` in bytes: reshard (default: keep the source's shards). `verify`: None
-    = when both models fit in memory. `weights`: how unchanged weight files reach the output
-    (`WEIGHT_MODES`). Bad input raises `UsageError` before anything is written.
+    """Write a ladder copy of `source` (a model `resolve_model_path` names) into `out`; the arguments
+    are `ladder convert`'s options (`dtype` also a torch dtype, `max_shard_size` in bytes, `verify`
+    None: when both models fit in memory). Bad input raises `UsageError` before anything is written.
     """
     started = time.perf_counter()
     check_weight_mode(weights)
@@ -67,18 +54,19 @@ def convert_checkpoint(
     with gguf_parsed_once() if source_path.suffix == ".gguf" else contextlib.nullcontext():
         headers = read_source(source_path)
         choice = parse_layer_choice(ladder_layers, headers.num_hidden_layers, "--layers")
-        check_calibration(calibration, choice)
+        if calibration is not None and not isinstance(choice, AutoLayers):
+            raise UsageError("--calibration goes with --layers auto:N (it is the text the layer search measures on)")
         out = output_dir(source_path, out, choice, force)
         opened = open_source(source_path, headers, dtype, progress)
-        layers, search = choose_layers(opened, choice, calibration, progress)
+        search = search_layers(opened, choice, calibration, progress) if isinstance(choice, AutoLayers) else None
+        layers = search.chosen if search is not None else choice
         conversion = lay_out(opened, out, layers, search, dtype, max_shard_size, weights, verify)
         return write_conversion(conversion, force, weights, progress, started)
 
 
 def conversion_differences(out: str | Path, source: str | Path | None, ladder_layers: LayerSpec = None) -> list[str]:
-    """The settings that `out`'s conversion.json records differently from these (`source` and
-    `ladder_layers` as `convert_checkpoint` takes them): what makes an existing conversion stale.
-    Lists `conversion.json` itself when `out` has none (nothing says how it was made)."""
+    """The settings that `out`'s conversion.json records differently from these (as
+    `convert_checkpoint` takes them); `conversion.json` itself when `out` has none."""
     manifest = Path(out) / "conversion.json"
     if not manifest.is_file():
         return ["conversion.json (missing)"]

@@ -1,11 +1,6 @@
-"""Carry out a `Conversion`: write the weights, the config and modeling files, the source's other
-files, verify, then the model card and `conversion.json`, all into a staging directory
-(`atomic_directory`) that appears under its name only once it is complete.
-
-Where no dtype change and no resharding is asked, the source's safetensors files go over as they
-are: copied (`shutil.copyfile`, which the kernel does without passing the bytes through Python) or
-hard-linked on request (`weights`); otherwise each output shard is written with safetensors'
-`save_file` from the source's tensors.
+"""Carry out a `Conversion` in a staging directory (`atomic_directory`) that appears under its name
+only once complete: the weights (the source's files copied or hard-linked as they are, or shards
+rewritten), config and modeling files, the other files, verification, model card, conversion.json.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from ladder.errors import UsageError
 from ladder.io.files import atomic_directory
 from ladder.io.loading import load_config
 from ladder.io.model_card import SourceFacts, loading_section, origin_line, render_card, source_facts
-from ladder.io.tensors import SINGLE_NAME, OutputShard, ShardedTensorIndex, TensorSpec, write_index, write_shards
+from ladder.io.tensors import SINGLE_NAME, ShardedTensorIndex, TensorSpec, write_index, write_shards
 from ladder.layers import format_layers
 
 from .layout import Conversion, ConversionSummary, Source, say
@@ -40,27 +35,26 @@ if TYPE_CHECKING:
 
 # What save_pretrained writes beside config.json so that the checkpoint loads with
 # trust_remote_code=True: the files `auto_map` names and their relative imports.
-MODELING_FILES = ("configuration_ladder_llama.py", "modeling_ladder_llama.py", "config_rules.py")
+MODELING_FILES = ("configuration_ladder.py", "modeling_ladder.py", "config_rules.py")
 
 
 def write_conversion(
     conversion: Conversion, force: bool, weights: str, progress: bool, started: float
 ) -> ConversionSummary:
-    """Write everything `conversion` says into `conversion.out`, completing and returning its
-    summary; `started` (a `time.perf_counter()`) times the whole conversion. `force` replaces only an
-    earlier conversion; of two runs into one folder, one is refused in one line, never silently
-    replaced."""
+    """Write `conversion` into `conversion.out`, completing and returning its summary; `started` (a
+    `time.perf_counter()`) times the whole conversion. `force` replaces only an earlier conversion."""
     summary, source = conversion.summary, conversion.source
     with atomic_directory(conversion.out, force, command="convert") as staging:
         _write_weights(conversion, staging, weights, progress)
         _write_config(staging, conversion.config)
         _copy_other_files(source, staging)
-        if conversion.verify_skipped is None:
+        if summary.verify_skipped is None:
             summary.damage = _checked_damage(source, staging, conversion.kept, progress)
-        summary.verify_skipped = conversion.verify_skipped
         summary.seconds = round(time.perf_counter() - started, 2)
         (staging / "README.md").write_text(_model_card(summary, source_facts(source.path), source.card is not None))
-        _write_manifest(staging, summary)
+        created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        manifest = {"tool": "ladder-llama", "version": ladder.__version__, "created": created}
+        (staging / "conversion.json").write_text(json.dumps(manifest | dataclasses.asdict(summary), indent=2) + "\n")
         for path in staging.iterdir():  # every file on the disk before the folder is renamed into place
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
@@ -68,7 +62,6 @@ def write_conversion(
 
 
 def _write_weights(conversion: Conversion, staging: Path, weights: str, progress: bool) -> None:
-    """The weight files, as they are (copied or hard-linked) or rewritten."""
     source = conversion.source
     if not conversion.copy_as_is:
         write_shards(staging, conversion.layout, _tensor_reader(source))
@@ -85,13 +78,12 @@ def _write_weights(conversion: Conversion, staging: Path, weights: str, progress
             bar.update(size)
     if weights == "link":
         conversion.summary.weights = "hard-linked"
-    if any(shard.path.name != SINGLE_NAME for shard in source.shards):
-        write_index(staging, [OutputShard(shard.path.name, shard.tensors) for shard in source.shards])
+    if any(shard.filename != SINGLE_NAME for shard in conversion.layout):  # the source's files, as they are
+        write_index(staging, conversion.layout)
 
 
 def _copy_other_files(source: Source, staging: Path) -> None:
-    """Tokenizer, generation config, licence (a GGUF file's tokenizer saved); the source's model card
-    as README.source.md (each checked to stay inside the source folder by `ladder.convert.layout`)."""
+    """Tokenizer, generation config, licence (a GGUF file's saved); the model card as README.source.md."""
     for path in source.other_files:
         shutil.copyfile(path, staging / path.name)
     if source.card is not None:
@@ -102,8 +94,8 @@ def _copy_other_files(source: Source, staging: Path) -> None:
 
 
 def _checked_damage(source: Source, staging: Path, kept: list[TensorSpec], progress: bool) -> Damage:
-    """The conversion damage; an error, and nothing written, where the written model is broken
-    (a `UsageError` where the source's outputs are not finite, a bug of this tool otherwise)."""
+    """The conversion damage; nothing written where the written model is broken (a `UsageError`
+    where the source's outputs are not finite, a bug of this tool otherwise)."""
     say(progress, "verifying: both models on fixed prompts ...")
     from .verify import damage_not_finite, damage_problems
 
@@ -115,28 +107,15 @@ def _checked_damage(source: Source, staging: Path, kept: list[TensorSpec], progr
     return damage
 
 
-def _write_manifest(staging: Path, summary: ConversionSummary) -> None:
-    manifest = {
-        "tool": "ladder-llama",
-        "version": ladder.__version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        **dataclasses.asdict(summary),
-    }
-    (staging / "conversion.json").write_text(json.dumps(manifest, indent=2) + "\n")
-
-
 def _write_config(directory: Path, config: dict) -> None:
-    """config.json and the modeling files its `auto_map` names, so that the checkpoint also loads
-    with trust_remote_code=True where `ladder` is not installed."""
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in MODELING_FILES:
         shutil.copyfile(Path(ladder.model.__file__).parent / name, directory / name)
 
 
 def _tensor_reader(source: Source | Path) -> Callable[[str], torch.Tensor]:
-    """A function from tensor name to that tensor: a GGUF source's from its dequantized model, a
-    safetensors checkpoint's read alone, its file opened for each read (a file kept open stays
-    memory-mapped, and every page read once would count in the process's memory until it closes)."""
+    """Tensor name -> tensor; a safetensors file is opened for each read (one kept open stays mapped,
+    and every page read would count in the process's memory until it closes)."""
     if isinstance(source, Source) and source.model is not None:
         return source.model.state_dict().__getitem__
     index = ShardedTensorIndex.from_directory(source.path if isinstance(source, Source) else source)
@@ -152,8 +131,7 @@ def _tensor_reader(source: Source | Path) -> Callable[[str], torch.Tensor]:
 
 def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
     """Compare the written checkpoint with the original in float32, both rounded to the written
-    dtype (same weights, so only the wiring differs): the configs load as transformers loads them,
-    the weights one module at a time (`measure_damage_layerwise`), so that memory stays bounded."""
+    dtype, one module at a time (`measure_damage_layerwise`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -178,8 +156,6 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
 
 
 def _model_card(summary: ConversionSummary, source: SourceFacts, kept_source_card: bool) -> str:
-    """README.md: Hub front matter from the source (base model, licence) over what was rewired and
-    the damage measured before any retraining."""
     lines = [
         origin_line(source),
         "",

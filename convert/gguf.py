@@ -23,7 +23,6 @@ BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")  # llama.cpp's name for a layer's ten
 @dataclass(frozen=True)
 class GGUFInfo:
     num_hidden_layers: int
-    tensor_types: tuple[str, ...]  # e.g. ("F32", "Q4_1", "Q8_0")
 
 
 def _can_dequantize(tensor_type: gguf.GGMLQuantizationType) -> bool:
@@ -36,7 +35,6 @@ def _can_dequantize(tensor_type: gguf.GGMLQuantizationType) -> bool:
 
 
 def inspect_llama_gguf(path: Path) -> GGUFInfo:
-    """Read a GGUF file's metadata (not its tensors) and check that it converts."""
     try:
         reader = gguf.GGUFReader(path)
     except (OSError, ValueError, KeyError, IndexError) as error:
@@ -60,4 +58,4 @@ def inspect_llama_gguf(path: Path) -> GGUFInfo:
     blocks = {int(match.group(1)) for tensor in reader.tensors if (match := BLOCK_TENSOR.match(tensor.name))}
     if not is_every_layer(blocks, count):
         raise UsageError(f"GGUF file {path} has llama.block_count {count}, but its tensors hold {len(blocks)} blocks")
-    return GGUFInfo(count, tuple(t.name for t in types))
+    return GGUFInfo(count)

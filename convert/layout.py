@@ -1,12 +1,9 @@
-"""Lay out a conversion, writing nothing: open the source (headers only, where it can), check it,
-choose the ladder layers (running the `auto:N` search where asked), and decide the output (which
-tensors go into which file, the ladder config.json, whether the weight files go over as they are).
-`ladder.convert.execute` then writes what the `Conversion` says.
+"""Lay out a conversion, writing nothing: open and check the source, choose the ladder layers and
+decide the output (`Conversion`), which `ladder.convert.execute` writes.
 
-Nothing here imports torch or transformers for a safetensors source (they take seconds to import,
-longer than copying a small checkpoint): shapes are computed from config.json's numbers and the
-config is written as save_pretrained would write it (a test checks both); the steps that need
-tensors (GGUF, the layer search) import them when they run.
+Nothing here imports torch or transformers for a safetensors source (they take longer to import
+than a small checkpoint takes to copy): shapes come from config.json's numbers and the config is
+written as save_pretrained would write it (a test checks both).
 """
 
 from __future__ import annotations
@@ -35,9 +32,9 @@ from ladder.io.tensors import (
     shard_filenames,
 )
 from ladder.io.tokenizer_files import check_tokenizer_files
-from ladder.layers import CONFIG_BOOKKEEPING, LADDER_MODEL_TYPE, AutoLayers, LayerChoice, resolve_layer_choice
+from ladder.layers import CONFIG_BOOKKEEPING, AutoLayers, LayerChoice, check_model_type
 from ladder.log import log
-from ladder.model.config_rules import with_legacy_rope
+from ladder.model.config_rules import LADDER_MODEL_TYPES, ladder_architecture, with_legacy_rope
 
 from .checks import check_config, check_weights, config_size
 
@@ -50,8 +47,7 @@ if TYPE_CHECKING:
     from .verify import Damage
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # what save_pretrained uses ("5GB")
-# Weights in other formats or layouts (TF, Flax, ONNX, Meta's consolidated.pth): stale once the
-# wiring changes, so they are not copied.
+# Weights in other formats (TF, Flax, ONNX, Meta's consolidated.pth): stale once rewired, not copied.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
 # Written fresh rather than copied; the source's own model card is kept as README.source.md.
 WRITTEN_FILES = ("config.json", "conversion.json", "README.md", INDEX_NAME, "pytorch_model.bin.index.json")
@@ -60,19 +56,12 @@ GGUF_TYPE_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|B?F\d+)$", re.IGNORECASE)
 # How unchanged weight files reach the output. "link" (hard links) is never chosen for the user: the
 # output's files then are the source's, and editing one in place edits the other.
 WEIGHT_MODES = ("copy", "link")
-# The classes a ladder config.json's `auto_map` names, for trust_remote_code=True (the files that
-# hold them are `ladder.convert.execute.MODELING_FILES`).
-AUTO_MAP = {
-    "AutoConfig": "configuration_ladder_llama.LadderLlamaConfig",
-    "AutoModelForCausalLM": "modeling_ladder_llama.LadderLlamaForCausalLM",
-}
 
 
 @dataclass
 class Source:
-    """A checkpoint opened for conversion and checked (`ladder.convert.checks`). Of safetensors
-    weights only the headers are read so far; a GGUF file is dequantized whole by transformers
-    (GGUF models are small)."""
+    """A checkpoint opened for conversion and checked: safetensors headers only, or a GGUF file
+    dequantized whole."""
 
     path: Path
     format: str  # "safetensors" or "gguf"
@@ -94,7 +83,7 @@ class Source:
 
 @dataclass
 class ConversionSummary:
-    """What was done; `conversion.json` records it (plus tool and time), the CLI prints it."""
+    """What was done: `conversion.json` records it, the CLI prints it."""
 
     source: str
     source_format: str
@@ -110,22 +99,18 @@ class ConversionSummary:
     not_copied: list[str]
     seconds: float = 0.0
     damage: Damage | None = None
-    verify_skipped: str | None = None
+    verify_skipped: str | None = None  # why verification is skipped; None: it runs
     layer_search: LayerSearch | None = None  # `--layers auto:N`: every candidate's measured damage and the choice
 
 
 @dataclass
 class Conversion:
-    """What a conversion will write: the opened source, the kept tensors and their output files,
-    the ladder config.json, and the summary that the writing completes."""
-
     source: Source
     out: Path
     kept: list[TensorSpec]
     copy_as_is: bool  # the source's safetensors files go over as they are
     layout: list[OutputShard]
     config: dict  # the ladder config.json
-    verify_skipped: str | None  # why verification is skipped; None: it runs
     summary: ConversionSummary
 
 
@@ -135,8 +120,7 @@ def say(progress: bool, message: str) -> None:
 
 
 def default_output_dir(source: Path, num_ladder_layers: int) -> Path:
-    """runs/convert/<source name>-ladder<N>, the name a GGUF file's quantization suffix removed (a
-    Hub snapshot's name is its repository's)."""
+    """runs/convert/<source name>-ladder<N> (without a GGUF file's quantization suffix)."""
     name = GGUF_TYPE_SUFFIX.sub("", source.stem) if source.suffix == ".gguf" else model_name(source)
     return Path("runs") / "convert" / f"{name}-ladder{num_ladder_layers}"
 
@@ -167,17 +151,8 @@ def _open_directory(directory: Path, config: dict) -> Source:
     return source
 
 
-def _load_gguf(path: Path, dtype: str) -> Source:
-    model, tokenizer = load_model(path, dtype)
-    tensors = {name: TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()}
-    config = model.config.to_dict()
-    check_config(config, str(path))
-    dropped = check_weights(tensors, config)
-    return Source(path, "gguf", config, tensors, [path], dropped=dropped, model=model, tokenizer=tokenizer)
-
-
 def _output_layout(source: Source, kept: list[TensorSpec], max_shard_size: int | None) -> list[OutputShard]:
-    """Which output file holds which tensor: the source's grouping unless a shard size is asked."""
+    """The source's grouping of tensors into files unless a shard size is asked."""
     if source.format != "safetensors" or max_shard_size is not None:
         return cut_into_shards(kept, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     names = {spec.name: spec for spec in kept}
@@ -189,32 +164,25 @@ def _output_layout(source: Source, kept: list[TensorSpec], max_shard_size: int |
     return [OutputShard(filename, group) for filename, group in zip(shard_filenames(len(groups)), groups)]
 
 
-def _check_link_possible(source: Path, out: Path) -> None:
-    """Hard links cannot cross filesystems: refuse before anything is written."""
-    existing = out.absolute()
-    while not existing.exists():
-        existing = existing.parent
-    if existing.stat().st_dev != source.stat().st_dev:
-        raise UsageError(
-            f"--weights link: the output {out} is on another filesystem than {source}, and hard "
-            "links cannot cross filesystems; use --weights copy"
-        )
-
-
 def ladder_config_dict(config: dict, layers: list[int], dtype: str) -> dict:
-    """The ladder model's config.json from the source's: its architecture, the ladder layers,
-    `auto_map` and the dtype; what save_pretrained of a `LadderLlamaConfig` writes, up to keys at
-    their defaults (a test loads both and compares)."""
+    """The ladder model's config.json from the source's, as save_pretrained of the family's ladder
+    config writes it up to keys at their defaults (a test compares)."""
+    family = check_model_type(config.get("model_type"), "config.json")
+    architecture = ladder_architecture(family)
     ladder = {key: value for key, value in config.items() if key not in CONFIG_BOOKKEEPING and key != "torch_dtype"}
     if "torch_dtype" in config:  # the older name
         ladder.setdefault("dtype", config["torch_dtype"])
     if dtype in DTYPE_NAMES:
         ladder["dtype"] = dtype
     ladder.update(
-        model_type=LADDER_MODEL_TYPE,
+        model_type=LADDER_MODEL_TYPES[family],
         ladder_layers=layers,
-        architectures=["LadderLlamaForCausalLM"],
-        auto_map=AUTO_MAP,
+        architectures=[architecture],
+        # the classes for trust_remote_code=True
+        auto_map={
+            "AutoConfig": f"configuration_ladder.{architecture.removesuffix('ForCausalLM')}Config",
+            "AutoModelForCausalLM": f"modeling_ladder.{architecture}",
+        },
         transformers_version=version("transformers"),
     )
     return dict(sorted(with_legacy_rope(ladder).items()))
@@ -226,8 +194,8 @@ def _dtype_name(tensors: list[TensorSpec]) -> str:
 
 
 def _fits_in_memory(tensors: list[TensorSpec]) -> str | None:
-    """Why verification would not fit in memory, or None when it does. It runs layer by layer, so it
-    holds one module of each model at a time in float32 (a decoder layer, or the embedding or LM head)."""
+    """Why verification would not fit in memory, or None: it holds one module of each model at a
+    time, in float32."""
     module_sizes: dict[str, int] = {}
     for spec in tensors:
         layer = re.match(r"model\.layers\.\d+\.", spec.name)
@@ -243,9 +211,8 @@ def _fits_in_memory(tensors: list[TensorSpec]) -> str | None:
     )
 
 
-def _search_layers(source: Source, auto: AutoLayers, calibration: list[Path] | None, progress: bool) -> LayerSearch:
-    """Run the `auto:N` search on the source model (loaded whole, in float32, unless it is a GGUF
-    file, which is loaded already) with calibration text from training data."""
+def search_layers(source: Source, auto: AutoLayers, calibration: list[Path] | None, progress: bool) -> LayerSearch:
+    """Run the `auto:N` search on the source model, loaded whole in float32."""
     from ladder.layer_search import calibration_from_files, choose_ladder_layers
 
     if source.model is not None:
@@ -258,18 +225,14 @@ def _search_layers(source: Source, auto: AutoLayers, calibration: list[Path] | N
     return search
 
 
-# The steps of a conversion's layout, in the order `convert_checkpoint` runs them.
-
-
 def check_weight_mode(weights: str) -> None:
     if weights not in WEIGHT_MODES:
         raise UsageError(f"--weights {weights!r}: choose from {', '.join(WEIGHT_MODES)}")
 
 
 def read_source(path: Path) -> Source | GGUFInfo:
-    """A directory's config.json, checked alone, then its weight headers checked against it (`ladder.convert.checks`); a GGUF file's metadata, checked, its
-    weights still quantized (`open_source` dequantizes them). The first step: nothing that grows
-    with the config's numbers is built before they are checked against the weights."""
+    """A directory's config.json, checked, then its weight headers against it; a GGUF file's
+    metadata, checked. Nothing that grows with the config's numbers is built before this."""
     if path.suffix == ".gguf":
         from .gguf import inspect_llama_gguf
 
@@ -282,15 +245,7 @@ def read_source(path: Path) -> Source | GGUFInfo:
     return source
 
 
-def check_calibration(calibration: list[Path] | None, choice: LayerChoice) -> None:
-    if calibration is not None and not isinstance(choice, AutoLayers):
-        raise UsageError("--calibration goes with --layers auto:N (it is the text the layer search measures on)")
-
-
 def output_dir(source: Path, out: str | Path | None, choice: LayerChoice, force: bool) -> Path:
-    """`out`, or the default named after the source and the layer count; refused where it is, is
-    inside or holds the source, or exists (with `force`: unless it is an earlier conversion), or that
-    the output rule refuses otherwise (`ladder.io.outputs.check_output`)."""
     count = choice.count if isinstance(choice, AutoLayers) else len(choice)
     out = Path(out) if out is not None else default_output_dir(source, count)
     check_output(out, "convert", [source], force=force)
@@ -298,24 +253,15 @@ def output_dir(source: Path, out: str | Path | None, choice: LayerChoice, force:
 
 
 def open_source(path: Path, headers: Source | GGUFInfo, dtype: str | None, progress: bool) -> Source:
-    """What `read_source` read: a directory as it is, a GGUF file dequantized (and checked)."""
     if isinstance(headers, Source):
         return headers
     say(progress, f"dequantizing {path.name} ...")
-    return _load_gguf(path, dtype or "float32")
-
-
-def choose_layers(
-    source: Source, choice: LayerChoice, calibration: list[Path] | None, progress: bool
-) -> tuple[list[int], LayerSearch | None]:
-    """The ladder layers, and the record of the `auto:N` search that chose them (None for named layers)."""
-    searched: list[LayerSearch] = []
-
-    def search(auto: AutoLayers) -> list[int]:
-        searched.append(_search_layers(source, auto, calibration, progress))
-        return searched[0].chosen
-
-    return resolve_layer_choice(choice, search), next(iter(searched), None)
+    model, tokenizer = load_model(path, dtype or "float32")
+    tensors = {name: TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()}
+    config = model.config.to_dict()
+    check_config(config, str(path))
+    dropped = check_weights(tensors, config)
+    return Source(path, "gguf", config, tensors, [path], dropped=dropped, model=model, tokenizer=tokenizer)
 
 
 def lay_out(
@@ -328,8 +274,8 @@ def lay_out(
     weights: str,
     verify: bool | None,
 ) -> Conversion:
-    """Which tensors are kept (`Source.dropped` is not), in which output files, whether the
-    source's files go over as they are, the ladder config, and whether verification runs."""
+    """Which tensors are kept, in which files, whether the source's files go over as they are, the
+    ladder config, and whether verification runs."""
     dropped = source.dropped
     kept = [
         dataclasses.replace(spec, dtype=dtype) if dtype is not None and spec.is_floating_point else spec
@@ -362,18 +308,26 @@ def lay_out(
         dropped=dropped,
         not_copied=source.not_copied,
         layer_search=search,
+        verify_skipped=_fits_in_memory(kept) if verify is None else None if verify else "skipped: --no-verify",
     )
     config = ladder_config_dict(source.config, layers, summary.dtype)
-    verify_skipped = _fits_in_memory(kept) if verify is None else None if verify else "skipped: --no-verify"
-    return Conversion(source, out, kept, copy_as_is, layout, config, verify_skipped, summary)
+    return Conversion(source, out, kept, copy_as_is, layout, config, summary)
 
 
 def _check_weight_mode_possible(weights: str, copy_as_is: bool, source: Path, out: Path) -> None:
-    """Links need the source's files as they are, and hard links one filesystem."""
-    if weights == "link":
-        if not copy_as_is:
-            raise UsageError(
-                "--weights link: the weights are rewritten here (a dtype cast, resharding, a "
-                "dropped tensor or a GGUF source), so there are no files to link"
-            )
-        _check_link_possible(source, out)
+    """Links need the source's files as they are, and one filesystem (hard links cannot cross one)."""
+    if weights != "link":
+        return
+    if not copy_as_is:
+        raise UsageError(
+            "--weights link: the weights are rewritten here (a dtype cast, resharding, a "
+            "dropped tensor or a GGUF source), so there are no files to link"
+        )
+    existing = out.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if existing.stat().st_dev != source.stat().st_dev:
+        raise UsageError(
+            f"--weights link: the output {out} is on another filesystem than {source}, and hard "
+            "links cannot cross filesystems; use --weights copy"
+        )

@@ -1,10 +1,6 @@
-"""Conversion damage: how far the ladder model's outputs are from the original's, on fixed prompts.
-
-Both models compute in float32 from the same weights, so the layers before the first ladder
-layer must match bit for bit (max |Δ| = 0), and with no ladder layer so must the logits. The
-rest measures what the rewiring costs before any retraining: next-token top-1 agreement and the
-mean KL(original || ladder) over every prompt position.
-"""
+"""Conversion damage on fixed prompts. Both models compute in float32 from the same weights, so the
+layers before the first ladder layer must match bit for bit, and with no ladder layer so must the
+logits; top-1 agreement and mean KL(original || ladder) measure what the rewiring costs."""
 
 from __future__ import annotations
 
@@ -15,7 +11,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.masking_utils import create_causal_mask
 
 PROMPTS = (
     "The capital of France is",
@@ -46,14 +41,11 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> li
 
 
 def largest(*values: float) -> float:
-    """The largest value, or NaN if any is NaN: Python's `max` keeps a number that comes before a
-    NaN, and so would report a NaN difference as the largest number before it."""
+    """The largest value, or NaN if any is NaN (Python's `max` may skip a NaN)."""
     return math.nan if any(math.isnan(value) for value in values) else max(values)
 
 
 def damage_not_finite(damage: Damage) -> str | None:
-    """Why the damage is not a number or infinite, or None: the models' outputs are not finite,
-    so nothing about the conversion can be measured."""
     values = {
         "hidden states": damage.hidden_max_abs_diff,
         "logits": damage.logits_max_abs_diff,
@@ -81,8 +73,7 @@ TensorReader = Callable[[str], torch.Tensor]
 
 
 def _load_module(module: torch.nn.Module, prefix: str, read: TensorReader, dtypes: dict[str, torch.dtype]) -> None:
-    """Give a meta-device submodule its real weights in float32, rounded first to the converted
-    checkpoint's dtype (`dtypes`), so that both models compute from the same values."""
+    """Give a meta-device submodule its weights in float32, rounded first to the converted dtype."""
     state = {name: read(prefix + name).to(dtypes[prefix + name]).float() for name in module.state_dict()}
     module.load_state_dict(state, strict=True, assign=True)
 
@@ -96,11 +87,9 @@ def measure_damage_layerwise(
     dtypes: dict[str, torch.dtype],
     prompts: list[torch.Tensor],
 ) -> Damage:
-    """The damage of `ladder_model` against `original` on each prompt alone (no padding), with both
-    models on the meta device and run one module at a time: the embeddings, each decoder layer, then the final norm and LM head are loaded (float32),
-    applied to every prompt, and released (`.to("meta")`). Peak memory is about two of the largest
-    modules (an 8B model's embedding: 2.1 GB in float32) whatever the model's size, against two whole
-    models run as they are. `dtypes`: the converted checkpoint's dtype of every tensor."""
+    """The damage of `ladder_model` against `original` (both on the meta device) on each prompt alone,
+    one module at a time: loaded in float32, applied to every prompt, released. Peak memory is about
+    two of the largest modules whatever the model's size. `dtypes`: the converted dtype of each tensor."""
     first = min(ladder_model.config.ladder_layers, default=None)
 
     def embed(model: PreTrainedModel, read: TensorReader) -> list[torch.Tensor]:
@@ -117,13 +106,10 @@ def measure_damage_layerwise(
     extras = []
     for states in reference:
         position_ids = torch.arange(states.shape[1])[None]
-        mask = create_causal_mask(
-            config=ladder_model.config, inputs_embeds=states, attention_mask=None, cache=None, position_ids=position_ids
-        )
         extras.append(
             dict(
                 position_ids=position_ids,
-                attention_mask=mask,
+                attention_mask=ladder_model.model.attention_masks(states, None, position_ids, None),  # by type
                 position_embeddings=rotary(states, position_ids=position_ids),
             )
         )
@@ -132,7 +118,10 @@ def measure_damage_layerwise(
         plain, rewired = original.model.layers[index], ladder_model.model.layers[index]
         _load_module(plain, prefix, read_original, dtypes)
         _load_module(rewired, prefix, read_ladder, dtypes)
-        reference = [_hidden(plain(state, **extra)) for state, extra in zip(reference, extras)]
+        reference = [
+            plain(state, **extra | {"attention_mask": extra["attention_mask"][rewired.attention_type]})
+            for state, extra in zip(reference, extras)
+        ]
         streams = [rewired(a, m, **extra) for a, m, extra in zip(attn_streams, mlp_streams, extras)]
         attn_streams, mlp_streams = [s[0] for s in streams], [s[1] for s in streams]
         plain.to("meta")
@@ -159,8 +148,3 @@ def measure_damage_layerwise(
         agreements += (log_p.argmax(-1) == log_q.argmax(-1)).sum().item()
         tokens += expected.shape[0]
     return Damage(len(prompts), tokens, first, hidden_diff, logits_diff, agreements / tokens, kl_sum / tokens)
-
-
-def _hidden(output: torch.Tensor | tuple) -> torch.Tensor:
-    """A Llama decoder layer returns its hidden state (a tuple starting with it in older transformers)."""
-    return output[0] if isinstance(output, tuple) else output

@@ -1,12 +1,7 @@
-"""Cache identity: a (model, suite task) score is reused only when nothing that made it changed.
-
-The key (`cache_key`) covers the weights (`fingerprint`), the code that runs them and scores them
-(`code_digest`: the model classes' modules; `scoring_digest`: every module of the packages on the
-scoring path, `SCORING_PACKAGES`; computed from their source, not a number bumped by hand), the task
-(`task_identity`: suite entry, configs, task code, data files' content), the library versions and
-the run's numerics. Entries are a JSON record beside its gzipped per-item samples; an entry that
-does not read back as one, or whose content does not match the digest it carries (a flipped byte,
-a half-written file, an edited score), is a miss, said in one line.
+"""Cache identity: a (model, suite task) score is reused only when nothing that made it changed: the
+weights, the code that runs and scores them (hashed from source, not a number bumped by hand), the
+task with its code and data, the library versions and the run's numerics (`cache_key`). An entry
+whose content does not match the digest it carries is a miss, said in one line.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ import lm_eval
 import torch
 import transformers
 
-from ladder.io.files import atomic_write, sha256_file
+from ladder.io.files import atomic_write, file_identity, sha256_file
 from ladder.io.loading import load_config
 
 from .runtime import DEFAULT_BACKEND, Runtime
@@ -34,14 +29,10 @@ from .suite import SuiteTask
 
 # What `ladder convert` and `ladder adapt` write beside a model to say how it was made (with times).
 PROVENANCE_FILES = ("conversion.json", "recipe.yaml")
-# The packages whose every module is on the scoring path (import names): this stage's harness,
-# task plumbing, backends and scorers, the model classes, and the loading that turns a checkpoint
-# or GGUF file into weights. An edit to any of their files changes the key. (A backend's engine
-# code outside them is keyed by its model classes' sources, `code_classes`.)
+# The packages whose every module is on the scoring path (a backend's engine code outside them is
+# keyed by its model classes' sources, `code_classes`).
 SCORING_PACKAGES = ("ladder.eval", "ladder.model", "ladder.io")
-# The key of a cache record that holds the SHA-256 of the record and its samples.
 DIGEST_KEY = "ladder_content_sha256"
-# Where the content hashes of weights and data files are remembered, by path and file status (in the cache folder).
 FILE_HASHES = "file-hashes.json"
 # A temporary of a cache write (atomic_write's `.NAME.tmp-...`) older than this is a killed write's:
 # writing an entry takes well under a second.
@@ -49,10 +40,8 @@ STALE_TEMPORARY_SECONDS = 3600
 
 
 def fingerprint(path: Path, hashes: FileHashes) -> str:
-    """SHA-256 over the files that make the model: a GGUF file, or every top-level file of a
-    checkpoint folder (weights, config with the ladder layers, tokenizer, modeling code) but its
-    docs and provenance records, so that converting the same weights again hits the cache. Each
-    file's hash comes from `hashes`: a file unchanged since is not read again."""
+    """SHA-256 over a GGUF file, or a checkpoint folder's top-level files but its docs and provenance
+    records (converting the same weights again hits the cache)."""
     files = (
         [path]
         if path.is_file()
@@ -69,16 +58,14 @@ def fingerprint(path: Path, hashes: FileHashes) -> str:
 
 
 def model_class(path: Path) -> type:
-    """The class that will run a model's weights: the installed one (ladder's own for a ladder
-    checkpoint, not the copy of its code inside the checkpoint; transformers' Llama for a GGUF)."""
+    """The installed class that will run a model's weights (never the code copy in a checkpoint)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM._model_mapping[type(load_config(path))]
 
 
 def code_digest(classes: list[type]) -> str:
-    """SHA-256 over the source files of the modules that define `classes` and their base classes
-    (torch's and Python's own excepted: the torch version is in the key)."""
+    """SHA-256 over the modules that define `classes` and their bases (torch's version is in the key)."""
     files = {}
     for cls in classes:
         for base in inspect.getmro(cls):
@@ -90,9 +77,8 @@ def code_digest(classes: list[type]) -> str:
 
 
 def scoring_digest(packages: dict[str, Path] | None = None) -> str:
-    """SHA-256 over every Python file under each folder of `packages` (import name -> folder;
-    default `SCORING_PACKAGES` where they are imported from), each named by its place in its
-    package, so that an unchanged copy of the project keys the same and an edited one does not."""
+    """SHA-256 over every Python file of `packages` (default `SCORING_PACKAGES`), each named by its
+    place in its package, so that an unchanged copy of the project keys the same."""
     if packages is None:
         packages = {name: Path(importlib.import_module(name).__file__).parent for name in SCORING_PACKAGES}
     return _files_digest(
@@ -105,7 +91,6 @@ def scoring_digest(packages: dict[str, Path] | None = None) -> str:
 
 
 def _files_digest(files: dict[str, Path]) -> str:
-    """SHA-256 over (label, content hash) of each file, in label order."""
     digest = hashlib.sha256()
     for label, file in sorted(files.items()):
         digest.update(f"{label}\0{hashlib.sha256(file.read_bytes()).hexdigest()}\n".encode())
@@ -113,11 +98,8 @@ def _files_digest(files: dict[str, Path]) -> str:
 
 
 class FileHashes:
-    """Content hashes of files (weights, data), remembered by path and file status in this process
-    (every instance shares the memo) and in a small JSON index (the cache's), so that a large file
-    is hashed once and not on every run. The status holds the inode and the ctime besides the size
-    and mtime: any write or rename sets the ctime to now, and no call sets it back (`os.utime`
-    restores an mtime, not a ctime), so an edit is seen whatever it restores."""
+    """Content hashes of files (weights, data), remembered by `file_identity` in this process (every
+    instance shares the memo) and in a JSON index in the cache, so that a file is hashed once."""
 
     process: dict[str, list] = {}  # path -> [size, mtime_ns, ctime_ns, inode, sha256]
 
@@ -131,21 +113,12 @@ class FileHashes:
         self.changed = False
 
     def digest(self, path: Path) -> str:
-        path = path.resolve()
-        status = path.stat()
-        identity = [status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino]
-        entry = next(
-            (
-                known
-                for known in (self.process.get(str(path)), self.known.get(str(path)))
-                if isinstance(known, list) and known[:-1] == identity
-            ),
-            None,
-        ) or [*identity, sha256_file(path)]
-        self.process[str(path)] = entry
-        if self.known.get(str(path)) != entry:
-            self.known[str(path)] = entry
-            self.changed = True
+        name, *identity = file_identity(path)  # [size, mtime_ns, ctime_ns, inode]
+        known = [entry for entry in (self.process.get(name), self.known.get(name)) if isinstance(entry, list)]
+        entry = next((entry for entry in known if entry[:-1] == identity), None) or [*identity, sha256_file(path)]
+        self.process[name] = entry
+        if self.known.get(name) != entry:
+            self.known[name], self.changed = entry, True
         return entry[-1]
 
     def save(self) -> None:
@@ -156,9 +129,7 @@ class FileHashes:
 
 
 def task_identity(suite_task: SuiteTask, prepared: dict, hashes: FileHashes) -> dict:
-    """What defines a suite task's scores apart from the model: the suite entry (items, few-shot,
-    chat options), each leaf task's config, the full source of every module its functions come
-    from (helpers they call included), and the content of every data file it reads."""
+    """What defines a suite task's scores apart from the model."""
     configs = {}
     for name, config in prepared["configs"].items():
         metadata = config.get("metadata", {})
@@ -172,10 +143,7 @@ def task_identity(suite_task: SuiteTask, prepared: dict, hashes: FileHashes) -> 
 
 
 def cache_key(model: dict, task: dict, runtime: Runtime, batch_size: int | str) -> str:
-    """The key of one (model, suite task) score: `model` (the weights' `fingerprint`, the
-    `code_digest` of the classes that run them, the `scoring_digest`), `task_identity`, the
-    library versions, and the run's numerics: dtype, device class, batch size (padding changes the
-    float sums) and process count (so does the batches' composition)."""
+    """The key of one (model, suite task) score; batch size and process count change float sums."""
     identity = {
         "model": model,
         "task": task,
@@ -185,7 +153,7 @@ def cache_key(model: dict, task: dict, runtime: Runtime, batch_size: int | str) 
             "torch": torch.__version__,
         },
         "dtype": runtime.dtype,
-        "device": "auto" if runtime.parallelize else runtime.device_type,
+        "device": "auto" if runtime.parallelize else runtime.device.partition(":")[0],
         "batch_size": batch_size,
         "processes": runtime.processes,
     }
@@ -197,8 +165,7 @@ def cache_key(model: dict, task: dict, runtime: Runtime, batch_size: int | str) 
 
 
 def _stable_repr(value) -> str:
-    """A config value as text that is the same in every process: a function (a task's
-    `process_docs`, say) by its name and source, not by its memory address as `str` gives it."""
+    """A config value as the same text in every process: a function by its name and source."""
     if callable(value) and hasattr(value, "__qualname__"):
         try:
             source = hashlib.sha256(inspect.getsource(value).encode()).hexdigest()[:16]
@@ -211,10 +178,7 @@ def _stable_repr(value) -> str:
 
 
 def read_cache(path: Path, warn: Callable[[str], None]) -> tuple[dict, dict] | None:
-    """A cached (record, samples), or None when either file is missing; None too, with one line to
-    `warn`, when they do not read back as the record and samples written (flipped bytes, bad UTF-8,
-    another JSON type, an edited score: the record carries the SHA-256 of both, `_content_digest`):
-    the entry is scored again and replaced."""
+    """A cached (record, samples), or None: missing, or, with one line to `warn`, not as written."""
     samples_path = path.with_suffix(".samples.json.gz")
     if not (path.is_file() and samples_path.is_file()):
         return None
@@ -238,8 +202,7 @@ def _content_digest(record: dict, samples: dict) -> str:
 
 
 def remove_stale_temporaries(cache_dir: Path) -> None:
-    """Remove what killed cache writes left: atomic_write temporaries older than an hour (a live
-    write's is seconds old, also one of another run that shares the cache)."""
+    """Remove killed writes' temporaries, older than any live write's."""
     if not cache_dir.is_dir():
         return
     cutoff = time.time() - STALE_TEMPORARY_SECONDS

@@ -1,11 +1,5 @@
 """`ladder eval MODEL [MODEL ...] [--baseline B] [--suite S] [--limit N]`: score models side by side.
 
-The first model (the `--baseline` when given) is the reference column; every other model gets its
-difference from it. A model is a checkpoint folder, a .gguf file, or `embedded` (the SmolLM2 GGUF
-that `make install` ships), optionally as LABEL=MODEL to name its column. Writes a results folder
-(default runs/eval/<time>-<suite>-<random>) holding lm-eval's JSON per model and report.md / report.json /
-report.png, and prints the table.
-
 Several processes (data parallel, one model copy each): `--processes N`, or the same command under
 `accelerate launch --multi_gpu --num_processes N -m ladder.eval.cli MODEL ...`.
 """
@@ -16,25 +10,27 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
 
 from ladder.cli_types import non_negative_int, positive_int
 from ladder.errors import ArgumentParser, UsageError, first_line, run_command
-from ladder.io.files import ladder_data_dir
+from ladder.io.files import ladder_cache_dir, ladder_data_dir
 from ladder.io.loading import gguf_parsed_once
 from ladder.io.yaml_files import parse_yaml
 from ladder.launch import multi_process_launcher
 
 from .backends import BACKENDS
-from .evaluate import check_outputs, check_tasks, default_cache_dir, default_out, evaluate_models, quiet_libraries
-from .runtime import DEFAULT_BATCH_SIZE, check_processes, resolve_runtime
+from .evaluate import check_outputs, check_tasks, evaluate_models, quiet_libraries
+from .runtime import DEFAULT_BATCH_SIZE, check_processes, resolve_runtime, visible_gpus
 from .suite import Suite, load_suite, suite_names, tasks_suite
+
+DEFAULT_RUNS = Path("runs/eval")
 
 
 def _limit(text: str) -> int | float:
-    """lm-eval's --limit: N items of each task, or a fraction below 1 of them."""
     try:
         value = float(text)
     except ValueError:
@@ -51,7 +47,7 @@ def _batch_size(text: str) -> int | str:
 
 
 def _gen_kwargs(text: str) -> dict:
-    """`max_gen_toks=512,temperature=0` as lm-eval's --gen_kwargs takes it (values typed as YAML)."""
+    """lm-eval's --gen_kwargs, each value typed as YAML."""
     settings = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
@@ -232,8 +228,9 @@ def main(argv: list[str]) -> int:
     # A suite of local files needs the data folder; one of stock lm-eval tasks reads the Hub instead.
     data_dir = args.data or (ladder_data_dir() if suite.offline else None)
     models = ([args.baseline] if args.baseline else []) + args.models
-    cache_dir = None if args.no_cache else args.cache or default_cache_dir()
-    out = args.out or default_out(suite)
+    cache_dir = None if args.no_cache else args.cache or ladder_cache_dir() / "eval"
+    # Named here, once: every process of a launched run writes to it.
+    out = args.out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if args.processes > 1 and launched == 1:
         return _launch(argv, args, suite, models, data_dir, cache_dir, out)
@@ -248,8 +245,8 @@ def main(argv: list[str]) -> int:
         evaluation = evaluate_models(
             models,
             suite,
+            out,
             runtime,
-            out=out,
             force=args.force,
             data_dir=data_dir,
             cache_dir=cache_dir,
@@ -273,18 +270,13 @@ def _launch(
     cache_dir: Path | None,
     out: Path,
 ) -> int:
-    """Run this command again in `args.processes` processes under `accelerate launch`. `--multi_gpu`
-    is what makes accelerate start several processes (through torchrun); with no GPU they score on
-    the CPU over gloo (`--cpu --num_processes N` starts only one: accelerate issue #2741). The
-    tasks are checked here first, with lm-eval and datasets quiet: a fault is one line, not one per
-    process, nor after their warnings."""
-    import torch
-
+    """This command again in `args.processes` processes (`multi_process_launcher`), after the checks
+    that would otherwise fail once per process."""
     from .models import resolve_models
 
     check_outputs(resolve_models(models), out, cache_dir, data_dir, args.force)
     check_processes(args.device, args.parallelize)
-    gpus = torch.cuda.device_count() if args.device != "cpu" else 0
+    gpus = visible_gpus() if args.device != "cpu" else 0
     if gpus and args.processes > gpus:
         raise UsageError(f"--processes {args.processes}: only {gpus} GPU(s) are visible (one process per GPU)")
     quiet_libraries(args.verbose)

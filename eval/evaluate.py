@@ -1,15 +1,11 @@
-"""`evaluate_models`, the eval stage as one library function: resolve the models, score the suite
-through the harness (with its cache), and write the results folder (lm-eval's JSON per model,
-report.md / report.json / report.png, and with `log_samples` lm-eval's per-item samples)
-atomically. `ladder eval` and the demo call it; under `accelerate launch` every process calls
-it and process 0 writes the results."""
+"""`evaluate_models`, the eval stage as one library function (`ladder eval` and the demo call it;
+under `accelerate launch` every process calls it and process 0 writes the results)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -17,13 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ladder.errors import UsageError, first_line
-from ladder.io.files import atomic_directory, atomic_write, ladder_cache_dir
+from ladder.io.files import atomic_directory, atomic_write
 from ladder.io.outputs import check_output
 
 from .runtime import Runtime
 from .suite import Suite
-
-DEFAULT_RUNS = Path("runs/eval")
 
 
 @dataclass(frozen=True)
@@ -36,21 +30,18 @@ class Evaluation:
 def evaluate_models(
     models: list[str],
     suite: Suite,
+    out: Path,
     runtime: Runtime | None = None,
-    out: Path | None = None,
     force: bool = False,
     data_dir: Path | None = None,
     cache_dir: Path | None = None,
     verbose: bool = False,
     log_samples: bool = False,
 ) -> Evaluation | None:
-    """Score `models` (checkpoint folders, .gguf files or `embedded`, each optionally `LABEL=MODEL`;
-    the first is the reference column) on `suite` into `out` (default: `default_out`), where and
-    how `runtime` says (`runtime.resolve_runtime`; default: its defaults). `data_dir`: the folder
-    our offline tasks read; `cache_dir`: where scores are kept and reused (`default_cache_dir()` is
-    the one every run shares), None scores everything again; `log_samples`: keep lm-eval's
-    per-item records in out/samples/<model>/<task>.jsonl. Returns None on the processes other than
-    0 of a multi-process run."""
+    """Score `models` (`resolve_models` names; the first is the reference column) on `suite`, and
+    write the results folder `out` atomically: lm-eval's JSON per model, the report, and with
+    `log_samples` lm-eval's per-item records. `data_dir`: the folder our offline tasks read;
+    `cache_dir`: scores kept and reused (None: scored again). None on processes other than 0."""
     # lm-eval is slow to import: not until something is scored (`ladder eval --help` stays fast).
     import lm_eval
 
@@ -60,7 +51,6 @@ def evaluate_models(
     from .runtime import resolve_runtime
 
     refs = resolve_models(models)
-    out = out or default_out(suite)
     check_outputs(refs, out, cache_dir, data_dir, force)  # atomic_directory checks a replaced folder again at the end
     check_chat_templates(refs, suite)
     runtime = runtime or resolve_runtime()
@@ -93,31 +83,19 @@ def evaluate_models(
 
 
 def check_outputs(refs: list, out: Path, cache_dir: Path | None, data_dir: Path | None, force: bool) -> None:
-    """The results folder and the cache (written too) under the output rule (ladder/io/outputs.py):
-    never a model scored or the data folder, inside or above one; before any work."""
+    """The results folder and the cache under the output rule (ladder/io/outputs.py)."""
     inputs = [ref.path for ref in refs] + [data_dir]
     check_output(out, "eval", inputs, force=force)
     if cache_dir is not None:
         check_output(cache_dir, "eval", inputs, existing="add", what="--cache")
 
 
-def default_out(suite: Suite) -> Path:
-    """The results folder when none is named: runs/eval/<time>-<suite>-<random>."""
-    return DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
-
-
 def quiet_libraries(verbose: bool) -> None:
-    """lm-eval's task warnings and datasets' progress bars, shown only with -v."""
     if not verbose:
         import datasets
 
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
         datasets.disable_progress_bars()
-
-
-def default_cache_dir() -> Path:
-    """The scores' cache that runs from any folder share: eval/ under `ladder_cache_dir()`."""
-    return ladder_cache_dir() / "eval"
 
 
 def _score(refs, suite: Suite, data_dir, runtime, cache_dir, samples_dir, datasets_cache: Path) -> list:
@@ -131,8 +109,7 @@ def _score(refs, suite: Suite, data_dir, runtime, cache_dir, samples_dir, datase
 
 
 def check_tasks(suite: Suite, data_dir: Path | None, processes: int) -> None:
-    """Everything about the tasks that can fail, in one line each, before any process or model
-    starts: what `_prepare_tasks` checks (a launcher runs it before starting `processes`)."""
+    """`_prepare_tasks`' checks, before a launcher starts `processes`."""
     from .lm_tasks import hub_offline
 
     with tempfile.TemporaryDirectory(prefix="ladder-eval-") as scratch:
@@ -142,10 +119,9 @@ def check_tasks(suite: Suite, data_dir: Path | None, processes: int) -> None:
 
 
 def _prepare_tasks(suite: Suite, data_dir: Path | None, processes: int):
-    """lm-eval's task manager and each suite task built once (`lm_tasks.task_configs`), after
-    checking what fails late otherwise: the Hub reachable for stock tasks, their datasets readable,
-    and an item of every task for each of `processes` (lm-eval gives each process a share of every
-    task, and one with none fails only after the models load)."""
+    """lm-eval's task manager and each suite task built once, after checking what fails late otherwise:
+    the Hub reachable for stock tasks, and an item of every task for each process (one with none
+    fails only after the models load)."""
     from .lm_tasks import task_configs, task_manager
 
     if not suite.offline:
@@ -170,9 +146,8 @@ def _prepare_tasks(suite: Suite, data_dir: Path | None, processes: int):
 
 
 def _check_hub(timeout: float = 10.0) -> None:
-    """The Hugging Face Hub answers (a stock task downloads its dataset), unless the Hub is
-    switched off (HF_HUB_OFFLINE: datasets then reads its cache). Probed once, with a short
-    timeout, instead of failing after datasets' own retries (about 40 s) with a long traceback."""
+    """The Hub answers, unless switched off: probed with a short timeout, not found out after
+    datasets' own retries (about 40 s) in a long traceback."""
     import urllib.error
     import urllib.request
 
@@ -192,6 +167,3 @@ def _check_hub(timeout: float = 10.0) -> None:
             "data from it; score our offline tasks (--suite offline, ladder_* tasks), or set HF_HUB_OFFLINE=1 "
             "to read datasets already in the cache"
         ) from None
-
-
-__all__ = ["DEFAULT_RUNS", "Evaluation", "check_tasks", "default_cache_dir", "default_out", "evaluate_models"]

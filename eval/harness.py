@@ -1,18 +1,7 @@
-"""Score models on a suite with lm-evaluation-harness, one (model, task) at a time, with a cache.
-
-Each model is loaded once by its backend (eval/backends/: `hf` loads the weights here, `vllm`
-starts an engine) and each suite task is one `simple_evaluate` call through a `TaskManager` that
-has our task folder on its include path (eval/lm_tasks.py). Under `accelerate launch` with several
-processes each process holds a copy of the model and lm-eval splits the items between them (data
-parallel), gathering the results on process 0, which alone reads and writes the cache and the
-results folder.
-
-A task's output is lm-eval's own results dict (results, configs, versions, n-shot, ...) plus the
-per-item metric values, which the report needs for paired standard errors; its per-item samples
-(prompts, targets, outputs) are kept beside it. Outputs are cached on disk under a key that covers
-everything that can change a score (eval/cache.py), so scoring another ladder variant does not
-rescore the original, and no edit to a task, its data, the model code or the run's settings can
-return a stale score.
+"""Score models on a suite with lm-evaluation-harness, one (model, task) at a time, with a cache
+(eval/cache.py): each model loaded once by its backend, each suite task one `simple_evaluate` call.
+Under `accelerate launch` lm-eval splits the items between the processes and gathers the results on
+process 0, which alone reads and writes the cache.
 """
 
 from __future__ import annotations
@@ -66,8 +55,7 @@ def run_suite(
     log: Callable[[str], None] = lambda message: _write(message, logging.INFO),
 ) -> list[ModelResults]:
     """Score every model on every suite task; a model whose tasks are all cached is not loaded.
-    `samples_dir`: write each model's per-item samples to samples_dir/<label>/<task>.jsonl.
-    A progress bar on stderr counts the items to score (model i of N, task j of M, time left).
+    `samples_dir`: each model's per-item samples go to samples_dir/<label>/<task>.jsonl.
     On the processes other than 0 of a multi-process run, returns an empty list."""
     main = runtime.rank == 0
     if not main:
@@ -128,8 +116,7 @@ def run_suite(
 
 
 def _write(message: str, level: int) -> None:
-    """A line of the `ladder` logger's (information on stdout, warnings on stderr; -q keeps the
-    warnings), written around the progress bar."""
+    """A line of the `ladder` logger's, written around the progress bar."""
     if ladder_log.isEnabledFor(level):
         tqdm.write(message, file=sys.stdout if level < logging.WARNING else sys.stderr)
 
@@ -146,8 +133,8 @@ def _score_tasks(
     progress: tqdm,
     items_of: dict[str, int],
 ) -> Iterator[tuple[str, Scored]]:
-    """Load the model once (not at all when `tasks` is empty) and score it on `tasks`, yielding
-    each suite task's (record, samples) as it is scored; nothing on the processes other than 0."""
+    """Load the model once (not at all for no tasks), and yield each task's (record, samples) as it
+    is scored; nothing on the processes other than 0."""
     if not tasks:
         return
     log(f"loading {ref.label} ({runtime.dtype} on {runtime.describe()['device']}, {runtime.processes} process(es))")
@@ -171,9 +158,8 @@ def _score_tasks(
 
 
 class ItemProgress(CacheHook):
-    """lm-eval's cache hook, which its scoring loops tell of each request scored (and the hf
-    backend's scorer of each batch, `scored`): the run's bar moves by items as they are scored,
-    an item being one request or several (its choices), counted when lm-eval hands them over."""
+    """lm-eval's cache hook, told of each request scored (and by the hf backend's scorer, of each
+    batch): the run's bar moves by items, an item being one request or several (its choices)."""
 
     def __init__(self, lm, progress: tqdm):
         super().__init__(None)
@@ -206,7 +192,6 @@ def _collect(
     samples_dir: Path | None,
     log: Callable[[str], None],
 ) -> ModelResults:
-    """One model's records in suite order, with their metrics' aggregations; its samples written."""
     if results.cached:
         log(f"{results.model.label}: cached results for {', '.join(results.cached)}")
     for task in suite.tasks:  # suite order

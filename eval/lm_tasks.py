@@ -43,11 +43,8 @@ def _functions(value) -> Iterator[Callable]:
 
 @contextlib.contextmanager
 def hub_offline(datasets_cache: Path) -> Iterator[None]:
-    """No Hub access and a private `datasets` cache for the duration (local suites).
-
-    huggingface_hub and datasets read these switches from the environment when first imported,
-    which has happened by now (transformers imports them), so their module flags are set too.
-    """
+    """No Hub access and a private `datasets` cache for the duration (local suites); the libraries'
+    module flags too, since they read the environment when first imported."""
     import datasets.config
     import huggingface_hub.constants
 
@@ -61,9 +58,8 @@ def hub_offline(datasets_cache: Path) -> Iterator[None]:
 
 
 def task_manager(suite: Suite, data_dir: Path | None = None) -> TaskManager:
-    """A TaskManager over our task folder; lm-eval's own ~15k task configs are indexed (about 10 s)
-    only when the suite names a task that is not ours."""
-    # Our tasks read their files from here (eval/tasks/utils.py; without it, from `ladder_data_dir()`).
+    """A TaskManager over our task folder; lm-eval's own task configs are indexed (about 10 s) only
+    when the suite names a task that is not ours."""
     metadata = {"data_dir": str(data_dir.resolve())} if data_dir is not None else {}
     ours = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)
     if all(task.task in ours.all_tasks for task in suite.tasks):
@@ -72,8 +68,8 @@ def task_manager(suite: Suite, data_dir: Path | None = None) -> TaskManager:
 
 
 def task_configs(suite: Suite, manager: TaskManager) -> dict[str, dict]:
-    """Build every suite task once, before any model loads: unknown names and missing data files
-    fail here. Returns per suite task its leaf tasks' configs and metric aggregations."""
+    """Every suite task built once, before any model loads (unknown names and missing data files fail
+    here): its leaf tasks' configs, sizes and aggregations, and what its cache key hashes."""
     unknown = [task.task for task in suite.tasks if task.task not in manager.all_tasks]
     if unknown:
         raise UsageError(
@@ -114,7 +110,6 @@ def task_configs(suite: Suite, manager: TaskManager) -> dict[str, dict]:
 
 
 def _plain(value):
-    """Per-item metric values as JSON types: floats, or lists for (loglikelihood, count) pairs."""
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     if isinstance(value, bool):
@@ -140,10 +135,8 @@ def per_item_values(output: dict) -> dict[str, dict[str, dict]]:
 def evaluate_task(
     lm, suite_task: SuiteTask, manager: TaskManager, sizes: dict[str, int], runtime: Runtime
 ) -> tuple[dict, dict] | None:
-    """One `simple_evaluate` call; returns lm-eval's results dict without the raw samples, plus
-    `per_item` metric values, and the samples ({leaf task: [lm-eval sample records]}). None on
-    the other processes of a multi-process run (lm-eval gathers the results on process 0).
-    `sizes`: the number of items of each of the suite task's tasks."""
+    """One `simple_evaluate` call: (lm-eval's results dict with `per_item` metric values, its samples);
+    None on the processes other than 0."""
     # `every` and `fraction` pick items by index (lm-eval's `samples`), which excludes `limit`: all here.
     samples = None
     if suite_task.every > 1 or suite_task.fraction is not None:
@@ -165,10 +158,8 @@ def evaluate_task(
 
 @functools.cache
 def _environment() -> dict:
-    """What lm-eval records of the environment, collected once per process: torch's collect_env
-    (`pip list` and more: about 2 s, which simple_evaluate spent on every task) and the git
-    commit, of this checkout rather than of the working folder, with git's complaint about a
-    folder that is no repository kept off the terminal."""
+    """What lm-eval records of the environment, once per process (about 2 s, which simple_evaluate
+    spent on every task), with the git commit of this checkout rather than of the working folder."""
     from lm_eval.loggers.utils import add_env_info
 
     environment: dict = {}
@@ -201,9 +192,7 @@ def _simple_evaluate(lm, suite_task: SuiteTask, manager: TaskManager, samples: d
 
 
 def write_samples(directory: Path, samples: dict) -> None:
-    """lm-eval's per-item records, one JSON line each, one file per leaf task (as `lm_eval
-    --log_samples` writes them): prompt and arguments, target, the model's responses (generated
-    text or log-likelihoods), the filtered answer and the item's metrics."""
+    """lm-eval's per-item records, one file per leaf task, as `lm_eval --log_samples` writes them."""
     directory.mkdir(parents=True, exist_ok=True)
     for task, records in samples.items():
         lines = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)

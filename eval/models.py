@@ -10,15 +10,13 @@ from jinja2 import TemplateError
 
 from ladder.chat_template import PROBE_CHAT, TemplateWorker
 from ladder.errors import UsageError, first_line
-from ladder.io.loading import check_llama_checkpoint, load_tokenizer, model_name, resolve_model_path
+from ladder.io.loading import check_checkpoint, load_tokenizer, model_name, resolve_model_path
 
 from .suite import Suite
 
 
 @dataclass(frozen=True)
 class ModelRef:
-    """A model as the user named it (`spec`), the file or folder it resolves to, and its column label."""
-
     spec: str
     path: Path
     label: str
@@ -31,10 +29,13 @@ class ModelResults:
     tasks: dict[str, dict] = field(default_factory=dict)  # suite task name -> task record
     cached: list[str] = field(default_factory=list)  # suite task names read from the cache
 
+    def provenance(self) -> dict:
+        spec, path = self.model.spec, str(self.model.path)
+        return {"model": spec, "path": path, "fingerprint_sha256": self.fingerprint, "cached_tasks": self.cached}
+
 
 def resolve_models(specs: list[str]) -> list[ModelRef]:
-    """Resolve model names (a checkpoint folder, a .gguf file or `embedded`, each optionally as
-    `LABEL=MODEL` to name its column) with distinct labels."""
+    """Models as `resolve_model_path` names them, each optionally `LABEL=MODEL`, with distinct labels."""
     refs = []
     for spec in specs:
         label, sep, model = spec.partition("=")
@@ -43,7 +44,7 @@ def resolve_models(specs: list[str]) -> list[ModelRef]:
         elif not label:
             raise UsageError(f"model {spec!r}: the label before '=' is empty")
         path = resolve_model_path(model).resolve()
-        check_llama_checkpoint(path)  # before anything reads it: another model_type may ship code
+        check_checkpoint(path)  # before anything reads it: another model_type may ship code
         refs.append(ModelRef(model, path, label or model_name(path)))
     labels = [ref.label for ref in refs]
     return [
@@ -53,10 +54,8 @@ def resolve_models(specs: list[str]) -> list[ModelRef]:
 
 
 def check_chat_templates(models: list[ModelRef], suite: Suite) -> None:
-    """A suite task with apply_chat_template needs a tokenizer with a chat template that renders a
-    short chat within its limits (`ladder.chat_template`): say so before anything is scored, not
-    after the first model. Any other failure is left to the prompt that meets it (a template may
-    refuse a chat without a system message, say)."""
+    """Every model has a chat template that renders a short chat within its limits, where the suite
+    applies one: said before anything is scored. Other failures are left to the prompt that meets it."""
     if not any(task.apply_chat_template for task in suite.tasks):
         return
     with TemplateWorker() as worker:
@@ -74,9 +73,8 @@ def check_chat_templates(models: list[ModelRef], suite: Suite) -> None:
 
 
 def bound_chat_template(lm, worker: TemplateWorker, chat_template: bool | str) -> None:
-    """lm-eval renders prompts with `lm.apply_chat_template` (the tokenizer's, unbounded): here the
-    same template with the same arguments renders in `worker`, and a prompt past its limits, or
-    one it fails on even without the system message (lm-eval's retry), is one line naming the model."""
+    """lm-eval's `lm.apply_chat_template` (unbounded) rendered in `worker` instead: a prompt past its
+    limits, or failed even without the system message (lm-eval's retry), is one line."""
     template = lm.chat_template(chat_template)
     options = {**lm.tokenizer.special_tokens_map, **getattr(lm, "chat_template_args", {})}
 
@@ -98,8 +96,7 @@ def bound_chat_template(lm, worker: TemplateWorker, chat_template: bool | str) -
 
 
 def lm_eval_json(results: ModelResults) -> dict:
-    """One model's results in lm-eval's layout (results, configs, versions, n-shot, ...), merged over
-    the suite's tasks; the run-level fields (config, versions, date) are the latest evaluation's."""
+    """One model's results in lm-eval's layout, merged over the suite's tasks."""
     merged: dict = {}
     for record in results.tasks.values():
         for key, value in record.items():
@@ -110,10 +107,7 @@ def lm_eval_json(results: ModelResults) -> dict:
             else:
                 merged[key] = value
     merged["ladder"] = {
-        "model": results.model.spec,
-        "path": str(results.model.path),
-        "fingerprint_sha256": results.fingerprint,
-        "cached_tasks": results.cached,
+        **results.provenance(),
         # Per suite task: they may differ between tasks, unlike the rest of lm-eval's `config`.
         "chat_options": {task: record.get("config", {}).get("chat") for task, record in results.tasks.items()},
     }
@@ -121,5 +115,4 @@ def lm_eval_json(results: ModelResults) -> dict:
 
 
 def file_name(text: str) -> str:
-    """`text` (a label, a task name) as a file name: anything but letters, digits, -_. becomes _."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)

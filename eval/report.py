@@ -1,12 +1,6 @@
-"""The side-by-side report: every task and metric, each model's score, and each model's difference
-from the reference (the first model) with its standard error; as markdown, JSON and a chart.
-
-Standard error of a difference: both models score the same items, so it is computed from the
-per-item differences (paired). For mean metrics (acc, acc_norm) that is sd(d_i) / sqrt(n); for
-other aggregations (perplexities, bits per byte) it is the spread of the difference over paired
-bootstrap resamples of the items. Where the items do not match or per-item values are missing
-(group scores such as MMLU), it falls back to sqrt(se_a^2 + se_b^2), which ignores the
-correlation between the two models and so overstates the error; each row names its method.
+"""The side-by-side report (markdown, JSON and a chart): each model's score per task and metric, and
+its difference from the reference (the first model) with a standard error, paired over the same
+items where they match (STDERR_NOTE says how), else sqrt(se_a^2 + se_b^2), which overstates it.
 """
 
 from __future__ import annotations
@@ -59,9 +53,8 @@ def _number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-# lm-eval's aggregations that are functions of per-item sums, as numpy statistics over a resample
-# axis, so that scipy draws all resamples at once. Others (f1, bleu, ... over items of any type) run
-# lm-eval's own function once per resample.
+# lm-eval's aggregations of per-item sums, vectorised so that scipy draws all resamples at once;
+# others (f1, bleu, ...) run lm-eval's own function once per resample.
 _VECTORISED = {
     "mean": lambda values, axis: np.mean(values, axis=axis),
     "perplexity": lambda loglikelihoods, axis: np.exp(-np.mean(loglikelihoods, axis=axis)),
@@ -71,8 +64,7 @@ _VECTORISED = {
 
 
 def _bootstrap(name: str, aggregate, items_a: list, items_b: list | None) -> float:
-    """Bootstrap standard error of aggregate(a), or of aggregate(a) - aggregate(b) over the same
-    resampled items (scipy's paired bootstrap), for lm-eval's aggregation `name`."""
+    """Bootstrap standard error of aggregate(a), or of aggregate(a) - aggregate(b) (paired)."""
     vectorised = _VECTORISED.get(name)
     if vectorised is not None:
         # Each model's items as columns: one (values) or two (log-likelihood, words or bytes).
@@ -145,7 +137,6 @@ def _difference(reference: dict, other: dict, task: str, key: str, ref: Estimate
 
 
 def build_rows(models: list[ModelResults]) -> list[Row]:
-    """One row per (task, metric) of the reference model's results, in suite order."""
     reference = models[0]
     rows = []
     for suite_task, record in reference.tasks.items():
@@ -196,7 +187,6 @@ def _arrow(row: Row) -> str:
 
 
 def markdown_table(labels: list[str], rows: list[Row]) -> str:
-    """The side-by-side table as aligned markdown (readable printed, and rendered)."""
     header = ["task", "metric", "n", labels[0]]
     for label in labels[1:]:
         header += [label, f"Δ {label}"]
@@ -216,16 +206,7 @@ def report_dict(models: list[ModelResults], rows: list[Row], header: dict) -> di
     return {
         **header,
         "reference": models[0].model.label,
-        "models": [
-            {
-                "label": m.model.label,
-                "model": m.model.spec,
-                "path": str(m.model.path),
-                "fingerprint_sha256": m.fingerprint,
-                "cached_tasks": m.cached,
-            }
-            for m in models
-        ],
+        "models": [{"label": m.model.label, **m.provenance()} for m in models],
         "stderr": STDERR_NOTE,
         "rows": [
             {
@@ -253,7 +234,6 @@ def markdown_report(models: list[ModelResults], rows: list[Row], header: dict) -
 
 
 def _bar_label(row: Row, series: int, compare: bool) -> str:
-    """What a bar says beside it: the difference with the two absolute scores, or the score."""
     like = row.scores[0].value
     if not compare:
         return _format(row.scores[0], like)
@@ -262,9 +242,8 @@ def _bar_label(row: Row, series: int, compare: bool) -> str:
 
 
 def figure(models: list[ModelResults], rows: list[Row]):
-    """Per-metric panels of horizontal bars: each model's difference from the reference per task,
-    with 95% error bars (1.96 standard errors), labelled with the difference and both absolute
-    scores; the scores themselves when there is one model. Each task's label gives its n."""
+    """Per-metric panels of bars: each model's difference from the reference (the score, for one
+    model) per task, with 95% error bars."""
     from matplotlib.figure import Figure  # the Agg canvas, without pyplot's global state
 
     compare = len(models) > 1
@@ -299,7 +278,7 @@ def figure(models: list[ModelResults], rows: list[Row]):
 
 
 def write_report(models: list[ModelResults], header: dict, directory: Path) -> str:
-    """Write report.md, report.json and report.png into `directory`; returns the markdown table."""
+    """report.md, report.json and report.png; returns the markdown table."""
     rows = build_rows(models)
     (directory / "report.md").write_text(markdown_report(models, rows, header))
     (directory / "report.json").write_text(json.dumps(report_dict(models, rows, header), indent=2) + "\n")

@@ -1,5 +1,4 @@
-"""Where and how the weights run: one device and dtype per process, lm-eval's batch size, the
-accelerate state when `accelerate launch` started several processes, and the backend's name."""
+"""Where and how the weights run (`Runtime`)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # largest batch that fits is for GPU memory, and on the CPU it chose 64-row batches of padding (393 s
 # against 92 s for the same items).
 DEFAULT_BATCH_SIZE = 8
-# The backend a run uses unless told otherwise; its records and cache keys name no backend, as
-# before there was a choice (eval/backends/ holds every backend by name).
+# Its records and cache keys name no backend, as before there was a choice.
 DEFAULT_BACKEND = "hf"
 
 
@@ -45,12 +43,7 @@ class Runtime:
     def rank(self) -> int:
         return self.accelerator.process_index if self.accelerator is not None else 0
 
-    @property
-    def device_type(self) -> str:
-        return self.device.partition(":")[0]
-
     def describe(self) -> dict:
-        """What the report and lm-eval's JSON record about the run."""
         return {
             "device": "auto (device_map)" if self.parallelize else self.device,
             "dtype": self.dtype,
@@ -73,11 +66,8 @@ def resolve_runtime(
     tensor_parallel: int = 1,
     data_parallel: int = 1,
 ) -> Runtime:
-    """`auto` picks the GPU in bfloat16 where one is present (float16 on GPUs without bf16), else
-    the CPU in float32. Under `accelerate launch` with several processes each takes the device
-    accelerate gives it (its own GPU, or the CPU over gloo when there is none). What the backend
-    allows of these settings its own `check` says (eval/backends/). `auto` batches on the CPU are
-    DEFAULT_BATCH_SIZE."""
+    """`auto`: a GPU in bfloat16 (float16 without bf16), else the CPU in float32; under `accelerate
+    launch` each process takes the device accelerate gives it. The backend's `check` says the rest."""
     if not DEVICE_PATTERN.fullmatch(device):
         raise UsageError(f"--device {device!r}: choose auto, cpu, cuda or cuda:N")
     if dtype != "auto" and dtype not in DTYPES:
@@ -102,7 +92,6 @@ def resolve_runtime(
 
 
 def check_processes(device: str, parallelize: bool) -> None:
-    """What several processes cannot do (the launcher checks it before starting them)."""
     if parallelize:
         raise UsageError("--parallelize splits one model over all GPUs: it runs in one process (drop --processes)")
     if device.startswith("cuda:"):
@@ -110,7 +99,6 @@ def check_processes(device: str, parallelize: bool) -> None:
 
 
 def _accelerator(device: str, parallelize: bool):
-    """The accelerate state of one of several processes that `accelerate launch` started."""
     check_processes(device, parallelize)
     from accelerate import Accelerator, InitProcessGroupKwargs
 
@@ -165,7 +153,7 @@ def _default_dtype(device: str, backend: str) -> str:
 
 
 def share(runtime: Runtime, value):
-    """Process 0's `value` on every process (the cache decisions: only process 0 reads the cache)."""
+    """Process 0's `value` on every process (only process 0 reads the cache)."""
     if runtime.processes == 1:
         return value
     from accelerate.utils import broadcast_object_list

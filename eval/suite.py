@@ -1,20 +1,5 @@
-"""Evaluation suites: a small YAML file naming lm-eval tasks with their few-shot and item limits.
-
-    description: what the suite is for
-    offline: true          # every task reads local files: run with the Hub switched off
-    tasks:
-      - task: ladder_piqa  # an lm-eval task, group or tag name
-        num_fewshot: 0     # optional; default: the task's own setting
-        every: 5           # optional; score items 0, 5, 10, ...: a spread-out subset
-        limit: 100         # optional; at most this many items (after `every`); default: all
-        # lm-eval's chat options, for instruct models (optional; `ladder eval` flags override them):
-        apply_chat_template: true    # render prompts with the tokenizer's chat template (or a template name)
-        fewshot_as_multiturn: true   # few-shot examples as alternating user/assistant turns
-        system_instruction: "..."    # a system message before the prompt
-        gen_kwargs: {max_gen_toks: 512}   # generation settings of a generating task
-
-The shipped suites live in eval/suites/; `--suite` takes one of their names or a path.
-"""
+"""Evaluation suites: a small YAML file naming lm-eval tasks with their settings (its format:
+docs/eval.md#suites). The shipped suites live in eval/suites/."""
 
 from __future__ import annotations
 
@@ -35,7 +20,7 @@ Count = Annotated[StrictInt, Field(ge=1)]
 
 
 class SuiteTask(BaseModel):
-    """One task of a suite, as its YAML entry gives it (validated by pydantic: each fault one line)."""
+    """One task of a suite, as its YAML entry gives it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -58,12 +43,10 @@ class SuiteTask(BaseModel):
         return self
 
     def chat_options(self) -> dict:
-        """simple_evaluate's keyword arguments for this task's chat options."""
         options = self.model_dump(include={"apply_chat_template", "fewshot_as_multiturn", "system_instruction"})
         return {**options, "gen_kwargs": self.gen_kwargs or None}
 
     def describe(self) -> str:
-        """The task and the settings it is scored with, as the log and the report name them."""
         settings = []
         if self.num_fewshot:
             settings.append(f"{self.num_fewshot}-shot")
@@ -83,8 +66,7 @@ class SuiteTask(BaseModel):
         return f"{self.task} ({', '.join(settings)})" if settings else self.task
 
     def item_indices(self, size: int) -> list[int]:
-        """The items scored of a leaf task of `size` items: every `every`-th, the `fraction` of
-        those (rounded up, as lm-eval rounds its fractional limit), then at most `limit`."""
+        """Every `every`-th item, the `fraction` of those (rounded up, as lm-eval does), at most `limit`."""
         picked = list(range(0, size, self.every))
         if self.fraction is not None:
             picked = picked[: math.ceil(self.fraction * len(picked))]
@@ -107,7 +89,6 @@ class Suite:
     tasks: tuple[SuiteTask, ...]
 
     def _with(self, where: str, **given) -> Suite:
-        """The suite with `given` set on every task (None values left out), each checked again."""
         given = {key: value for key, value in given.items() if value is not None}
         if not given:
             return self
@@ -115,8 +96,7 @@ class Suite:
         return replace(self, tasks=tasks)
 
     def with_limit(self, limit: int | float | None) -> Suite:
-        """The suite with every task capped at `limit` items, or at that share of them for a
-        fraction below 1 (as lm-eval's --limit); a task's own smaller limit stays."""
+        """Every task capped at `limit` items, or that share below 1; a task's own smaller limit stays."""
         if limit is None:
             return self
         key = "fraction" if isinstance(limit, float) else "limit"
@@ -124,7 +104,6 @@ class Suite:
         return replace(self, tasks=tuple(t.model_copy(update={key: value}) for t, value in zip(self.tasks, capped)))
 
     def with_num_fewshot(self, num_fewshot: int | None) -> Suite:
-        """The suite with `num_fewshot` examples before every task's items (lm_eval's --num_fewshot)."""
         return self._with("with --num-fewshot", num_fewshot=num_fewshot)
 
     def with_chat(
@@ -134,7 +113,6 @@ class Suite:
         system_instruction: str | None = None,
         gen_kwargs: dict | None = None,
     ) -> Suite:
-        """The suite with the chat options that are not None set on every task (command-line flags)."""
         if apply_chat_template is False and fewshot_as_multiturn is None:
             fewshot_as_multiturn = False  # plain prompts have no turns
         return self._with(
@@ -151,7 +129,7 @@ def suite_names() -> list[str]:
 
 
 def _validated(model: type[BaseModel], data: object, where: str) -> BaseModel:
-    """`model` from `data`, or pydantic's first fault as one UsageError line naming `where` and the key."""
+    """pydantic's first fault as one UsageError line naming `where` and the key."""
     try:
         return model.model_validate(data)
     except ValidationError as error:
@@ -169,7 +147,6 @@ def _task(entry: object, where: str) -> SuiteTask:
 
 
 def parse_suite(data, name: str) -> Suite:
-    """Validate a suite's parsed YAML; errors name the suite, the entry and the key."""
     if not isinstance(data, dict):
         raise UsageError(f"suite {name}: expected a mapping with keys {sorted(_SuiteFile.model_fields)}")
     suite = _validated(_SuiteFile, data, f"suite {name}")
@@ -184,7 +161,6 @@ def parse_suite(data, name: str) -> Suite:
 
 
 def load_suite(name_or_path: str) -> Suite:
-    """A shipped suite by name (`smoke`, `offline`, `paper`) or a suite YAML file by path."""
     path = Path(name_or_path).expanduser()
     if path.suffix not in (".yaml", ".yml"):
         path = SUITES_DIR / f"{name_or_path}.yaml"
@@ -198,8 +174,7 @@ def load_suite(name_or_path: str) -> Suite:
 
 
 def tasks_suite(names: str) -> Suite:
-    """A suite of the comma-separated task names `names` (as `lm_eval --tasks` takes them: ours,
-    stock lm-eval tasks, groups or tags), each with its own settings; offline when all are ours."""
+    """A suite of `--tasks` names, each with its own settings; offline when all are ours."""
     tasks = [name.strip() for name in names.split(",")]
     if not all(tasks):
         raise UsageError(f"--tasks {excerpt(names)}: expected task names separated by commas")

@@ -1,5 +1,5 @@
-"""Ladder Residual for pretrained Llama checkpoints: the model (`ladder/`), shared by the stages
-installed beside it as `ladder.convert`, `ladder.adapt` and `ladder.eval`.
+"""Ladder Residual for pretrained Llama, Mistral, Qwen2 and Qwen3 checkpoints: the model (`ladder/`),
+shared by the stages installed beside it as `ladder.convert`, `ladder.adapt` and `ladder.eval`.
 
 `import ladder` is light (no torch): the model classes and the rewiring functions load on first
 use, and with them the registration with transformers' Auto classes (`ladder.model.auto`).

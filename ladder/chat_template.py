@@ -1,14 +1,8 @@
-"""Chat templates rendered in a worker process that the operating system bounds. A template comes
-with the model and is code: transformers renders it in jinja's sandbox, which stops it reaching
-Python's internals but not using the machine up (`'x'.center(2*10**9)`, nested `range` loops,
-macro recursion). Counting inside jinja is a race that the next filter wins; a process is not.
-`TemplateWorker` renders each chat with transformers' own `render_jinja_template` (its sandbox,
-filters and globals) in a process whose address space is capped (`RLIMIT_AS`, MAX_RENDER_BYTES),
-and waits at most MAX_RENDER_SECONDS for each chat; past either, the worker is killed and the
-render fails with `TemplateLimitExceeded`, a UsageError whose one line names the template and the
-limit.
-adapt renders every chat this way, eval every prompt lm-eval renders (and a probe chat before
-any model loads)."""
+"""Chat templates rendered in a worker process that the operating system bounds. A template is code
+that comes with the model: jinja's sandbox stops it reaching Python's internals but not using the
+machine up (`'x'.center(2*10**9)`), and counting inside jinja is a race the next filter wins.
+`TemplateWorker` renders with transformers' own `render_jinja_template` in a process capped by
+`RLIMIT_AS`, for at most MAX_RENDER_SECONDS a chat; past either it fails in one line."""
 
 from __future__ import annotations
 
@@ -40,9 +34,8 @@ class TemplateLimitExceeded(UsageError):
 
 
 class TemplateWorker:
-    """A process rendering chat templates under MAX_RENDER_BYTES and MAX_RENDER_SECONDS (read at
-    its start), started on the first render and again after a limit stopped it. `owner` names the
-    template in the limits' messages (a model, a tokenizer)."""
+    """Started on the first render, and again after a limit stopped it; `owner` names the template
+    in the messages."""
 
     def __init__(self, owner: str = "the tokenizer") -> None:
         self.owner, self.process = owner, None
@@ -54,9 +47,8 @@ class TemplateWorker:
         self.close()
 
     def render(self, template: str, messages: list[dict], **options: Any) -> str:
-        """`render_jinja_template([messages], chat_template=template, **options)`'s text, as
-        `tokenizer.apply_chat_template(messages, tokenize=False, **options)` gives it when options
-        hold the special tokens. The template's own failure is a TemplateError with its first line."""
+        """The text `tokenizer.apply_chat_template(messages, tokenize=False, **options)` gives; the
+        template's own failure is a TemplateError with its first line."""
         if self.process is None:
             self._start()
         try:
@@ -105,7 +97,6 @@ class TemplateWorker:
 
 
 def serve(memory: int) -> None:
-    """The worker: render each request on stdin, reply on stdout, within `memory` bytes of address space."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     requests, replies = Connection(os.dup(0), writable=False), Connection(os.dup(1), readable=False)
@@ -126,6 +117,3 @@ def serve(memory: int) -> None:
             lines = str(error).strip().splitlines()
             reply = json.dumps({"error": lines[0] if lines else type(error).__name__})
         replies.send_bytes(reply.encode())
-
-
-__all__ = ["MAX_RENDER_BYTES", "MAX_RENDER_SECONDS", "PROBE_CHAT", "TemplateLimitExceeded", "TemplateWorker"]

@@ -1,7 +1,5 @@
-"""argparse number types, the one home for them: `type=positive_int` and the like on every command.
-Each raises argparse.ArgumentTypeError with a one-line message, which argparse reports as
-`argument --tp: ...` (ladder.errors.ArgumentParser: one line, exit 2) before any work. Floats are
-finite (no nan, no inf) and, like counts that feed arithmetic, within a stated range (`float_in`, `int_in`).
+"""argparse number types, the one home for them, each a one-line ArgumentTypeError on bad input.
+Floats are finite and, like counts that feed arithmetic, within a stated range.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ def _number(text: str, kind: type, what: str) -> int | float:
 
 
 def positive_int(text: str) -> int:
-    """An integer of at least 1."""
     value = _number(text, int, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a positive integer")
@@ -32,7 +29,6 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
-    """An integer of at least 0."""
     value = _number(text, int, "a non-negative integer")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a non-negative integer")
@@ -40,8 +36,6 @@ def non_negative_int(text: str) -> int:
 
 
 def float_in(low: float, high: float) -> Callable[[str], float]:
-    """A finite number from `low` to `high` (both included), e.g. a device's FLOP/s: a figure outside
-    the physical range (1e-300, 1e999) is a typo, never a plan."""
 
     def parse(text: str) -> float:
         value = _number(text, float, "a finite number")
@@ -53,8 +47,6 @@ def float_in(low: float, high: float) -> Callable[[str], float]:
 
 
 def int_in(low: int, high: int) -> Callable[[str], int]:
-    """An integer from `low` to `high` (both included), e.g. a count of tokens, which beyond any context
-    is a typo that would overflow the arithmetic it feeds."""
 
     def parse(text: str) -> int:
         value = _number(text, int, "an integer")
@@ -66,7 +58,6 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
 
 
 def comma_list(item: Callable[[str], int | float]) -> Callable[[str], list]:
-    """`1,16,64` parsed item by item (`comma_list(positive_int)`); an empty list is refused."""
 
     def parse(text: str) -> list:
         parts = [part.strip() for part in text.split(",")]

@@ -16,15 +16,13 @@ class UsageError(Exception):
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of an error's message (its type name when it has none): what a UsageError
-    quotes from a library's multi-line exception."""
+    """The first line of an error's message (its type name when it has none)."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 
 
 def excerpt(value: object, limit: int = 80) -> str:
-    """`repr(value)` for an error message, at most about `limit` characters however large or deeply
-    nested the value (an input's value may be huge: it is never expanded whole)."""
+    """`repr(value)` in at most about `limit` characters, never expanded whole however large."""
     shown = _EXCERPT.repr(value)
     return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
@@ -35,9 +33,8 @@ _EXCERPT.maxlist = _EXCERPT.maxtuple = _EXCERPT.maxdict = _EXCERPT.maxset = 4
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports bad arguments as a UsageError (one line, exit 2) instead of printing
-    the usage and exiting itself: every command's parser. Each gets `-q` and `-v`, which set what
-    the command says while it runs (`ladder.log`) as soon as its arguments are parsed."""
+    """Every command's parser: bad arguments are a UsageError (one line, exit 2); `-q` and `-v` set
+    `ladder.log` as soon as the arguments are parsed."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -57,9 +54,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def run_command(name: str, main: Callable[[list[str]], int | None], argv: list[str], label: str = "") -> int:
-    """Run a command's `main` the way the user sees every command end: a `UsageError` is one line
-    on stderr and status 2, Ctrl-C is status 130, anything else is the command's own status. The
-    lines start with `label`, `ladder NAME` unless given (a benchmark is its own program)."""
+    """How every command ends: a `UsageError` is one line on stderr and status 2, Ctrl-C 130. The
+    lines start with `label` (default `ladder NAME`)."""
     label = label or f"ladder {name}"
     try:
         return main(argv) or 0

@@ -1,23 +1,10 @@
 """Which layers to rewire: `auto:N` measures the damage of each candidate layer set on calibration
-text and keeps the least damaged.
+text and keeps the least damaged (docs/recovery.md: the candidates, the measure and the cost).
 
-Damage is the mean KL(original || rewired) of the next-token distributions over the calibration
-tokens (nats per token); the log-perplexity increase is recorded beside it. KL rather than the
-loss: it counts every change of the distribution that retraining must undo, and a rewiring that
-happens to lower the loss on a few thousand tokens is no less damaged.
-
-- `auto:N` (default): every contiguous window of N layers, L - N + 1 candidates. A window has the
-  overlap of the upper N (2N - 1 of its 2N all-reduces run behind compute under tensor parallelism).
-- `auto:N:any`: each layer rewired alone (L candidates), the N least damaged kept, and that set
-  measured once more (damage is not additive, so the set's own figure is the one reported). Its
-  overlap is lower when the set is not contiguous: `overlapped_all_reduces` counts it.
-
-Cost: no training. The original's residual streams entering every layer are computed once per
-calibration batch; a candidate whose first ladder layer is `s` then runs only layers s..L-1 and the
-LM head from the stored streams (the layers below `s` are the original's, unchanged). For SmolLM2
-(30 layers) `auto:8` costs the decoder layers of about 16 full forward passes over the calibration
-text, `auto:15` about 13, `auto:N:any` about 18, plus one LM head per candidate (SmolLM2's 49,152-word
-head costs about 4 layers); `LayerSearch.forward_passes` records the layer count.
+Damage is the mean KL(original || rewired) of the next-token distributions, not the loss: a
+rewiring that happens to lower the loss on a few thousand tokens is no less damaged. The
+original's residual streams entering every layer are computed once per batch; a candidate whose
+first ladder layer is `s` runs only layers s..L-1 and the LM head from them.
 """
 
 from __future__ import annotations
@@ -30,7 +17,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.masking_utils import create_causal_mask
 
 from ladder.errors import UsageError
 from ladder.io.files import ladder_data_dir
@@ -90,8 +76,7 @@ def calibration_from_files(
     blocks: int = CALIBRATION_BLOCKS,
     seq_len: int = CALIBRATION_SEQ_LEN,
 ) -> torch.Tensor:
-    """`blocks` rows of `seq_len` tokens from text files, one from the middle of each file in turn
-    (past licence headers and front matter); default: the CPU recipe's training books."""
+    """`blocks` rows of `seq_len` tokens, each from the middle of a file (past licence headers)."""
     if paths is None:
         paths = [ladder_data_dir() / "train" / "gutenberg" / book for book in DEFAULT_CALIBRATION_BOOKS]
     paths = sorted(
@@ -118,7 +103,6 @@ def calibration_from_files(
 
 
 def calibration_from_blocks(blocks: np.ndarray, count: int = CALIBRATION_BLOCKS) -> torch.Tensor:
-    """`count` blocks spread evenly over a recipe's training blocks."""
     rows = np.unique(np.linspace(0, len(blocks) - 1, min(count, len(blocks))).round().astype(int))
     return torch.from_numpy(np.asarray(blocks[rows]).astype(np.int64))
 
@@ -126,17 +110,14 @@ def calibration_from_blocks(blocks: np.ndarray, count: int = CALIBRATION_BLOCKS)
 def layer_inputs(
     model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict]:
-    """The embeddings and the keyword arguments every decoder layer takes, as `LadderLlamaModel.forward`
-    builds them (position ids restarting per packed document make the mask block-diagonal)."""
+    """The embeddings and the keyword arguments every decoder layer takes, as `LadderModel.forward`
+    builds them."""
     inner = model.model
     embeds = inner.embed_tokens(input_ids)
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-    mask = create_causal_mask(
-        config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=position_ids
-    )
     return embeds, dict(
-        attention_mask=mask,
+        attention_mask=inner.attention_masks(embeds, None, position_ids, None),
         position_ids=position_ids,
         position_embeddings=inner.rotary_emb(embeds, position_ids=position_ids),
     )
@@ -156,15 +137,12 @@ def forward_from(
 def measure_candidates(
     model: PreTrainedModel, calibration: torch.Tensor, candidates: list[list[int]], batch: int = 2
 ) -> tuple[list[Candidate], float, float]:
-    """(each candidate's damage, the original's mean loss, the cost in full forward passes over
-    `calibration`, counted in decoder layers) on `calibration` (rows of token ids)."""
+    """Each candidate's damage, the original's mean loss, and the cost in full forward passes."""
     num_layers = model.config.num_hidden_layers
     original = to_ladder(model, []).eval()
     rewired = [to_ladder(model, layers).eval() for layers in candidates]
-    kl_sums, loss_sums = (
-        torch.zeros(len(candidates), dtype=torch.float64),
-        torch.zeros(len(candidates), dtype=torch.float64),
-    )
+    kl_sums = torch.zeros(len(candidates), dtype=torch.float64)
+    loss_sums = torch.zeros_like(kl_sums)
     original_loss_sum, tokens, passes = 0.0, 0, 0
     for first_row in range(0, len(calibration), batch):
         input_ids = calibration[first_row : first_row + batch]
@@ -197,8 +175,8 @@ def measure_candidates(
 def choose_ladder_layers(
     model: PreTrainedModel, calibration: torch.Tensor, auto: AutoLayers, batch: int = 2
 ) -> LayerSearch:
-    """Run the `auto` search on a loaded Llama (or ladder model: its own wiring is ignored). Deterministic:
-    the same weights and calibration give the same choice; ties go to the higher layers (the paper's shape)."""
+    """Run the `auto` search on a loaded model (a ladder model's own wiring is ignored); ties go to the
+    higher layers (the paper's shape)."""
     started = time.perf_counter()
     num_layers, count = model.config.num_hidden_layers, auto.count
     was_training = model.training
@@ -229,15 +207,3 @@ def choose_ladder_layers(
         seconds=round(time.perf_counter() - started, 2),
         candidates=measured,
     )
-
-
-__all__ = [
-    "Candidate",
-    "LayerSearch",
-    "calibration_from_blocks",
-    "calibration_from_files",
-    "choose_ladder_layers",
-    "forward_from",
-    "layer_inputs",
-    "measure_candidates",
-]

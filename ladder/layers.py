@@ -1,5 +1,5 @@
 """Ladder layer sets as users write them (`--layers`, recipe keys) and as the tools print them, and
-the one check that a config is a Llama the toolkit reads. Imports neither torch nor transformers,
+the one check that a config is of a family the toolkit reads. Imports neither torch nor transformers,
 so command-line checks run before any heavy import."""
 
 from __future__ import annotations
@@ -9,30 +9,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ladder.errors import UsageError
-from ladder.model.config_rules import resolve_ladder_layers
+from ladder.model.config_rules import LADDER_MODEL_TYPES, family_of, resolve_ladder_layers
 
-# `LadderLlamaConfig.model_type`, the published checkpoints' name. The configuration file travels
-# inside checkpoints and cannot import this package, so the name is spelled in both places (a test
-# checks that they agree).
-LADDER_MODEL_TYPE = "llamaLadder"
-LLAMA_MODEL_TYPES = ("llama", LADDER_MODEL_TYPE)
-# Keys of a Llama config.json that describe the file, not the model: not carried into a ladder config.
+# Keys of a family's config.json that describe the file, not the model: not carried into a ladder config.
 CONFIG_BOOKKEEPING = ("model_type", "architectures", "auto_map", "transformers_version", "ladder_layers")
 
 
-def check_llama_model_type(model_type: object, where: str) -> None:
-    """Refuse a config that is neither a Llama nor a ladder Llama; `where` names the file or model."""
-    if model_type not in LLAMA_MODEL_TYPES:
+def check_model_type(model_type: object, where: str) -> str:
+    """The family of a config's model_type (plain or ladder); any other refused naming `where`."""
+    family = family_of(model_type)
+    if family is None:
         raise UsageError(
-            f"{where} has model_type {model_type!r}; supported: "
-            f"{' or '.join(map(repr, LLAMA_MODEL_TYPES))} (Llama-architecture checkpoints)"
+            f"{where} has model_type {repr(model_type)[:80]}; supported families: {', '.join(LADDER_MODEL_TYPES)} "
+            f"(and their ladder forms {', '.join(LADDER_MODEL_TYPES.values())})"
         )
+    return family
+
+
+def is_ladder_model_type(model_type: object) -> bool:
+    return model_type in LADDER_MODEL_TYPES.values()
 
 
 @dataclass(frozen=True)
 class AutoLayers:
-    """`auto:N` (the contiguous window of N layers that the rewiring damages least, measured) or
-    `auto:N:any` (any N layers, ranked one by one). `ladder.layer_search.choose_ladder_layers` runs it."""
+    """`auto:N` (contiguous) or `auto:N:any`; `ladder.layer_search.choose_ladder_layers` runs it."""
 
     count: int
     contiguous: bool = True
@@ -42,7 +42,6 @@ class AutoLayers:
 
 
 def parse_auto_layers(spec: object, num_hidden_layers: int, key: str = "ladder layers") -> AutoLayers | None:
-    """The `auto:N` / `auto:N:any` form of a layer choice, or None for any other spec."""
     if not (isinstance(spec, str) and spec.strip().startswith("auto")):
         return None
     match = re.fullmatch(r"auto:(\d+)(:any)?", spec.strip())
@@ -59,9 +58,8 @@ def parse_auto_layers(spec: object, num_hidden_layers: int, key: str = "ladder l
 
 
 def parse_ladder_layers(spec: str | int | list[int], num_hidden_layers: int, key: str = "ladder layers") -> list[int]:
-    """A layer choice as a sorted list: `N` (the upper N layers), a range `16-31`, or a list of
-    indices and ranges `3,5,7` / `3-5,9` (as text, an int or a list). Bad input raises `UsageError` naming `key`.
-    `auto:N` needs a model to measure: callers that accept it use `parse_layer_choice`."""
+    """A layer choice as a sorted list: `N` (the upper N), `16-31`, `3,5,7` or `3-5,9` (text, an int or
+    a list); bad input raises `UsageError` naming `key`. `parse_layer_choice` also takes `auto:N`."""
     if parse_auto_layers(spec, num_hidden_layers, key) is not None:
         raise UsageError(
             f"{key}: {spec!r} chooses layers by measuring a model, which is not possible here; "
@@ -85,7 +83,6 @@ def parse_ladder_layers(spec: str | int | list[int], num_hidden_layers: int, key
 
 
 def _layer_range(part: str, key: str) -> list[int]:
-    """One item of a layer list: an index `7` or an inclusive range `3-5`."""
     if "-" not in part.lstrip("-"):
         return [int(part)]
     first, last = (int(bound) for bound in part.split("-"))
@@ -106,8 +103,7 @@ def upper_half(num_hidden_layers: int) -> int:
 
 
 def parse_layer_choice(spec: LayerSpec, num_hidden_layers: int, key: str = "ladder layers") -> LayerChoice:
-    """A layer spec (N, "16-31", "3,5,7", a list, "auto:N", "auto:N:any"; None = the upper half)
-    parsed once into explicit layers or an `AutoLayers` search. Bad input raises `UsageError` naming `key`."""
+    """A layer spec (as `parse_ladder_layers`, or `auto:N[:any]`; None: the upper half) parsed once."""
     if isinstance(spec, AutoLayers):
         spec = str(spec)  # checked against this model's layer count like any other spec
     if spec is None:
@@ -117,8 +113,6 @@ def parse_layer_choice(spec: LayerSpec, num_hidden_layers: int, key: str = "ladd
 
 
 def resolve_layer_choice(choice: LayerChoice, search: Callable[[AutoLayers], list[int]]) -> list[int]:
-    """The layers of a choice: explicit layers as they are, `auto:N` by running `search` (the caller's
-    `ladder.layer_search` run, on its model and calibration text)."""
     return search(choice) if isinstance(choice, AutoLayers) else choice
 
 
@@ -134,26 +128,7 @@ def format_layers(layers: list[int]) -> str:
 
 
 def overlapped_all_reduces(layers: list[int]) -> int:
-    """How many of the 2 * len(layers) all-reduces of a ladder layer set run behind compute under
-    tensor parallelism: a contiguous block of k ladder layers overlaps 2k - 1 of its 2k (the block's
-    last MLP all-reduce is needed in full by the next standard layer)."""
+    """How many of a ladder layer set's 2 * len(layers) all-reduces overlap compute: a contiguous block
+    of k overlaps 2k - 1 (its last is needed in full by the next standard layer)."""
     runs = format_layers(sorted(layers)).split(",") if layers else []
     return 2 * len(layers) - len(runs)
-
-
-__all__ = [
-    "CONFIG_BOOKKEEPING",
-    "LADDER_MODEL_TYPE",
-    "LLAMA_MODEL_TYPES",
-    "AutoLayers",
-    "LayerChoice",
-    "LayerSpec",
-    "check_llama_model_type",
-    "format_layers",
-    "overlapped_all_reduces",
-    "parse_auto_layers",
-    "parse_ladder_layers",
-    "parse_layer_choice",
-    "resolve_layer_choice",
-    "upper_half",
-]

@@ -1,10 +1,5 @@
-"""What commands say while they run: the `ladder` logger, set by every command's `-q` and `-v`.
-
-A command's result (a table, JSON, a dumped recipe) is its output and goes to stdout with `print`.
-What it says about its progress goes through `logging`, to the `ladder` logger (`log` here; in
-adapt's processes accelerate's adapter of it, which speaks on the main process only): information
-to stdout, warnings and errors to stderr, each message as written (a warning names itself). `-q`
-keeps only the warnings; `-v` adds debug detail and the libraries' own information.
+"""What commands say while they run: the `ladder` logger (information to stdout, warnings to stderr),
+set by every command's `-q` and `-v`. A command's result goes to stdout with `print`.
 """
 
 from __future__ import annotations
@@ -28,8 +23,7 @@ HARMLESS = {
 
 
 class _Stream(logging.StreamHandler):
-    """A handler that writes to whatever sys.stdout or sys.stderr is at the time of the record (a
-    test's capture, a redirection made after the command started), not the stream of its creation."""
+    """Writes to whatever sys.stdout or sys.stderr is at the time of the record (a test's capture)."""
 
     def __init__(self, stream_name: str, level_below: int | None = None):
         super().__init__()
@@ -60,8 +54,7 @@ _RANK = re.compile(r"^\[RANK \d+\] ")
 
 
 def configure(verbosity: int = 0) -> None:
-    """Set the `ladder` logger for a command: verbosity -1 (`-q`), 0 (default), 1 or more (`-v`).
-    Safe to call again (each command of a process that runs several sets its own level)."""
+    """Verbosity -1 (`-q`), 0 (default), 1 or more (`-v`); safe to call again."""
     if not any(isinstance(handler, _Stream) for handler in log.handlers):
         out = _Stream("stdout", level_below=logging.WARNING)
         err = _Stream("stderr")

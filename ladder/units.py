@@ -1,9 +1,5 @@
-"""Sizes as people write them: `80GB`, `80GiB`, `500MB`, `8e10` or `80000000000` (bytes). The one
-parser every command that takes a size uses (`ladder convert --max-shard-size`, `ladder plan` and
-`ladder adapt --plan` `--hardware FLOPS,BANDWIDTH,MEMORY`).
-
-transformers' `convert_file_size_to_int` takes neither fractions (`1.5GB`) nor plain numbers in
-scientific notation (`8e10`), which the device tables and datasheets use, hence this small one.
+"""Sizes as people write them (`80GB`, `80GiB`, `8e10`), the one parser for them: transformers'
+`convert_file_size_to_int` takes neither fractions nor scientific notation, which datasheets use.
 """
 
 from __future__ import annotations
@@ -19,8 +15,6 @@ SIZE = re.compile(r"\s*(?P<number>[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?P<unit>[
 
 
 def parse_size(text: str, flag: str) -> int:
-    """Bytes in `text` (a number, optionally with a unit B, KB, MB, GB, TB or KiB, MiB, GiB, TiB); a
-    malformed or non-positive size is a UsageError naming `flag`."""
     match = SIZE.fullmatch(text)
     if match is None:
         raise UsageError(f"{flag} {text!r} is not a size like 5GB, 80GiB, 500MB or 8e10 (bytes)")
@@ -30,6 +24,3 @@ def parse_size(text: str, flag: str) -> int:
     if size < 1:
         raise UsageError(f"{flag} {text!r} must be at least one byte")
     return int(size)
-
-
-__all__ = ["parse_size"]

@@ -1,5 +1,5 @@
 """Test session setup: no network, a private HF cache and ladder cache, shared tiny checkpoints and
-corpus, and the embedded SmolLM2 converted once.
+corpus, the embedded SmolLM2 converted once, and one vLLM job for the session's greedy engines.
 
 The environment is set before transformers is imported anywhere, so no test can reach the Hub
 or write into the user's cache.
@@ -33,6 +33,7 @@ import pytest  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from adapt_runs import prose  # noqa: E402
+from serving import NEW_TOKENS, PROMPTS, TINY_LADDER_LAYERS, TINY_LAYERS, vllm_runs  # noqa: E402
 from tiny import save_tiny_checkpoint  # noqa: E402
 
 
@@ -65,6 +66,51 @@ def smollm2_ladder(tmp_path_factory) -> Path:
     model = tmp_path_factory.mktemp("smollm2-ladder") / "smollm2-ladder"
     convert_checkpoint(None, model, ladder_layers="0,2,3,22-29", verify=False)
     return model
+
+
+@pytest.fixture(scope="session")
+def vllm_models(tmp_path_factory, smollm2_tokenizer_dir, smollm2_ladder) -> dict[str, Path]:
+    """What the session's vLLM job serves: the embedded SmolLM2 rewired (smollm2_ladder), and a random
+    Llama whose 4 query and 2 KV heads of 32 (the smallest vLLM's CPU attention takes) split over 2
+    ranks, plain and converted at serving.TINY_LADDER_LAYERS. Tests must not modify them."""
+    from ladder.convert.convert import convert_checkpoint
+
+    root = tmp_path_factory.mktemp("vllm-models")
+    shape = dict(num_hidden_layers=TINY_LAYERS, hidden_size=128, intermediate_size=256, head_dim=32)
+    save_tiny_checkpoint(root / "tiny-plain", smollm2_tokenizer_dir, **shape)
+    convert_checkpoint(root / "tiny-plain", root / "tiny-ladder", ladder_layers=TINY_LADDER_LAYERS, verify=False)
+    return {"smollm2-ladder": smollm2_ladder, "tiny-plain": root / "tiny-plain", "tiny-ladder": root / "tiny-ladder"}
+
+
+@pytest.fixture(scope="session")
+def greedy_prompt_ids(smollm2_tokenizer_dir) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    return [tokenizer(text).input_ids for text in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def vllm_greedy(vllm_models, greedy_prompt_ids, tmp_path_factory) -> dict:
+    """Every vLLM engine the session compares or reads, in one .venv-serve process (one vLLM import,
+    one compile each): tests/test_vllm.py compares their greedy tokens with transformers',
+    tests/test_serving_compiled.py reads the code inductor built at TP=2 (in its run's own
+    `compile_cache`). SmolLM2 runs in vLLM's default mode, torch.compile (Dynamo traces our layer
+    loop, inductor builds it in C++: minutes), which is what `vllm serve` and `ladder serve` run; its
+    9 heads do not split over 2 ranks, so the tiny ladder model runs TP=2, compiled too, and TP=1
+    eager; the plain Llama (vLLM's own model) runs eager. The TP=1 engines run in the runner's own
+    process (no engine process to start and import vLLM again: 5 s against 26 s for an eager one)."""
+    work = tmp_path_factory.mktemp("vllm-greedy")
+    runs = [  # TP=2 first, in its own processes; then the TP=1 engines in the runner's (`in_process`)
+        dict(name="tiny-ladder-tp2", model=vllm_models["tiny-ladder"], tp=2, eager=False, compile_cache=work / "tp2"),
+        dict(name="smollm2-ladder", model=vllm_models["smollm2-ladder"], tp=1, eager=False, in_process=True),
+        dict(name="tiny-ladder-tp1", model=vllm_models["tiny-ladder"], tp=1, eager=True),
+        dict(name="tiny-plain", model=vllm_models["tiny-plain"], tp=1, eager=True),
+    ]
+    for run in runs:
+        run.update({key: str(value) for key, value in run.items() if isinstance(value, Path)})
+        run.update(prompts=greedy_prompt_ids, max_tokens=NEW_TOKENS)
+    results = vllm_runs(runs, work)
+    results["tiny-ladder-tp2"]["compile_cache"] = work / "tp2"
+    return results
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ reach it: its python, the session's offline environment for it, and `ladder` run
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -11,6 +12,19 @@ import pytest
 
 SERVE_ENV = Path(__file__).resolve().parents[1] / ".venv-serve"
 SERVE_PYTHON = SERVE_ENV / "bin" / "python"
+
+# The session's greedy job (conftest's vllm_greedy): its prompts, the tokens each engine generates,
+# and the ladder layers of its tiny model (of 4: ladder first, ladder -> standard, standard ->
+# ladder, ladder -> ladder, ladder last).
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "Question: What is 12 times 7?\nAnswer:",
+]
+NEW_TOKENS = 32
+TINY_LAYERS = 4
+TINY_LADDER_LAYERS = [0, 2, 3]
 
 
 def serve_python() -> Path:
@@ -32,3 +46,14 @@ def serve_ladder(*arguments: object, timeout: int = 300) -> subprocess.Completed
     """`ladder ARGUMENTS` run from .venv-serve, its output captured."""
     command = [str(SERVE_ENV / "bin" / "ladder"), *map(str, arguments)]
     return subprocess.run(command, env=serve_env_vars(), capture_output=True, text=True, timeout=timeout)
+
+
+def vllm_runs(runs: list[dict], work: Path, timeout: int = 1200, **job: object) -> dict:
+    """The results of tests/vllm_runner.py for `runs` (one engine each, one after another in one
+    subprocess of .venv-serve), with the job's other keys (`in_process`); the files go in `work`."""
+    (work / "job.json").write_text(json.dumps({"runs": runs, **job}))
+    runner = Path(__file__).with_name("vllm_runner.py")
+    command = [str(serve_python()), str(runner), str(work / "job.json"), str(work / "result.json")]
+    completed = subprocess.run(command, env=serve_env_vars(), capture_output=True, text=True, timeout=timeout)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
+    return json.loads((work / "result.json").read_text())

@@ -364,7 +364,7 @@ def test_resume_refuses_changed_data_at_the_same_path(tmp_path, tiny_checkpoint,
     [
         (["model.teacher=/nonexistent", "objective.name=kd"], "model path /nonexistent does not exist", True),
         (["model.ladder_layers=9"], "model.ladder_layers: ladder_layers=9", True),
-        (["model.ladder_layers=null"], "model.ladder_layers: model.path is an original Llama", True),
+        (["model.ladder_layers=null"], "model.ladder_layers: model.path is not a ladder model yet", True),
         (["budget=100"], "less than one step", True),
         (["data.train=/nonexistent/*.txt"], "matches no file", True),
         (["logging.log_with=[mlflow]"], "logging.log_with: mlflow needs its package (pip install mlflow)", True),

@@ -17,8 +17,6 @@ from ladder.adapt.preemption import STOP_SIGNALS
 from ladder.adapt.recipe import ModelSpec, load_recipe
 from ladder.adapt.training_cost import (
     ANCHOR,
-    CHECKPOINT_WRITE_RATE,
-    GPUS_PER_NODE,
     MEMORY_MARGIN,
     PUBLISHED_MEMORY,
     flops_per_token,
@@ -39,6 +37,10 @@ from tiny import random_ids, tiny_llama
 CPU_RECIPE = "recipes/smollm2-135m-ladder-cpu.yaml"
 LLAMA_8B = ModelShape.from_config(published_config("meta-llama/Llama-3.1-8B-Instruct"))
 H100 = device_profile("h100")
+# What one node's processes write together per second into a checkpoint (each its shard), assumed: a
+# network filesystem every node sees.
+CHECKPOINT_WRITE_RATE = 1e9
+GPUS_PER_NODE = 8
 
 
 def measured_saved_bytes(model, input_ids, layer_index: int) -> int:

@@ -61,8 +61,8 @@ def test_tiny_checkpoint_end_to_end(tiny_checkpoint, tmp_path, capsys):
     assert config["model_type"] == "llamaLadder" and config["ladder_layers"] == [2, 3]
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModelForCausalLM"}
     for name in (
-        "modeling_ladder_llama.py",
-        "configuration_ladder_llama.py",
+        "modeling_ladder.py",
+        "configuration_ladder.py",
         "generation_config.json",
         "README.md",
         *TOKENIZER_FILES,

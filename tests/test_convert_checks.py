@@ -62,7 +62,7 @@ REFUSED = {
     "integer-weights": (
         lambda src, work: edit_tensors(src, _integer_norm) or src,
         [],
-        "tensor model.norm.weight holds int64; every weight of a Llama is floating point (1 such tensor)",
+        "tensor model.norm.weight holds int64; every weight of the model is floating point (1 such tensor)",
     ),
     "kv-heads-do-not-divide-heads": (
         lambda src, work: _attention_of(src, heads=4, kv_heads=3, head_dim=16),
@@ -83,13 +83,13 @@ REFUSED = {
         _ladder_of,
         ["--layers", "1"],
         "config.json has model_type 'llamaLadder' (ladder layers 2-3): it is converted already; "
-        "convert the original Llama checkpoint",
+        "convert the original checkpoint",
     ),
     "ladder-source-same-layers": (
         _ladder_of,
         ["--layers", "2-3"],
         "config.json has model_type 'llamaLadder' (ladder layers 2-3): it is converted already; "
-        "convert the original Llama checkpoint",
+        "convert the original checkpoint",
     ),
 }
 

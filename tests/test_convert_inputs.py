@@ -41,10 +41,10 @@ def _truncate(path: Path, keep: int) -> None:
 BAD_INPUTS = {
     # name: (make the source in `work` from a copy of the tiny checkpoint `src`, extra args, message)
     "missing-path": (lambda src, work: work / "nowhere", [], "does not exist"),
-    "not-llama": (
-        lambda src, work: edit_config(src, model_type="mistral") or src,
+    "unsupported-family": (
+        lambda src, work: edit_config(src, model_type="gemma") or src,
         [],
-        "model_type 'mistral'; supported: 'llama' or 'llamaLadder'",
+        "model_type 'gemma'; supported families: llama, mistral, qwen2, qwen3 (and their ladder forms",
     ),
     "layers-out-of-range": (lambda src, work: src, ["--layers", "5"], "0 <= N <= 4"),
     "layer-index-out-of-range": (lambda src, work: src, ["--layers", "2-4"], "out of range"),
@@ -76,7 +76,7 @@ BAD_INPUTS = {
     "unexpected-tensor": (
         lambda src, work: edit_tensors(src, lambda t: t.update(extra=torch.zeros(2))) or src,
         [],
-        "tensor extra is not part of a Llama with this config",
+        "tensor extra is not part of a llama model with this config",
     ),
     "missing-tensor": (
         lambda src, work: edit_tensors(src, lambda t: t.pop("model.norm.weight")) or src,

@@ -28,8 +28,16 @@ from ladder.adapt.recipe import SourceSpec, load_recipe
 from ladder.adapt.sources import resumable_batches, source_chunks
 from ladder.adapt.tokenize import Chunk, Worker
 from ladder.errors import UsageError
+from ladder.log import configure
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def said():
+    """The `ladder` logger as a command sets it: several tests read what the prepare says, also when this
+    file runs alone (no earlier command in the session configured it)."""
+    configure(0)
 
 
 PREPARE_SCRIPT = """

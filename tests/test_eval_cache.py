@@ -221,7 +221,7 @@ def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):
     # The model code: the installed class that runs the weights, and every base class's module.
     from transformers import LlamaForCausalLM
 
-    from ladder.model.modeling_ladder_llama import LadderLlamaForCausalLM
+    from ladder.model.modeling_ladder import LadderLlamaForCausalLM
 
     module_file = tmp_path / "my_modeling.py"
 
@@ -265,7 +265,7 @@ def test_model_class_is_the_installed_one(tiny_checkpoint, ladder_checkpoints):
     from transformers import LlamaForCausalLM
 
     from ladder.io.loading import embedded_model_path
-    from ladder.model.modeling_ladder_llama import LadderLlamaForCausalLM
+    from ladder.model.modeling_ladder import LadderLlamaForCausalLM
 
     assert model_class(tiny_checkpoint) is LlamaForCausalLM
     assert model_class(embedded_model_path()) is LlamaForCausalLM

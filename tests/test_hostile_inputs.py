@@ -191,7 +191,7 @@ def malformed_checkpoint(tiny_checkpoint: Path, folder: Path, trial: str) -> Pat
 
 
 # Every trial through convert; eval and adapt read the checkpoint through the same checks
-# (`ladder.io.loading.check_llama_checkpoint`): a config trial and a tokenizer trial each.
+# (`ladder.io.loading.check_checkpoint`): a config trial and a tokenizer trial each.
 MALFORMED_TRIALS = [
     *(("convert", trial) for trial in MALFORMED_CHECKPOINTS),
     ("eval", "tokenizer merges malformed"),

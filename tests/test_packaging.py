@@ -93,7 +93,7 @@ def test_the_wheel_installs_everything_under_ladder(tmp_path):
         "ladder/eval/tasks/ladder_wikitext.yaml",
         "ladder/eval/suites/smoke.yaml",
         "ladder/cli/demo.py",
-        "ladder/model/modeling_ladder_llama.py",
+        "ladder/model/modeling_ladder.py",
         "ladder/io/data_manifest.tsv",
         "ladder/serving/plugin.py",
     ):

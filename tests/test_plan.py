@@ -11,12 +11,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
 from ladder.cli import main
-from ladder.layers import LADDER_MODEL_TYPE, overlapped_all_reduces
+from ladder.layers import overlapped_all_reduces
+from ladder.model.config_rules import LADDER_MODEL_TYPES
 from ladder.plan.calibrate import fit_latency_bandwidth
 from ladder.plan.costs import ModelShape, forward_cost, parameter_counts
 from ladder.plan.models import published_config
 from ladder.plan.speed import KERNELS, Link, replay
-from ladder.tp.shard import LlamaShard, ShardShape
+from ladder.tp.shard import ModelShard, ShardShape
 from tiny import NUM_LAYERS, random_ids, tiny_config
 
 LLAMA_8B = published_config("meta-llama/Llama-3.1-8B")
@@ -26,7 +27,7 @@ def runtime_hidden_all_reduces(ladder_layers: list[int]) -> list[int]:
     """The TP runtime's own record: which all-reduces (2 per layer: attention, MLP) it waits on only after
     another branch has computed since their launch. Its `reduce` hook and its branches are observed."""
     config = tiny_config()
-    shard = LlamaShard(config, ShardShape.of(config)).eval()
+    shard = ModelShard(config, ShardShape.of(config)).eval()
     shard.set_ladder_layers(ladder_layers)
     events = []
 
@@ -145,7 +146,7 @@ def test_eager_operator_counts_are_the_runtimes():
             return func(*args, **(kwargs or {}))
 
     config = tiny_config()
-    shard = LlamaShard(config, ShardShape.of(config)).eval()
+    shard = ModelShard(config, ShardShape.of(config)).eval()
     shard.setup_cache(1, 8)
     ids, position = random_ids(1, 1, vocab_size=config.vocab_size), torch.tensor([2])
     with torch.inference_mode(), Count():
@@ -299,7 +300,7 @@ SMOLLM2 = published_config("HuggingFaceTB/SmolLM2-135M")
 def smollm2_ladder8_folder(tmp_path):
     """SmolLM2-135M's shape (9 heads, 3 KV heads) as a conversion with its upper 8 layers ladder wrote it:
     config.json with ladder_layers, and the damage it measured."""
-    config = SMOLLM2 | dict(model_type=LADDER_MODEL_TYPE, ladder_layers=list(range(22, 30)))
+    config = SMOLLM2 | dict(model_type=LADDER_MODEL_TYPES["llama"], ladder_layers=list(range(22, 30)))
     return conversion_folder(tmp_path, config, list(range(22, 30)), kl=0.4321, top1=0.7)
 
 

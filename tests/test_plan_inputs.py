@@ -92,7 +92,7 @@ def test_plan_of_a_malformed_gguf_is_one_line(tmp_path, capsys, damage):
     """Issue 43: three malformed GGUFs that convert refuses in one line gave struct.error and
     ZeroDivisionError tracebacks in plan."""
     damage(tmp_path / "model.gguf")
-    assert "cannot read the config embedded in" in refused(capsys, str(tmp_path / "model.gguf"), "--tp", "1")
+    assert "cannot read the config" in refused(capsys, str(tmp_path / "model.gguf"), "--tp", "1")
 
 
 def test_plan_into_a_closed_pipe_ends_quietly(monkeypatch, capsys):
@@ -228,4 +228,4 @@ def test_a_sliding_window_bounds_what_a_token_reads(tmp_path, capsys):
     assert main(["plan", str(tmp_path), "--tp", "2", "--batch-size", "1"]) == 0
     assert "28 layers, hidden 1024, 16 heads / 8 KV" in capsys.readouterr().out
     (tmp_path / "config.json").write_text(json.dumps(dict(published_config("Qwen/Qwen3-0.6B"), model_type="gpt2")))
-    assert "has model_type 'gpt2'; the plan prices llama, mistral, qwen2, qwen3" in refused(capsys, str(tmp_path))
+    assert "has model_type 'gpt2'; supported families: llama, mistral, qwen2, qwen3" in refused(capsys, str(tmp_path))

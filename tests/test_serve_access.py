@@ -3,9 +3,10 @@
 `ladder serve` reads the arguments it passes on to `vllm serve` with vLLM's own parser, so that an
 option spelled as vLLM takes it (a prefix, `_` for `-`, the last of several) cannot open the server
 beyond loopback, and a key counts as vLLM counts it (an empty `--api-key` asks no key and hides
-$VLLM_API_KEY). The table runs in .venv-serve; the live test starts one real server on the
-embedded SmolLM2 at a non-loopback address of a network namespace it makes, and checks that the
-key is asked on every path, not only on those vLLM guards.
+$VLLM_API_KEY). The table runs in .venv-serve; the live test starts the suite's one real server,
+`make serve` on the embedded SmolLM2, at a non-loopback address of a network namespace it makes
+(on loopback where it cannot make one), checks that the key is asked on every path, not only on
+those vLLM guards, and that SIGTERM stops it cleanly.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from ladder.errors import UsageError
+from ladder.launch import free_port
 from ladder.serving.engine import cpu_kv_cache_space, gpu_memory_utilization
 from serving import serve_env_vars, serve_python
 from tiny import save_tiny_checkpoint
@@ -68,7 +69,8 @@ RUN_REFUSALS = {
     "gRPC beyond loopback, with a key": (["--host", "0.0.0.0", "--api-key", KEY, "--", "--grpc"], "asks no API key"),
     "gRPC with a Unix socket": (["--host", "0.0.0.0", "--", "--uds", "UDS", "--grpc"], "asks no API key"),
     "gRPC on loopback, not installed": (["--", "--grpc"], "vLLM's gRPC server is not installed"),
-    "passthrough -tp": (["--", "-tp", "3"], "at TP=3"),  # 4 heads do not split over 3 ranks
+    "our --tp": (["--tp", "3"], "attention heads are not divisible by TP=3"),  # 4 heads do not split over 3
+    "passthrough -tp": (["--", "-tp", "3"], "at TP=3"),
     "passthrough --tensor-parallel-size": (["--", "--tensor-parallel-size", "3"], "at TP=3"),
     "a prefix of --tensor-parallel-size": (["--tp", "2", "--", "--tensor-p", "3"], "at TP=3"),
     "port above 65535": (["--", "--port", "70000"], "--port 70000: a port is"),
@@ -107,12 +109,12 @@ def servable_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny Llama that vLLM's CPU backend serves: heads 32 wide (the smallest its attention takes)."""
     directory = tmp_path_factory.mktemp("servable-llama")
     return save_tiny_checkpoint(
-        directory, smollm2_tokenizer_dir, num_hidden_layers=2, hidden_size=128, num_attention_heads=4
+        directory, smollm2_tokenizer_dir, num_hidden_layers=2, hidden_size=128, num_attention_heads=4, head_dim=32
     )
 
 
 @pytest.fixture(scope="module")
-def outcomes(servable_checkpoint, tmp_path_factory) -> dict[str, dict]:
+def outcomes(servable_checkpoint, tiny_checkpoint, tmp_path_factory) -> dict[str, dict]:
     uds = tmp_path_factory.mktemp("uds") / "server.sock"
     rows = []
     run = [arguments for arguments, _ in [*RUN_REFUSALS.values(), *RUN_ACCEPTED.values()]]
@@ -123,6 +125,7 @@ def outcomes(servable_checkpoint, tmp_path_factory) -> dict[str, dict]:
         rest = arguments[len(ours) :]
         rows.append((["serve", str(servable_checkpoint), *ours, "--check-only", *rest], env))
     rows[-1][1]["VLLM_CPU_KVCACHE_SPACE"] = ""  # unset, as vLLM reads it: `ladder serve` sizes it
+    rows.append((["serve", str(tiny_checkpoint), "--check-only"], {}))  # heads 16 wide
     env = serve_env_vars()
     env.pop("VLLM_API_KEY", None)
     done = subprocess.run(
@@ -130,7 +133,8 @@ def outcomes(servable_checkpoint, tmp_path_factory) -> dict[str, dict]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    return dict(zip([*REFUSALS, *ACCEPTED, *RUN_REFUSALS, *RUN_ACCEPTED, "sized"], results, strict=True))
+    names = [*REFUSALS, *ACCEPTED, *RUN_REFUSALS, *RUN_ACCEPTED, "sized", "head size 16"]
+    return dict(zip(names, results, strict=True))
 
 
 @pytest.mark.parametrize("case", REFUSALS)
@@ -172,13 +176,23 @@ def test_serve_sizes_the_kv_cache_for_this_machine(outcomes, servable_checkpoint
     assert f" as {servable_checkpoint.name} (VLLM_CPU_KVCACHE_SPACE=" in outcome["stdout"], outcome
 
 
-# --- a live server on a non-loopback address ----------------------------------------------------------
+def test_serve_pre_check_refuses_a_head_size_the_cpu_attention_cannot_run(outcomes):
+    """The tiny checkpoint's heads are 16 wide: vLLM's CPU attention has no kernel for that, the
+    pre-check passed it, and the first request killed the engine."""
+    outcome = outcomes["head size 16"]
+    assert outcome["status"] == 2, outcome
+    (line,) = outcome["stderr"].strip().splitlines()
+    assert "attention head size is 16, and vLLM's CPU attention runs 32, 64" in line, line
+
+
+# --- one live server: `make serve`, beyond loopback with a key, stopped by SIGTERM ----------------------
 
 ADDRESS = "10.37.0.1"  # inside the namespace the test makes; nothing outside it sees the address
 PORT = 8000
 
-# Run inside the namespace (both address the server as a client elsewhere would): whether /health
-# answers, and a completion with no key, with a wrong key and with the key.
+# Run where the server's clients are (inside the namespace, if any), in .venv-serve (the `openai`
+# client): whether /health answers; then a completion with no key, with a wrong key, on the paths
+# vLLM's own key does not guard, and a chat completion with the key through the `openai` client.
 HEALTH = """
 import sys, urllib.request
 with urllib.request.urlopen(sys.argv[1] + "/health", timeout=5) as response:
@@ -186,6 +200,7 @@ with urllib.request.urlopen(sys.argv[1] + "/health", timeout=5) as response:
 """
 CLIENT = """
 import json, sys, urllib.error, urllib.request
+from openai import OpenAI
 
 base, key, model = sys.argv[1:4]
 
@@ -200,14 +215,20 @@ def post(path, key, **fields):
         return {"status": error.code, "body": error.read().decode()}
 
 prompt = "The capital of France is"
+client = OpenAI(base_url=base + "/v1", api_key=key)
+listed = client.models.list().data[0].id
+reply = client.chat.completions.create(
+    model=listed, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0.0,
+)
 print(json.dumps({
     "no key": post("/v1/completions", None, prompt=prompt),
     "wrong key": post("/v1/completions", "not-" + key, prompt=prompt),
-    "key": post("/v1/completions", key, prompt=prompt),
     # vLLM's own key guards /v1, /v2, /inference and /cohere only: SageMaker's /invocations answers
     # the same completions, and /tokenize reads the model's tokenizer.
     "invocations, no key": post("/invocations", None, prompt=prompt),
     "tokenize, no key": post("/tokenize", None, prompt=prompt),
+    "chat": {"model": listed, "content": reply.choices[0].message.content,
+             "finish_reason": reply.choices[0].finish_reason, "completion_tokens": reply.usage.completion_tokens},
 }))
 """
 
@@ -218,13 +239,12 @@ def ip(*arguments: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def namespace():
-    """A network namespace with loopback and a veth pair, one end at ADDRESS; deleted afterwards."""
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2's `ip` is not installed: it makes the test's network namespace")
+    """A network namespace with loopback and a veth pair, one end at ADDRESS, deleted afterwards; None
+    where this machine cannot make one (no iproute2, or not root with CAP_NET_ADMIN)."""
     name = f"ladder-test-{os.getpid()}"
-    made = ip("netns", "add", name)
-    if made.returncode != 0:
-        pytest.skip(f"cannot make a network namespace here (root with CAP_NET_ADMIN): {made.stderr.strip()}")
+    if shutil.which("ip") is None or ip("netns", "add", name).returncode != 0:
+        yield None
+        return
     try:
         for command in (
             ["link", "set", "lo", "up"],
@@ -247,52 +267,78 @@ def namespace():
         assert ip("netns", "delete", name).returncode == 0
 
 
-def test_served_beyond_loopback_answers_only_with_the_key(namespace, tmp_path, smollm2_ladder):
-    """The embedded SmolLM2 (ladder, conftest's smollm2_ladder) served at a veth address with `--api-key`: a
-    completion with no key or a wrong one gets 401, and so do /invocations and /tokenize with no key
-    (they answered before KeyOnEveryPath); one with the key gets an answer."""
-    model = smollm2_ladder
+def test_make_serve_answers_only_with_the_key_and_stops_on_sigterm(namespace, tmp_path, smollm2_ladder):
+    """`make serve` on the embedded SmolLM2 (ladder, conftest's smollm2_ladder) with `--api-key` and,
+    where this machine can make a network namespace, `--host` at a veth address in it (else on
+    loopback), both in ARGS (vLLM's spelling, which `ladder serve` reads), and no
+    VLLM_CPU_KVCACHE_SPACE (`ladder serve` sizes it). A completion with no key or a wrong one gets
+    401, and so do /invocations and /tokenize with no key (they answered before KeyOnEveryPath); a
+    chat completion with the key through the `openai` client gets an answer from the model named by
+    its folder. Then SIGTERM to the server (what a process manager sends) stops every process of it
+    without a traceback or triton's leak report, none killed (`ladder serve` gives vLLM a shutdown
+    grace period). (Ctrl-C, SIGINT to the whole group, also stops it, but vLLM's engine process then
+    exits before its API server and the server logs the dead engine.)"""
+    host, port = (ADDRESS, PORT) if namespace else ("127.0.0.1", free_port())
+    in_namespace = ["ip", "netns", "exec", namespace] if namespace else []
     log_path = tmp_path / "server.log"
-    serve = [str(REPO / ".venv-serve" / "bin" / "ladder"), "serve", str(model), "--host", ADDRESS]
-    serve += ["--api-key", KEY, "--", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
+    args = f"--dtype float32 --max-model-len 512 --enforce-eager --host {host} --api-key {KEY}"
+    serve = ["make", "--no-print-directory", "serve", f"MODEL={smollm2_ladder}", f"PORT={port}", f"ARGS={args}"]
+    env = {name: value for name, value in serve_env_vars().items() if name != "VLLM_CPU_KVCACHE_SPACE"}
     with open(log_path, "w") as log:
-        # `ip netns exec` becomes the command, which becomes `vllm serve`: one process id throughout.
+        # `ip netns exec` becomes make, whose child is `ladder serve`, which becomes `vllm serve`.
         server = subprocess.Popen(
-            ["ip", "netns", "exec", namespace, *serve],
-            env=serve_env_vars(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            [*in_namespace, *serve], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-    base = f"http://{ADDRESS}:{PORT}"
-    in_namespace = ["ip", "netns", "exec", namespace, sys.executable, "-c"]
+    base = f"http://{host}:{port}"
+    client = [*in_namespace, str(serve_python()), "-c"]
     try:
         deadline = time.monotonic() + 600
-        while subprocess.run([*in_namespace, HEALTH, base], capture_output=True, timeout=60).returncode != 0:
+        while subprocess.run([*client, HEALTH, base], capture_output=True, timeout=60).returncode != 0:
             assert server.poll() is None, (
                 f"the server exited with status {server.returncode}: " + log_path.read_text()[-3000:]
             )
             assert time.monotonic() < deadline, "the server did not answer /health within 600 s"
             time.sleep(2)
         reply = subprocess.run(
-            [*in_namespace, CLIENT, base, KEY, model.name], capture_output=True, text=True, timeout=600
+            [*client, CLIENT, base, KEY, smollm2_ladder.name],
+            env=serve_env_vars(),
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
-        assert reply.returncode == 0, (reply.stderr, log_path.read_text()[-3000:])
+        assert reply.returncode == 0, (reply.stderr[-3000:], log_path.read_text()[-3000:])
         answers = json.loads(reply.stdout.strip().splitlines()[-1])
     finally:
         if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
+            # make's child is `ladder serve`, which became `vllm serve` (same process)
+            for pid in subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split():
+                os.kill(int(pid), signal.SIGTERM)
             try:
                 server.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
+                raise AssertionError("the server did not stop within 120 s of SIGTERM") from None
     for refused in ("no key", "wrong key", "invocations, no key", "tokenize, no key"):
         assert answers[refused]["status"] == 401, (refused, answers)
-    assert answers["key"]["status"] == 200, answers
-    completion = answers["key"]["body"]
-    assert completion["usage"]["completion_tokens"] > 0 and isinstance(completion["choices"][0]["text"], str)
-    assert base in log_path.read_text()  # vLLM's own report of where it listens
+    chat = answers["chat"]
+    assert chat["model"] == smollm2_ladder.name  # its folder's name, not its path
+    assert chat["completion_tokens"] > 0 and isinstance(chat["content"], str)
+    assert chat["finish_reason"] in ("length", "stop")
+    log_text = log_path.read_text()
+    assert server.returncode == 0, log_text[-3000:]
+    assert base in log_text  # vLLM's own report of where it listens
+    assert "Resolved architecture: LadderLlamaForCausalLM" in log_text
+    assert "Traceback" not in log_text, log_text[-3000:]
+    # Each process exited on its own: none was killed, nothing of theirs was left to clean up.
+    assert "force killing" not in log_text and "leaked shared_memory" not in log_text, log_text[-3000:]
+    assert "nanobind: leaked" not in log_text, log_text[-3000:]
+    deadline = time.monotonic() + 60  # the engine and worker processes exit just after the API server
+    while leftovers := subprocess.run(["pgrep", "-g", str(server.pid)], capture_output=True, text=True).stdout.split():
+        assert time.monotonic() < deadline, f"processes of the server still running 60 s after shutdown: {leftovers}"
+        time.sleep(1)
+    with pytest.raises(subprocess.CalledProcessError):  # nothing listens on the port any more
+        subprocess.run([*client, HEALTH, base], capture_output=True, timeout=60, check=True)
 
 
 def test_serve_sizes_memory_or_refuses_in_one_line():

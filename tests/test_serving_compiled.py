@@ -16,7 +16,6 @@ import json
 import re
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,47 +25,26 @@ from torch._inductor.utils import run_and_get_code
 from torch.fx.passes.split_module import split_module
 
 from ladder.serving import ops
-from serving import serve_env_vars, serve_python
-from tiny import save_tiny_checkpoint
+from serving import TINY_LADDER_LAYERS, serve_env_vars, serve_python
 
 # Needs vLLM's environment (.venv-serve), which `make test` builds: `make test-fast` skips it.
 pytestmark = pytest.mark.envs
 
-REPO = Path(__file__).resolve().parents[1]
-# Of 4 layers: ladder first, ladder -> standard, standard -> ladder, ladder -> ladder, ladder last.
-LADDER_LAYERS = [0, 2, 3]
-NUM_LAYERS = 4
 # What the model issues at TP > 1: every ladder attention output's reduction starts and is joined
 # after the MLP; an MLP output's does where the next layer is a ladder one too (layer 2 here), and is
 # joined after that layer's attention; the other MLP outputs are reduced at once.
-ATTENTION_STARTS = len(LADDER_LAYERS)
-MLP_STARTS = sum(layer + 1 in LADDER_LAYERS for layer in LADDER_LAYERS)
+ATTENTION_STARTS = len(TINY_LADDER_LAYERS)
+MLP_STARTS = sum(layer + 1 in TINY_LADDER_LAYERS for layer in TINY_LADDER_LAYERS)
 
 
 @pytest.fixture(scope="module")
-def compiled_calls(tmp_path_factory, smollm2_tokenizer_dir) -> list[str]:
+def compiled_calls(vllm_greedy) -> list[str]:
     """The `call` function of each graph inductor built for the tiny ladder model at TP=2 (4 heads
-    of 32: the smallest head vLLM's CPU attention takes), with a compile cache of its own."""
-    from ladder.convert.convert import convert_checkpoint
-
-    root = tmp_path_factory.mktemp("serving-compiled")
-    plain = save_tiny_checkpoint(
-        root / "plain", smollm2_tokenizer_dir, hidden_size=128, intermediate_size=256, num_hidden_layers=NUM_LAYERS
-    )
-    convert_checkpoint(plain, root / "ladder", ladder_layers=LADDER_LAYERS, verify=False)
-    run = dict(name="tp2", model=str(root / "ladder"), tp=2, eager=False, prompts=[[1, 2, 3, 4, 5]], max_tokens=2)
-    (root / "job.json").write_text(json.dumps({"runs": [run]}))
-    env = dict(serve_env_vars(), VLLM_CACHE_ROOT=str(root / "vllm-cache"))
-    completed = subprocess.run(
-        [str(serve_python()), str(REPO / "tests" / "vllm_runner.py"), str(root / "job.json"), str(root / "out.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
-    assert json.loads((root / "out.json").read_text())["tp2"]["compilation_mode"] != "NONE"
-    codes = [path.read_text() for path in (root / "vllm-cache").rglob("*.py")]
+    of 32: the smallest head vLLM's CPU attention takes), read from its run's own compile cache in
+    the session's vLLM job (conftest's vllm_greedy)."""
+    run = vllm_greedy["tiny-ladder-tp2"]
+    assert run["compilation_mode"] != "NONE"
+    codes = [path.read_text() for path in run["compile_cache"].rglob("*.py")]
     calls = [code[code.index("def call(") :] for code in codes if "torch.ops.ladder.all_reduce_start" in code]
     assert calls, "no compiled code with the ladder's all-reduce start"
     return calls
@@ -254,7 +232,7 @@ def test_each_started_reduction_overlaps_its_module(compiled_calls):
     assert [problem for call in compiled_calls for problem in overlap_problems(call)] == []
     for call in compiled_calls:  # one per rank
         ops = [step.kind for step in read_steps(call)]
-        assert ops.count("all_reduce") == len(LADDER_LAYERS) - MLP_STARTS  # the MLP outputs reduced at once
+        assert ops.count("all_reduce") == len(TINY_LADDER_LAYERS) - MLP_STARTS  # the MLP outputs reduced at once
 
 
 def test_mlp_reduction_forks_only_in_a_full_cuda_graph():

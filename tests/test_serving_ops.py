@@ -58,7 +58,7 @@ class Attention(nn.Module):
 
 class Layer(nn.Module):
     """A decoder layer with the interface of vLLM's LlamaDecoderLayer (`forward` is its standard
-    layer's) and the ladder model's flags, as LadderLlamaDecoderLayer sets them at TP > 1."""
+    layer's) and the ladder model's flags, as LadderModel (ladder/serving/model.py) sets them at TP > 1."""
 
     def __init__(self, index: int, width: int, generator: torch.Generator):
         super().__init__()
@@ -84,7 +84,7 @@ class Layer(nn.Module):
 
 
 def two_streams(layers: list[Layer], positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The ladder model's definition (ladder/model/modeling_ladder_llama.py): a ladder layer's attention
+    """The ladder model's definition (ladder/model/modeling_ladder.py): a ladder layer's attention
     reads the stream without the previous MLP output, its MLP the stream without its own attention."""
     attn_stream = mlp_stream = x
     for layer in layers:

@@ -2,8 +2,10 @@
 
 vLLM lives in its own environment, .venv-serve (`make serve-env`; `make test` builds it), because it
 pins another transformers than this package. These tests run in the main environment and drive
-vLLM in subprocesses: tests/vllm_runner.py for greedy generation (all engines in one process, one
-after another), `ladder serve` for the HTTP server, `ladder eval --backend vllm` for lm-eval.
+vLLM in subprocesses: tests/vllm_runner.py for greedy generation (conftest's vllm_greedy: every
+engine in one process, one after another, shared with tests/test_serving_compiled.py), `ladder serve`
+for its refusals (the live server is tests/test_serve_access.py's), `ladder eval --backend vllm` for
+lm-eval.
 References come from transformers in this process.
 """
 
@@ -12,40 +14,25 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM
 
-from ladder import to_ladder
-from ladder.launch import free_port
-from serving import serve_env_vars, serve_ladder, serve_python
-from tiny import tiny_llama
+from serving import NEW_TOKENS, serve_env_vars, serve_ladder, serve_python
 
 # Needs vLLM's environment (.venv-serve), which `make test` builds: `make test-fast` skips it.
 pytestmark = pytest.mark.envs
 
-REPO = Path(__file__).resolve().parents[1]
 
-NEW_TOKENS = 32
-PROMPTS = [
-    "The capital of France is",
-    "Here is a short poem about the sea:\n",
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    "Question: What is 12 times 7?\nAnswer:",
-]
 # fp32 on both sides; vLLM's kernels (fused add-RMSNorm, paged attention, its matmul tiling) sum in
 # another order than transformers', which moved a log-probability by at most 1.7e-5 on SmolLM2 here.
 LOGPROB_ATOL = 1e-3
 # Greedy paths may part only where the reference's two best tokens are closer than this (a tie
 # that a rounding difference decides); everything before that point must agree.
 TIE_MARGIN = 1e-4
-TINY_LADDER_LAYERS = [0, 2, 3]  # ladder first, ladder -> standard, standard -> ladder, ladder -> ladder
 
 
 def reference_greedy(model_dir: Path, prompts: list[list[int]]) -> dict:
@@ -108,82 +95,8 @@ def compare_greedy(reference: dict, candidate: dict, what: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_tokenizer_dir):
-    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tokenizer) -> list[list[int]]:
-    return [tokenizer(text).input_ids for text in PROMPTS]
-
-
-def save_tiny(directory: Path, model, tokenizer) -> Path:
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tokenizer, smollm2_ladder) -> dict[str, Path]:
-    """The embedded SmolLM2 rewired (conftest's smollm2_ladder); a random Llama whose 4 query and 2 KV
-    heads split over 2 ranks (head_dim 32, the smallest vLLM's CPU attention takes), plain and with
-    mixed ladder layers."""
-    root = tmp_path_factory.mktemp("vllm-checkpoints")
-    plain = tiny_llama(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=4,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return {
-        "smollm2-ladder": smollm2_ladder,
-        "tiny-plain": save_tiny(root / "tiny-plain", plain, tokenizer),
-        "tiny-ladder": save_tiny(root / "tiny-ladder", to_ladder(plain, TINY_LADDER_LAYERS), tokenizer),
-    }
-
-
-@pytest.fixture(scope="module")
-def vllm_greedy(checkpoints, prompt_ids, tmp_path_factory) -> dict:
-    """Every vLLM engine the greedy tests need, in one subprocess. The ladder models run in vLLM's
-    default mode, torch.compile (Dynamo traces our layer loop, inductor builds it in C++: ~40 s
-    here for the tiny model, minutes for SmolLM2), which is what `vllm serve` and `ladder serve`
-    run; the plain Llama runs eager (vLLM's own model; eager ladder serving is `make serve`'s test).
-    SmolLM2's 9 attention heads do not split over 2 ranks: TP=2 runs the tiny model."""
-    runs = [
-        dict(name="smollm2-ladder", model=checkpoints["smollm2-ladder"], tp=1, eager=False),
-        dict(name="tiny-ladder-tp1", model=checkpoints["tiny-ladder"], tp=1, eager=False),
-        dict(name="tiny-ladder-tp2", model=checkpoints["tiny-ladder"], tp=2, eager=False),
-        dict(name="tiny-plain", model=checkpoints["tiny-plain"], tp=1, eager=True),
-    ]
-    for run in runs:
-        run.update(model=str(run["model"]), prompts=prompt_ids, max_tokens=NEW_TOKENS)
-    work = tmp_path_factory.mktemp("vllm-greedy")
-    (work / "job.json").write_text(json.dumps({"runs": runs}))
-    completed = subprocess.run(
-        [
-            str(serve_python()),
-            str(REPO / "tests" / "vllm_runner.py"),
-            str(work / "job.json"),
-            str(work / "result.json"),
-        ],
-        env=serve_env_vars(),
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
-    return json.loads((work / "result.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def references(checkpoints, prompt_ids) -> dict:
-    return {name: reference_greedy(path, prompt_ids) for name, path in checkpoints.items()}
+def references(vllm_models, greedy_prompt_ids) -> dict:
+    return {name: reference_greedy(path, greedy_prompt_ids) for name, path in vllm_models.items()}
 
 
 def test_smollm2_ladder_compiled_matches_transformers(vllm_greedy, references):
@@ -199,10 +112,11 @@ def test_smollm2_ladder_compiled_matches_transformers(vllm_greedy, references):
 
 def test_tensor_parallel_ladder_matches(vllm_greedy, references):
     reference = references["tiny-ladder"]
-    compare_greedy(reference, vllm_greedy["tiny-ladder-tp1"], "tiny ladder, vLLM TP=1 compiled")
+    compare_greedy(reference, vllm_greedy["tiny-ladder-tp1"], "tiny ladder, vLLM TP=1 eager")
     compare_greedy(reference, vllm_greedy["tiny-ladder-tp2"], "tiny ladder, vLLM TP=2 compiled")
     assert vllm_greedy["tiny-ladder-tp2"]["compilation_mode"] != "NONE"
     assert vllm_greedy["tiny-ladder-tp2"]["tokens"] == vllm_greedy["tiny-ladder-tp1"]["tokens"]
+    assert vllm_greedy["tiny-ladder-tp1"]["model_classes"] == ["ladder.serving.model.LadderLlamaForCausalLM"]
     assert vllm_greedy["tiny-ladder-tp2"]["model_classes"] == ["ladder.serving.model.LadderLlamaForCausalLM"] * 2
 
 
@@ -212,111 +126,6 @@ def test_plain_llama_uses_vllms_own_model(vllm_greedy, references):
     compare_greedy(references["tiny-plain"], result, "tiny plain Llama, vLLM TP=1")
     # The ladder wiring changes the function: the same weights give other tokens.
     assert result["tokens"] != vllm_greedy["tiny-ladder-tp1"]["tokens"]
-
-
-# --- make serve ------------------------------------------------------------------------------------
-
-CHAT_CLIENT = """
-import json, sys
-from openai import OpenAI
-
-client = OpenAI(base_url=f"http://127.0.0.1:{sys.argv[1]}/v1", api_key="unused")
-model = client.models.list().data[0].id
-reply = client.chat.completions.create(
-    model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0.0,
-)
-print(json.dumps({"model": model, "content": reply.choices[0].message.content,
-                  "finish_reason": reply.choices[0].finish_reason, "completion_tokens": reply.usage.completion_tokens}))
-"""
-
-
-def wait_until_healthy(port: int, server: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"the server exited with status {server.returncode} before it was ready"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise AssertionError(f"the server did not answer /health within {timeout:.0f} s")
-
-
-def test_make_serve_answers_an_openai_chat_request(checkpoints, tmp_path):
-    """`make serve` on the tiny ladder model, with no VLLM_CPU_KVCACHE_SPACE (`ladder serve` sizes
-    it): a chat completion through the `openai` client over real HTTP, to the model named by its
-    folder, then SIGTERM to the server (what a process manager sends) stops every process of it
-    without a traceback or triton's leak report, none killed (`ladder serve` gives vLLM a shutdown grace period). (Ctrl-C,
-    SIGINT to the whole group, also stops it, but vLLM's engine process then exits before its API
-    server and the server logs the dead engine.)"""
-    port = free_port()
-    log_path = tmp_path / "server.log"
-    args = "--dtype float32 --max-model-len 512 --enforce-eager"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [
-                "make",
-                "--no-print-directory",
-                "serve",
-                f"MODEL={checkpoints['tiny-ladder']}",
-                f"PORT={port}",
-                f"ARGS={args}",
-            ],
-            cwd=REPO,
-            env={name: value for name, value in serve_env_vars().items() if name != "VLLM_CPU_KVCACHE_SPACE"},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        wait_until_healthy(port, server, timeout=600)
-        reply = subprocess.run(
-            [str(serve_python()), "-c", CHAT_CLIENT, str(port)],
-            env=serve_env_vars(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert reply.returncode == 0, reply.stderr[-3000:]
-        answer = json.loads(reply.stdout.strip().splitlines()[-1])
-        assert answer["model"] == checkpoints["tiny-ladder"].name  # its folder's name, not its path
-        assert answer["completion_tokens"] > 0 and isinstance(answer["content"], str)
-        assert answer["finish_reason"] in ("length", "stop")
-    finally:
-        if server.poll() is None:
-            # make's child is `ladder serve`, which became `vllm serve` (same process)
-            for pid in subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split():
-                os.kill(int(pid), signal.SIGTERM)
-            try:
-                server.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                raise AssertionError("the server did not stop within 120 s of SIGTERM") from None
-    log_text = log_path.read_text()
-    assert server.returncode == 0, log_text[-3000:]
-    assert "Resolved architecture: LadderLlamaForCausalLM" in log_text
-    assert "Traceback" not in log_text, log_text[-3000:]
-    # Each process exited on its own: none was killed, nothing of theirs was left to clean up.
-    assert "force killing" not in log_text and "leaked shared_memory" not in log_text, log_text[-3000:]
-    assert "nanobind: leaked" not in log_text, log_text[-3000:]
-    deadline = time.monotonic() + 60  # the engine and worker processes exit just after the API server
-    while leftovers := subprocess.run(["pgrep", "-g", str(server.pid)], capture_output=True, text=True).stdout.split():
-        assert time.monotonic() < deadline, f"processes of the server still running 60 s after shutdown: {leftovers}"
-        time.sleep(1)
-    with pytest.raises(OSError):  # nothing listens on the port any more
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-
-
-def test_serve_refuses_a_checkpoint_vllm_cannot_serve(checkpoints):
-    """SmolLM2's 9 attention heads do not split over 2 ranks: one line and exit status 2, before
-    any server starts."""
-    completed = serve_ladder("serve", checkpoints["smollm2-ladder"], "--tp", "2")
-    assert completed.returncode == 2
-    lines = completed.stderr.strip().splitlines()
-    assert len(lines) == 1, completed.stderr[-3000:]
-    assert lines[0].startswith("ladder serve: error: vLLM cannot serve") and "divisible" in lines[0], lines[0]
 
 
 # --- ladder eval --backend vllm ----------------------------------------------------------------------
@@ -340,14 +149,14 @@ def scores(results_dir: Path) -> dict[str, dict[str, float]]:
     }
 
 
-def test_lm_eval_vllm_backend_matches_hf(checkpoints, tmp_path):
+def test_lm_eval_vllm_backend_matches_hf(smollm2_ladder, tmp_path):
     """The real SmolLM2 ladder scored by `ladder eval --backend vllm --data-parallel 2` (two engines
     at TP=1 in vLLM's default compiled mode, one core each, splitting every batch of requests) as the
     HF backend scores it. (The compiled model's fault once gave LAMBADA perplexity 1019 through vLLM
     against 113.)"""
     from ladder.eval import cli
 
-    model = checkpoints["smollm2-ladder"]
+    model = smollm2_ladder
     common = ["--suite", "smoke", "--no-cache"]
     assert cli.main([str(model), *common, "--out", str(tmp_path / "hf")]) == 0
     completed = serve_ladder(

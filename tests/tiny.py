@@ -1,4 +1,5 @@
-"""Tiny random Llama models for tests: a few layers, hidden 64, GQA, norms perturbed off 1."""
+"""Tiny random models of each supported family for tests: a few layers, hidden 64, GQA, norms and
+biases perturbed off their initial values."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 NUM_LAYERS = 6
 
@@ -27,7 +35,10 @@ DEVICES = [
 ]
 
 
-def tiny_config(**overrides) -> LlamaConfig:
+def family_config(family: str = "llama", **overrides) -> PretrainedConfig:
+    """A tiny config of a supported family (llama, mistral, qwen2, qwen3), made by transformers' own
+    config class for that model_type; `overrides` set any key (e.g. Mistral's `sliding_window`,
+    Qwen2's `use_sliding_window` and `max_window_layers`)."""
     values = dict(
         vocab_size=256,
         hidden_size=64,
@@ -35,32 +46,42 @@ def tiny_config(**overrides) -> LlamaConfig:
         num_hidden_layers=NUM_LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,  # GQA
+        head_dim=16,
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )
     values.update(overrides)
-    return LlamaConfig(**values)
+    return AutoConfig.for_model(family, **values)
 
 
-def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+def tiny_config(**overrides) -> LlamaConfig:
+    return family_config("llama", **overrides)
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **overrides) -> PreTrainedModel:
+    """A tiny random model of a family, built by transformers' own class (Qwen3ForCausalLM, ...)."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_config(**overrides)).eval()
-    # Random init leaves norms at 1; perturb them so a wrong norm placement shows.
+    model = AutoModelForCausalLM.from_config(family_config(family, **overrides)).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so a wrong norm placement or a lost bias shows.
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 parameter.add_(0.1 * torch.randn_like(parameter))
     return model
 
 
-def save_tiny_checkpoint(directory: Path, tokenizer_dir: Path, **overrides) -> Path:
-    """A tiny Llama with the tokenizer at `tokenizer_dir` (its vocabulary and special tokens), saved to
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    return tiny_model("llama", seed, **overrides)
+
+
+def save_tiny_checkpoint(directory: Path, tokenizer_dir: Path, family: str = "llama", **overrides) -> Path:
+    """A tiny model of `family` with the tokenizer at `tokenizer_dir` (its vocabulary and special tokens), saved to
     `directory` as `save_pretrained` writes it: config, weights, generation config, tokenizer."""
     from transformers import AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    model = tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=512, **special, **overrides)
+    model = tiny_model(family, vocab_size=len(tokenizer), max_position_embeddings=512, **special, **overrides)
     model.generation_config = GenerationConfig(**special)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -3,7 +3,9 @@ tests/test_vllm.py, which lives in the main environment (another transformers ve
 
     .venv-serve/bin/python tests/vllm_runner.py JOB.json RESULT.json
 
-JOB.json: {"runs": [{"name", "model", "tp", "eager", "prompts": [[token ids], ...], "max_tokens"}]}.
+JOB.json: {"runs": [{"name", "model", "tp", "eager", "prompts": [[token ids], ...], "max_tokens"}]}, and
+optionally "max_model_len" (512) and "compile_cache" (the run's own VLLM_CACHE_ROOT); "in_process": true
+(for the job, or from a run on) runs TP=1 engines in the runner's process.
 RESULT.json: per run name, the generated token ids and their log-probabilities per prompt, the
 log-probability of each prompt token after the first, the model class each worker built, and the
 engine's start-up time. "eager": false is vLLM's default mode (torch.compile). Runs go one after another in this
@@ -20,6 +22,7 @@ import time
 
 
 def run(spec: dict) -> dict:
+    from accelerate.utils import patch_environment
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -27,15 +30,19 @@ def run(spec: dict) -> dict:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (
         "|".join(str(core) for core in range(spec["tp"])) if spec["tp"] > 1 else "auto"
     )
+    # A run's own compile cache, for a test that reads the code inductor wrote (the engine's processes
+    # read VLLM_CACHE_ROOT as they start, within LLM()).
+    own_cache = {"VLLM_CACHE_ROOT": spec["compile_cache"]} if "compile_cache" in spec else {}
     started = time.monotonic()
-    llm = LLM(
-        model=spec["model"],
-        tensor_parallel_size=spec["tp"],
-        dtype="float32",
-        enforce_eager=spec["eager"],
-        max_model_len=512,
-        seed=0,
-    )
+    with patch_environment(**own_cache):
+        llm = LLM(
+            model=spec["model"],
+            tensor_parallel_size=spec["tp"],
+            dtype="float32",
+            enforce_eager=spec["eager"],
+            max_model_len=spec.get("max_model_len", 512),
+            seed=0,
+        )
     startup = time.monotonic() - started
     compilation_mode = llm.llm_engine.vllm_config.compilation_config.mode.name  # NONE when eager
     params = SamplingParams(
@@ -65,7 +72,13 @@ def run(spec: dict) -> dict:
 
 def main(job_path: str, result_path: str) -> None:
     job = json.loads(open(job_path).read())
-    results = {spec["name"]: run(spec) for spec in job["runs"]}
+    results = {}
+    for spec in job["runs"]:
+        # A TP=1 engine in this process: no engine or worker process to start. Once one has run here,
+        # vLLM reads its environment no more (enable_envs_cache): the runs after it stay in process.
+        if spec.get("in_process", job.get("in_process")):
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        results[spec["name"]] = run(spec)
     with open(result_path, "w") as handle:
         json.dump(results, handle)
 

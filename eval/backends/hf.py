@@ -1,7 +1,5 @@
-"""The `hf` backend: the weights loaded here (`ladder.io.loading.load_model`, in the run's dtype,
-onto its device) and handed to lm-eval as an `HFLM`, whose log-likelihood requests on Llama-family
-models run each shared context once (eval/backends/shared_prefix.py). Under `accelerate launch`
-each process holds a copy of the model and lm-eval splits the items between them."""
+"""The `hf` backend: the weights loaded here (`ladder.io.loading.load_model`) as lm-eval's `HFLM`,
+scoring Llama-family log-likelihoods with each shared context run once (shared_prefix.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ from .shared_prefix import score_continuations
 
 
 def check(runtime: Runtime, models: list[ModelRef]) -> None:
-    """Refuse the settings of another backend."""
     if runtime.tensor_parallel != 1:
         raise UsageError("--tp is for --backend vllm")
     if runtime.data_parallel != 1:
@@ -25,15 +22,12 @@ def check(runtime: Runtime, models: list[ModelRef]) -> None:
 
 
 def code_classes() -> list[type]:
-    """Nothing besides the installed transformers class runs the weights."""
     return []
 
 
 class LoadedHFLM(HFLM):
-    """lm-eval's HFLM over a model loaded here, sharing the items between the processes of an
-    `accelerate launch` as HFLM does when it loads a model itself: HFLM sets its rank and world
-    size only when it loads a `pretrained` path and counts more than one GPU, so a loaded model
-    (our GGUF and ladder loading) and CPU processes over gloo would each score every item."""
+    """lm-eval's HFLM over a model loaded here, sharing the items between processes: HFLM sets its
+    rank and world size only for a path it loads itself on several GPUs."""
 
     def __init__(self, model, tokenizer, runtime: Runtime):
         # softmax_dtype: lm-eval's own path (rolling windows) takes its log-softmax in float32 too.
@@ -45,10 +39,7 @@ class LoadedHFLM(HFLM):
             self._world_size = runtime.accelerator.num_processes
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
-        """Llama-family models score with each shared context run once (eval/backends/shared_prefix.py),
-        also under `--batch-size auto`, whose batch size lm-eval's detection picks (for the longest
-        request). lm-eval's own path stays for rolling windows (no request string: nothing is
-        shared, every position is read) and other architectures."""
+        """lm-eval's own path stays for rolling windows (nothing is shared) and other architectures."""
         shared = isinstance(self.model, transformers.LlamaForCausalLM) and all(
             request is not None for request, _, _ in requests
         )
@@ -69,7 +60,6 @@ class LoadedHFLM(HFLM):
 
 
 def load_lm(ref: ModelRef, runtime: Runtime) -> HFLM:
-    """HFLM over the weights loaded in the run's dtype straight onto its device (or split over the GPUs)."""
     device_map = "auto" if runtime.parallelize else None if runtime.device == "cpu" else {"": runtime.device}
     model, tokenizer = load_model(ref.path, dtype=DTYPES[runtime.dtype], device_map=device_map)
     return LoadedHFLM(model, tokenizer, runtime)

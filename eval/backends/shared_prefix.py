@@ -1,19 +1,7 @@
-"""Log-likelihoods of continuations with each shared context run once, and the head only where it is read.
-
-lm-eval's HFLM scores a multiple-choice item by running context + choice through the whole model
-once per choice, and computes logits and a log-softmax over the vocabulary at every position,
-though it reads only the continuation's. Here the requests that share a context (after lm-eval's
-left truncation) are one group. Where sharing saves at least a third of a group's positions
-(ARC's and HellaSwag's 4 choices after a longer context), the context runs once and its
-key/value cache serves every choice; otherwise (LAMBADA's single continuation, PIQA's two long
-solutions after a short goal) each request runs whole, as in lm-eval, which costs fewer forward
-calls. Either way the head and the log-softmax run only on the positions that predict a
-continuation token, both in float32 whatever the model's dtype.
-
-Same numbers as HFLM up to float rounding (tests/test_eval.py compares them per request), same
-left truncation to `max_length + 1` tokens. Sequences are right-padded, so that every real token
-keeps its position and, under the causal mask, never sees padding; where a continuation reads a
-padded context from the cache, the padded keys are masked out.
+"""Log-likelihoods of continuations with each shared context run once (where that saves at least a
+third of a group's positions), and the head only where it is read, in float32 (docs/eval.md#scoring).
+Same numbers as lm-eval's HFLM up to float rounding, same left truncation to `max_length + 1` tokens.
+Sequences are right-padded, so that every real token keeps its position and never sees padding.
 """
 
 from __future__ import annotations
@@ -25,7 +13,7 @@ import torch
 from torch import nn
 
 from ladder.errors import UsageError
-from ladder.model.modeling_ladder_llama import CACHE_ARGUMENT
+from ladder.model.modeling_ladder import CACHE_ARGUMENT
 
 # The head's weight upcast to float32 this many vocabulary rows at a time (16k x 4096 x 4 bytes: 256 MB).
 HEAD_ROWS_PER_SLICE = 16384

@@ -1,10 +1,5 @@
-"""The `vllm` backend: lm-eval's `vllm` model type, one vLLM engine per model (N with
-`--data-parallel N`, each at `--tp` ranks), with this package's plugin serving ladder checkpoints
-(vLLM loads it in each of its processes).
-
-It runs in the serving environment (.venv-serve, `make serve-env`), where vLLM is installed;
-`make eval BACKEND=vllm` uses that environment's `ladder`.
-"""
+"""The `vllm` backend: lm-eval's `vllm` model type, one engine per model (N with `--data-parallel N`,
+each at `--tp` ranks), in the serving environment (`make eval BACKEND=vllm`)."""
 
 from __future__ import annotations
 
@@ -18,7 +13,6 @@ from ..runtime import Runtime, visible_gpus
 
 
 def check(runtime: Runtime, models: list[ModelRef]) -> None:
-    """Refuse, before anything loads, what the vLLM backend cannot run or score."""
     if runtime.accelerator is not None or runtime.parallelize:
         raise UsageError(
             "--backend vllm runs one engine per model (its own --tp ranks): drop --processes and --parallelize"
@@ -42,16 +36,12 @@ def check(runtime: Runtime, models: list[ModelRef]) -> None:
 
 
 def code_classes() -> list[type]:
-    """The code that runs the weights is the vLLM model's."""
-    from ladder.serving.model import LadderLlamaForCausalLM as VLLMLadderLlama
+    from ladder.serving import model
 
-    return [VLLMLadderLlama]
+    return [getattr(model, name) for name in model.__all__]  # every family's vLLM ladder model
 
 
 def load_lm(ref: ModelRef, runtime: Runtime):
-    """lm-eval's `VLLM` over the checkpoint directory, in the run's dtype (float32 on the CPU, like the
-    HF backend's models); with `--data-parallel N`, N such engines splitting the requests
-    (eval/backends/vllm_replicas.py)."""
     from lm_eval.models.vllm_causallms import VLLM
     from vllm.platforms import current_platform
 
@@ -68,8 +58,7 @@ def load_lm(ref: ModelRef, runtime: Runtime):
 
 
 def engine_environments(engines: int, tensor_parallel: int, on_cpu: bool) -> list[dict[str, str]]:
-    """The environment of each engine: on the CPU its own contiguous cores (OMP threads bound one
-    group per TP rank), on GPUs its own `tensor_parallel` visible devices."""
+    """Each engine's environment: its own contiguous CPU cores, or its own visible GPUs."""
     if on_cpu:
         cores = sorted(os.sched_getaffinity(0))
         per_engine = len(cores) // engines

@@ -1,12 +1,7 @@
-"""`--data-parallel N` for the vllm backend: N engines (each at the run's `--tp`) that split every
-batch of requests, interleaved so that long and short prompts spread evenly, as lm-eval does.
-
-lm-eval's own `data_parallel_size` is not used: it needs Ray, reserves `num_gpus=TP` per replica
-(on a CPU-only machine Ray has no GPU to give, so no replica is ever scheduled) and starts N new
-engines for every batch it sends (each task, each batch of rolling windows), then shuts Ray down.
-Here the engines start once per model, together: engine 0 is lm-eval's usual VLLM in this process,
-engines 1..N-1 the same VLLM (same arguments) in spawned processes that live until the model is
-done, each engine pinned to its own share of the CPU cores or of the GPUs.
+"""`--data-parallel N` for the vllm backend: N engines that split every batch of requests, started
+once per model (engine 0 in this process, the others spawned). lm-eval's own `data_parallel_size`
+is not used: it needs Ray, which on a CPU-only machine never schedules a replica (each reserves
+GPUs), and starts N new engines for every batch it sends.
 """
 
 from __future__ import annotations
@@ -24,8 +19,7 @@ from vllm import SamplingParams
 
 
 def _serve_engine(connection, vllm_arguments: dict, environment: dict[str, str]) -> None:
-    """An engine process: lm-eval's VLLM made with the run's arguments, then each batch it is sent
-    ((token lists, sampling params)) generated until it is sent None or the pipe closes."""
+    """An engine process: lm-eval's VLLM generating each batch it is sent until None or the pipe closes."""
     os.environ.update(environment)
     try:
         lm = VLLM(**vllm_arguments)
@@ -40,8 +34,6 @@ def _serve_engine(connection, vllm_arguments: dict, environment: dict[str, str])
 
 
 class EngineProcess:
-    """One engine in a spawned process, driven over a pipe."""
-
     def __init__(self, vllm_arguments: dict, environment: dict[str, str]):
         context = multiprocessing.get_context("spawn")  # vLLM and CUDA do not survive a fork
         self.connection, child = context.Pipe()
@@ -77,9 +69,8 @@ def _stop_all(engines: list[EngineProcess]) -> None:
 
 
 class DataParallelVLLM(VLLM):
-    """lm-eval's VLLM with every batch of requests split over this process's engine and
-    `len(environments) - 1` engine processes made with the same arguments (`environments`: each
-    engine's, from vllm.py's `engine_environments`)."""
+    """lm-eval's VLLM with every batch split over this process's engine and the others (`environments`:
+    each engine's, from vllm.py's `engine_environments`)."""
 
     def __init__(self, environments: list[dict[str, str]], **vllm_arguments):
         # The other engines first, so that all of them start at once; this process's last.

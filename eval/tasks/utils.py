@@ -1,12 +1,9 @@
 """Datasets and doc processing for the offline lm-eval tasks in this folder.
 
 Each task YAML names a loader here as its `custom_dataset` and lists every file it reads in
-`dataset_kwargs.data_files` (split or role -> path in the data folder); lm-eval calls the loader
-with the task's `dataset_kwargs` and the TaskManager's metadata. Because the files are in the
-config, `ladder eval`'s cache key can hash their content (`data_paths`). The data folder is `metadata["data_dir"]` when
-given (`ladder eval --data`, or `lm_eval --metadata '{"data_dir": ...}'`), else `$LADDER_DATA`,
-else `../shared/data` beside the repository (`ladder.io.files.ladder_data_dir`). Prompt formatting
-reuses the stock tasks' own functions where they have them, so formats cannot drift apart.
+`dataset_kwargs.data_files`, so that `ladder eval`'s cache key can hash their content (`data_paths`).
+The data folder is `metadata["data_dir"]` when given (`ladder eval --data`), else `ladder_data_dir()`.
+Prompt formatting reuses the stock tasks' own functions, so formats cannot drift apart.
 """
 
 from __future__ import annotations
@@ -34,8 +31,6 @@ def data_file(relative: str, data_dir: str | None = None) -> Path:
 
 
 def data_paths(dataset_kwargs: dict | None, data_dir: str | None = None) -> dict[str, Path]:
-    """The files a task of this folder reads (its `dataset_kwargs.data_files`), by their path in
-    the data folder."""
     files = (dataset_kwargs or {}).get("data_files") or {}
     return {relative: data_file(relative, data_dir) for relative in sorted(files.values())}
 
@@ -74,11 +69,6 @@ def load_wikitext(data_files: dict, data_dir: str | None = None, **_metadata) ->
     )
 
 
-def load_lambada_openai(data_files: dict, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
-    records = _read_jsonl(data_file(data_files["test"], data_dir))
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list(records)})
-
-
 def load_piqa(data_files: dict, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
     records = _read_jsonl(data_file(data_files["validation"], data_dir))
     labels_path = data_file(data_files["validation_labels"], data_dir)
@@ -90,12 +80,12 @@ def load_piqa(data_files: dict, data_dir: str | None = None, **_metadata) -> dat
     return datasets.DatasetDict({"validation": datasets.Dataset.from_list(records)})
 
 
-def load_arc(data_files: dict, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
-    """ARC-Easy or ARC-Challenge: all three splits, so few-shot works from train."""
+def load_jsonl(data_files: dict, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+    """Every split of `data_files`, a JSON-lines file each (ARC, LAMBADA)."""
     return datasets.DatasetDict(
         {
-            split: datasets.Dataset.from_list(_read_jsonl(data_file(data_files[split], data_dir)))
-            for split in ("train", "validation", "test")
+            split: datasets.Dataset.from_list(_read_jsonl(data_file(relative, data_dir)))
+            for split, relative in data_files.items()
         }
     )
 

@@ -1,46 +1,27 @@
 """Recovery experiment on SmolLM2-135M: how much of what the rewiring costs does a short retraining
-win back per training token, by layer choice and objective, and is that recovery or just
-adaptation to the training text?
+win back per training token, by layer choice and objective, and is that recovery or just adaptation
+to the training text? (docs/recovery.md: the method, the commands and the results.)
 
-Held-out log-perplexity on two sets the training never sees: `books` (the CPU recipe's evaluation
-books, other authors than its training books; in domain) and `wikitext` (WikiText-2 validation,
-out of domain). The grid, from recipes/smollm2-135m-ladder-cpu.yaml:
-
-    shapes       --shapes 8 15 auto:8 auto:15     which layers are rewired (N = the upper N; auto:N
-                                                   is searched once here, as `ladder adapt` would)
-    objectives   --objectives lm kd hidden lm+hidden kd+hidden
-    budgets      --budgets 24576 49152 98304      training tokens (24, 48, 96 steps of 2 x 512)
-
-and for every shape and budget the control: the original model with the same layers trained the
-same way (next-token loss, same tokens). Per trained model the table gives the log-perplexity gap
-to that control and the share of the zero-shot gap (ladder, no retraining, against the original)
-that retraining closed: 1 - (trained - control) / (zero-shot ladder - original), and in brackets the
-share closed against the original itself, 1 - (trained - original) / (zero-shot ladder - original).
-The control takes out what the training text alone does (books: the control improves on books);
-the bracketed share guards against a control that the training damages (text sampled from the
-model, trained at a high learning rate: the control's loss rises and the first share passes 100%).
-It also gives the median wall time per step against `lm` at the same shape and budget. `--suite
-demo` scores every model of the run on the `demo` eval suite at the end (about 2-3 minutes per
-model here). Training and scoring run on the GPU when there is one.
-
-Each condition's result is kept in OUT/<condition>.json and reused, so the grid can run in chunks
-and a killed run continues where it stopped:
+The grid (`--shapes`, `--objectives`, `--budgets`) retrains the CPU recipe; every shape and budget also
+trains a control (the original with the same layers trained the same way). Held-out log-perplexity on
+the recipe's evaluation books (in domain) and WikiText-2 validation (out of domain); each condition's
+result is kept in OUT/<condition>.json and reused, so the grid runs in chunks and a killed run
+continues. Extra `key=value` arguments override the recipe for every trained condition.
 
     .venv/bin/python experiments/recovery/recovery.py --shapes 8 auto:8 --objectives lm kd hidden --budgets 24576
-    .venv/bin/python experiments/recovery/recovery.py                      # the full grid (see README for its cost)
     .venv/bin/python experiments/recovery/recovery.py --report             # the tables from what is done
-
-Extra `key=value` arguments override the recipe for every trained condition (e.g. optimizer.lr=1e-4).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -158,37 +139,21 @@ def run_trained(name: str, layers: list[int], extra: list[str], overrides: list[
     }
 
 
-def conditions(args, recipe, out: Path) -> list[tuple[str, callable]]:
-    """(name, function computing its result) for the grid, zero-shot first, each control before its runs."""
-    plan = [("original", lambda: run_zero_shot("original", None, recipe))]
+def conditions(args, recipe, out: Path) -> dict[str, Callable[[], dict]]:
+    """{name: function computing its result} for the grid, zero-shot first, each control before its runs."""
+    plan = {"original": functools.partial(run_zero_shot, "original", None, recipe)}
     for shape in args.shapes:
-        layers = resolve_shape(shape, recipe, out)["layers"]
-        tag = shape_name(shape)
-        plan.append((f"ladder-{tag}", lambda layers=layers, tag=tag: run_zero_shot(f"ladder-{tag}", layers, recipe)))
+        layers, tag = resolve_shape(shape, recipe, out)["layers"], shape_name(shape)
         layer_list = "[" + ",".join(map(str, layers)) + "]"
+        plan[f"ladder-{tag}"] = functools.partial(run_zero_shot, f"ladder-{tag}", layers, recipe)
         for budget in args.budgets if args.objectives else []:
-            common = [f"budget={budget}"]
             control = ["model.ladder_layers=0", "trainable.mode=layers", f"trainable.layers={layer_list}"]
-            name = f"control-{tag}@{budget}"
-            plan.append(
-                (
-                    name,
-                    lambda name=name, extra=common + control, layers=layers: run_trained(
-                        name, layers, extra, args.overrides, recipe, out
-                    ),
-                )
-            )
+            trained = {f"control-{tag}@{budget}": control}
             for objective in args.objectives:
-                name = f"{tag}+{objective}@{budget}"
-                extra = [*common, f"model.ladder_layers={layer_list}", *OBJECTIVES[objective]]
-                plan.append(
-                    (
-                        name,
-                        lambda name=name, extra=extra, layers=layers: run_trained(
-                            name, layers, extra, args.overrides, recipe, out
-                        ),
-                    )
-                )
+                trained[f"{tag}+{objective}@{budget}"] = [f"model.ladder_layers={layer_list}", *OBJECTIVES[objective]]
+            for name, extra in trained.items():
+                extra = [f"budget={budget}", *extra]
+                plan[name] = functools.partial(run_trained, name, layers, extra, args.overrides, recipe, out)
     return plan
 
 
@@ -207,15 +172,10 @@ def report(results: dict[str, dict], out: Path) -> str:
             continue
         tag = name.removeprefix("ladder-")
         shape_file = out / f"shape-{tag}.json"
-        search = json.loads(shape_file.read_text()).get("search") if shape_file.exists() else None
-        cost = (
-            (
-                f"{len(search['candidates'])} candidates, {search['forward_passes']:g} forwards of "
-                f"{search['calibration_tokens']} tokens, {search['seconds']:.0f} s"
-            )
-            if search
-            else "-"
-        )
+        cost, search = "-", json.loads(shape_file.read_text()).get("search") if shape_file.exists() else None
+        if search:
+            cost = f"{len(search['candidates'])} candidates, {search['forward_passes']:g} forwards of "
+            cost += f"{search['calibration_tokens']} tokens, {search['seconds']:.0f} s"
         layers = row["layers"]
         lines.append(
             f"| {tag} | {format_layers(layers)} | {overlapped_all_reduces(layers)} of {2 * len(layers)} | "
@@ -239,14 +199,11 @@ def report(results: dict[str, dict], out: Path) -> str:
         lm = results.get(f"{tag}+lm@{budget}")
         cells = [tag, objective, str(row["tokens"])]
         for s in HELDOUT:
-            if control is None or zero is None:
-                cells += ["-", "-"]
-                continue
-            gap, damage = row[f"{s}_loss"] - control[f"{s}_loss"], zero[f"{s}_loss"] - base[f"{s}_loss"]
-            cells += [
-                f"{gap:+.4f}",
-                f"{1 - gap / damage:.0%} ({1 - (row[f'{s}_loss'] - base[f'{s}_loss']) / damage:.0%})",
-            ]
+            cells += ["-", "-"]
+            if control is not None and zero is not None:
+                gap, damage = row[f"{s}_loss"] - control[f"{s}_loss"], zero[f"{s}_loss"] - base[f"{s}_loss"]
+                closed = f"{1 - gap / damage:.0%} ({1 - (row[f'{s}_loss'] - base[f'{s}_loss']) / damage:.0%})"
+                cells[-2:] = [f"{gap:+.4f}", closed]
         cells += [
             f"{row['step_seconds']:.2f}",
             f"{row['step_seconds'] / lm['step_seconds']:.2f}x" if lm else "-",
@@ -263,19 +220,10 @@ def report(results: dict[str, dict], out: Path) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    shapes = ["8", "15", "auto:8", "auto:15"]
+    parser.add_argument("--shapes", nargs="+", default=shapes, metavar="SHAPE", help="N (upper N), auto:N, auto:N:any")
     parser.add_argument(
-        "--shapes",
-        nargs="+",
-        default=["8", "15", "auto:8", "auto:15"],
-        metavar="SHAPE",
-        help="ladder layers: N (upper N) or auto:N / auto:N:any",
-    )
-    parser.add_argument(
-        "--objectives",
-        nargs="*",
-        choices=list(OBJECTIVES),
-        default=list(OBJECTIVES),
-        help="none: zero-shot damage only",
+        "--objectives", nargs="*", choices=list(OBJECTIVES), default=list(OBJECTIVES), help="none: zero-shot only"
     )
     parser.add_argument("--budgets", nargs="+", type=int, default=[24576, 49152, 98304], metavar="TOKENS")
     parser.add_argument("--suite", help="also score every model of the run on this eval suite (e.g. demo)")
@@ -285,7 +233,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     recipe = load_recipe(RECIPE, args.overrides)
-    for name, compute in [] if args.report else conditions(args, recipe, args.out):
+    for name, compute in {} if args.report else conditions(args, recipe, args.out).items():
         path = args.out / f"{name}.json"
         if path.exists():
             continue

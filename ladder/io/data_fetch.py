@@ -1,13 +1,6 @@
-"""`ladder data` (`make data`): fill a data folder from the files' public sources, for a clone
-that has no `../shared/data` beside it.
-
-Every file of the shared data folder (evaluation sets and public-domain books; its README says
-what each is) is a byte-for-byte copy of a file in a public GitHub repository at a fixed commit.
-`data_manifest.tsv` lists each file's place in the folder, size, SHA-256 and the raw URL at that
-commit. pooch downloads a file to a temporary name beside its place, checks the SHA-256 and only
-then renames it into place: a file that fails the check is deleted, never kept. Files already
-present with the right checksum are not fetched again; one with a wrong checksum is replaced only
-by its verified download (it stays as it was when the download fails).
+"""`ladder data` (`make data`): fill a data folder from the files' public sources (each a file of a
+public GitHub repository at a fixed commit, listed in `data_manifest.tsv` with its SHA-256), through
+pooch, which renames a download into place only once its checksum is verified.
 """
 
 from __future__ import annotations
@@ -39,7 +32,6 @@ class DataFile:
 
 
 def read_manifest(manifest: str | Path = MANIFEST) -> list[DataFile]:
-    """The files a data folder holds, from a tab-separated manifest (`#` lines are comments)."""
     try:
         with open(manifest, newline="") as handle:
             rows = csv.DictReader((line for line in handle if not line.startswith("#")), delimiter="\t")
@@ -52,8 +44,7 @@ def read_manifest(manifest: str | Path = MANIFEST) -> list[DataFile]:
 
 
 def check_urls(files: list[DataFile], manifest: str | Path) -> None:
-    """Every file comes over HTTP(S), what the manifest's public sources serve: a `file://` URL would
-    copy any file of this machine into the data folder, and pooch takes `ftp://` and others."""
+    """Only HTTP(S): a `file://` URL would copy any file of this machine into the data folder."""
     for item in files:
         if urlsplit(item.url).scheme not in ("https", "http"):
             raise UsageError(
@@ -89,17 +80,9 @@ def fetch_data(
     manifest: str | Path = MANIFEST,
     progress: bool = False,
 ) -> FetchReport:
-    """Fetch every file of `files` (default: the manifest's) missing or wrong in `destination`.
-
-    `destination` passes the output rule (`ladder.io.outputs.check_output`: not the manifest or
-    above it, not `/` or a home folder, writable) and a listed path that leaves it (absolute, `..`,
-    a symlink out) is refused in one line, before any file is touched. A present file with a wrong
-    checksum is replaced only once its download is verified (pooch downloads beside it and renames);
-    a download that fails its checksum is deleted and reported in `refused` (the other files are
-    still fetched). The first network failure raises a one-line `UsageError` that says what to
-    fetch and where to put it; files verified before it stay, and so does every file it did not
-    replace.
-    """
+    """Fetch every file of `files` (default: the manifest's) missing or wrong in `destination`. A
+    download that fails its checksum is deleted and reported in `refused`; the first network failure
+    is one UsageError line saying what to fetch and where."""
     destination = check_output(destination, "data", [manifest], existing="add", what="--dest")
     files = read_manifest(manifest) if files is None else files
     downloader = pooch.HTTPDownloader(timeout=TIMEOUT_SECONDS, progressbar=False)
@@ -138,6 +121,3 @@ def fetch_data(
         if progress:
             log.info(f"  fetched {item.path}")
     return report
-
-
-__all__ = ["MANIFEST", "DataFile", "FetchReport", "fetch_data", "read_manifest"]

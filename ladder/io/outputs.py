@@ -1,20 +1,8 @@
-"""Where a command may write: the one rule that every command that writes (convert, adapt, eval,
-sample, demo, data, plan --calibrate; serve writes no file) checks before any work, each refusal
-one line (`UsageError`, exit 2).
-
-- An output is never an input, inside an input or above one (writing it, or replacing it, would
-  change or destroy what the command reads), symlinks followed.
-- An output is never `/` or a home folder (any user's, from the password database, and $HOME), nor
-  a folder that holds one.
-- An output is on a file system this process can write: a read-only one (EROFS) or a folder the
-  user cannot write is refused before the work, not after it.
-- An output that is already there is of the kind the command writes (a folder or a file), and:
-  `replace` (convert, eval, sample, plan --calibrate): refused unless `--force` and, for a folder, it carries this
-  command's output marker (`ladder.io.files.check_force_target`); `add` (adapt's run folder, the
-  demo's working folder, caches, the data folder): files are added to it, so it is refused only
-  when another command's marker says it belongs to that command.
-- A folder is deleted only through `remove_output`, which needs the deleting command's marker;
-  files are replaced only by `atomic_write`/`atomic_directory` once the replacement is whole.
+"""Where a command may write: the one rule every command that writes checks before any work, each
+refusal one line. An output is never an input, inside one or above one (symlinks followed); never
+`/`, a home folder or a folder holding one; writable; of the kind the command writes. One already
+there is `replace`d only with `--force` and this command's output marker (a folder), or `add`ed to
+unless another command's marker claims it. A folder is deleted only through `remove_output`.
 """
 
 from __future__ import annotations
@@ -44,9 +32,8 @@ def check_output(
     force: bool = False,
     what: str = "--out",
 ) -> Path:
-    """`out` as an absolute path, once it passes every part of the rule (the module docstring);
-    `inputs` are the folders and files the command reads (None entries are skipped); `what` names
-    the option in the message."""
+    """`out` as an absolute path, once it passes the rule; `inputs`: what the command reads (None
+    skipped); `what` names the option in the message."""
     path = Path(out).expanduser().absolute()
     _refuse_too_long(path, what)
     resolved = path.resolve()
@@ -65,8 +52,6 @@ def check_output(
 
 
 def check_removable(folder: str | Path, command: str) -> None:
-    """Refuse, in one line, to delete `folder` unless it carries `command`'s output marker (or is
-    not there): a folder the user made, or another command's output, is never deleted."""
     folder = Path(folder).absolute()
     if os.path.lexists(folder) and (folder.is_symlink() or output_command(folder) != command):
         raise UsageError(
@@ -76,15 +61,13 @@ def check_removable(folder: str | Path, command: str) -> None:
 
 
 def remove_output(folder: str | Path, command: str) -> None:
-    """Delete an earlier output folder of `command` (`check_removable` first); nothing when absent."""
     check_removable(folder, command)
     if os.path.lexists(folder):
         shutil.rmtree(folder)
 
 
 def make_output_folder(folder: str | Path, command: str) -> Path:
-    """`folder`, created with `command`'s output marker when it is not there yet (an existing folder
-    keeps what it carries): what `remove_output` may delete later."""
+    """`folder`, created with `command`'s output marker unless it is there (`remove_output` may delete it)."""
     folder = Path(folder).absolute()
     try:
         folder.mkdir(parents=True)
@@ -95,13 +78,11 @@ def make_output_folder(folder: str | Path, command: str) -> Path:
 
 
 def home_folders() -> set[Path]:
-    """Every user's home folder (the password database and $HOME), symlinks resolved."""
     homes = {Path.home(), *(Path(entry.pw_dir) for entry in pwd.getpwall() if entry.pw_dir)}
     return {home.resolve() for home in homes}
 
 
 def _refuse_too_long(path: Path, what: str) -> None:
-    """A name or a path longer than the file system takes (ENAMETOOLONG) is refused before the work."""
     place = _nearest_existing(path.parent)
     name_max, path_max = os.pathconf(place, "PC_NAME_MAX"), os.pathconf(place, "PC_PATH_MAX")
     shown = f"{str(path)[:60]}...{str(path)[-20:]}" if len(str(path)) > 80 else str(path)
@@ -156,8 +137,6 @@ def _refuse_wrong_kind(path: Path, kind: Kind, what: str) -> None:
 
 
 def _refuse_unwritable(path: Path, what: str) -> None:
-    """The folder the output (or its temporary sibling) is made in, and the output folder itself
-    when it is there, must be writable: checked now rather than found out after the work."""
     places = [_nearest_existing(path.parent)]
     if path.is_dir():
         places.append(path)
@@ -166,6 +145,3 @@ def _refuse_unwritable(path: Path, what: str) -> None:
             raise UsageError(f"{what} {path}: {place} is on a read-only file system")
         if not os.access(place, os.W_OK | os.X_OK):
             raise UsageError(f"{what} {path}: {place} is not writable by this user")
-
-
-__all__ = ["check_output", "check_removable", "home_folders", "make_output_folder", "remove_output"]

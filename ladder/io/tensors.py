@@ -1,11 +1,7 @@
-"""Checkpoint weights, through the safetensors library: `ShardedTensorIndex` (which shard holds
-which tensor; every header checked by `safe_open`, which refuses a truncated or corrupt file),
-`LazyTensorLoader` (whole tensors or row/column slices, for the tensor-parallel runtime), and
-`write_shards` (laid-out shards, each written with `save_file`, one shard in memory at a time).
-
-Headers need neither torch nor numpy (a copy-mode conversion starts without them, in a fraction
-of a second): a `TensorSpec` names its dtype as torch does ("bfloat16"), and torch is imported by
-the functions that move tensors.
+"""Checkpoint weights through the safetensors library: `ShardedTensorIndex` (every header checked),
+`LazyTensorLoader` (whole tensors or row/column slices) and `write_shards` (one shard in memory at a
+time). Headers need no torch (a copy-mode conversion starts without it): torch is imported by the
+functions that move tensors.
 """
 
 from __future__ import annotations
@@ -40,8 +36,7 @@ ITEMSIZES = dict(SAFETENSORS_DTYPES.values())
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What a header records about a tensor, and what the shape checks compare. `dtype` is torch's
-    name for it ("bfloat16"); a `torch.dtype` given is stored by its name."""
+    """What a header records about a tensor; `dtype` by torch's name ("bfloat16")."""
 
     name: str
     dtype: str
@@ -70,23 +65,18 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Shard:
-    """One safetensors file as its (checked) header describes it."""
-
     path: Path
     tensors: tuple[TensorSpec, ...]
 
 
 @dataclass(frozen=True)
 class OutputShard:
-    """A safetensors file to write: its name and its tensors, in order."""
-
     filename: str
     tensors: tuple[TensorSpec, ...]
 
 
 def read_shard(path: Path) -> Shard:
-    """A safetensors header, checked by the library without reading the tensors: a truncated or
-    corrupt file is a `UsageError` that names it."""
+    """A safetensors header, checked without reading the tensors."""
     try:
         with safe_open(path, framework="numpy") as handle:
             tensors = []
@@ -99,7 +89,6 @@ def read_shard(path: Path) -> Shard:
 
 
 def read_weight_map(index: Path) -> dict[str, str]:
-    """The tensor -> file map of a `*.index.json`; every file it names must exist beside it."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         files = sorted(set(weight_map.values()))
@@ -113,15 +102,13 @@ def read_weight_map(index: Path) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ShardedTensorIndex:
-    """A safetensors checkpoint directory (one `model.safetensors`, or shards listed in
-    `model.safetensors.index.json`): every shard's checked header, the index checked against them."""
+    """A safetensors checkpoint directory: every shard's checked header, the index checked against them."""
 
     directory: Path
     shards: tuple[Shard, ...]
 
     @classmethod
     def from_directory(cls, directory: Path) -> ShardedTensorIndex | None:
-        """The index of `directory`, or None when it holds no safetensors weights."""
         weight_map = {}
         if (directory / INDEX_NAME).is_file():
             weight_map = read_weight_map(directory / INDEX_NAME)
@@ -160,8 +147,7 @@ class ShardedTensorIndex:
 
 
 class LazyTensorLoader:
-    """Reads the tensors of a `ShardedTensorIndex`, or only some rows or columns of them (the slice
-    is all that is read: the safetensors library's `get_slice`), each shard opened once."""
+    """Reads tensors of a `ShardedTensorIndex`, or only some rows or columns (all that is read)."""
 
     def __init__(self, index: ShardedTensorIndex):
         self.index = index
@@ -175,7 +161,6 @@ class LazyTensorLoader:
         self._stack.close()
 
     def read(self, name: str, rows: range | None = None, columns: range | None = None) -> torch.Tensor:
-        """Tensor `name`, or only the given rows or columns of it."""
         path = self.index.shard_of(name).path
         if path not in self._handles:
             self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
@@ -188,15 +173,13 @@ class LazyTensorLoader:
 
 
 def shard_filenames(count: int) -> list[str]:
-    """The names transformers gives `count` shards."""
     if count == 1:
         return [SINGLE_NAME]
     return [f"model-{index:05d}-of-{count:05d}.safetensors" for index in range(1, count + 1)]
 
 
 def cut_into_shards(tensors: Sequence[TensorSpec], max_shard_size: int) -> list[OutputShard]:
-    """Cut `tensors`, kept in order, into shards of at most `max_shard_size` bytes (a tensor larger
-    than that gets a shard of its own)."""
+    """`tensors` in order, in shards of at most `max_shard_size` bytes (or one larger tensor)."""
     groups: list[list[TensorSpec]] = [[]]
     size = 0
     for spec in tensors:
@@ -209,9 +192,8 @@ def cut_into_shards(tensors: Sequence[TensorSpec], max_shard_size: int) -> list[
 
 
 def write_shards(directory: Path, shards: Sequence[OutputShard], read: Callable[[str], torch.Tensor]) -> None:
-    """Write laid-out shards with safetensors' `save_file`, one after another (one shard's tensors in
-    memory at a time), each tensor `read(name)` cast to the dtype its spec names; then the index (only
-    when there is more than one shard, as transformers does)."""
+    """Each shard through `save_file`, each tensor `read(name)` cast to its spec's dtype; the index
+    only for several shards, as transformers does."""
     from safetensors.torch import save_file
 
     for shard in shards:
@@ -223,7 +205,6 @@ def write_shards(directory: Path, shards: Sequence[OutputShard], read: Callable[
 
 
 def write_index(directory: Path, shards: Sequence[OutputShard]) -> None:
-    """`model.safetensors.index.json`: which shard holds each tensor."""
     weight_map = {spec.name: shard.filename for shard in shards for spec in shard.tensors}
     total_size = sum(spec.nbytes for shard in shards for spec in shard.tensors)
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}

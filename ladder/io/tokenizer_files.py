@@ -1,9 +1,5 @@
-"""The tokenizer files of a checkpoint folder, checked before any command uses or copies them:
-convert (which copies them into its output), adapt, eval, sample and serve (through
-`ladder.io.loading.check_llama_checkpoint`). A tokenizer.json that is not JSON, whose BPE merges
-are malformed, or whose token ids reach past the model's embedding rows used to end in a traceback
-deep in transformers or tokenizers, in an index error in the middle of a run, or (convert) in a copy
-that verification then passed over with random ids."""
+"""The tokenizer files of a checkpoint folder, checked before any command uses or copies them: a
+malformed one, or one whose token ids reach past the embedding rows, otherwise fails deep in a run."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ TOKENIZER_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
 
 
 def read_json_object(path: Path, what: str) -> dict:
-    """The JSON object in `path`; anything else (unreadable, not JSON, nested past Python's recursion
-    limit, a list) is one UsageError line naming the file as `what`."""
+    """The JSON object in `path`; anything else is one UsageError line naming the file as `what`."""
     try:
         value = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -32,10 +27,8 @@ def read_json_object(path: Path, what: str) -> dict:
 
 
 def check_tokenizer_files(directory: Path, vocab_size: int | None) -> None:
-    """Refuse the tokenizer files of `directory` unless each present one is a JSON object, the
-    tokenizers library reads tokenizer.json (its model, merges and added tokens), and every token
-    id it holds is below `vocab_size`, the model's embedding rows (None: a config whose vocab_size
-    is refused elsewhere)."""
+    """Refuse tokenizer files that are not JSON objects, a tokenizer.json the tokenizers library does
+    not read, or a token id at or past `vocab_size` (None: not checked)."""
     for name in TOKENIZER_CONFIGS:
         if (directory / name).is_file():
             read_json_object(directory / name, "tokenizer file")
@@ -56,6 +49,3 @@ def check_tokenizer_files(directory: Path, vocab_size: int | None) -> None:
             f"tokenizer file {path} gives the token {token[:40]!r} the id {largest}, past the model's "
             f"{vocab_size} embedding rows (config.json vocab_size)"
         )
-
-
-__all__ = ["check_tokenizer_files", "read_json_object"]

@@ -1,10 +1,6 @@
-"""YAML the way every command reads it (recipes, suites, `key=value` overrides, the recipe saved
-beside a checkpoint): safe types only, and bounded. PyYAML builds an alias as a reference to its
-anchor, so a small file can describe an enormous value (a "billion laughs": 12 levels of 9 aliases
-each is 9^12 leaves in a few hundred bytes). Anything that walks it (a `repr` in an error message,
-a copy, a type check of each item) then fills memory. `BoundedLoader` counts each node as often
-as aliases repeat it while it composes the document and refuses one that expands past
-`MAX_EXPANDED_NODES`; files past `MAX_FILE_BYTES` are refused before they are read."""
+"""YAML the way every command reads it: safe types only, and bounded. Through aliases a few hundred
+bytes can describe 9^12 values ("billion laughs"), which anything that walks them fills memory with:
+`BoundedLoader` refuses a document that expands past `MAX_EXPANDED_NODES` while composing it."""
 
 from __future__ import annotations
 
@@ -21,14 +17,10 @@ MAX_FILE_BYTES = 16 << 20
 
 
 class UnboundedYAML(yaml.YAMLError):
-    """The document expands past MAX_EXPANDED_NODES through its aliases, an alias refers to a value
-    that contains it, or values nest deeper than Python's recursion limit."""
+    """Past MAX_EXPANDED_NODES through aliases, an alias inside its own anchor, or nested too deep."""
 
 
 class BoundedLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that knows each node's size with its aliases expanded, and refuses a
-    document whose expansion exceeds MAX_EXPANDED_NODES as soon as composing reaches that size."""
-
     def __init__(self, stream):
         super().__init__(stream)
         self._expanded: dict[int, int] = {}  # id(node) -> nodes it stands for, aliases expanded
@@ -62,7 +54,6 @@ def _children(node) -> list:
 
 
 def parse_yaml(text: str) -> Any:
-    """`text` as YAML, safe types only, within the alias budget; yaml.YAMLError when it is not."""
     try:
         return yaml.load(text, Loader=BoundedLoader)  # a SafeLoader: safe types only
     except RecursionError:  # PyYAML composes and builds nested values recursively
@@ -70,8 +61,7 @@ def parse_yaml(text: str) -> Any:
 
 
 def load_yaml_file(path: Path, what: str) -> Any:
-    """The YAML file at `path`; a file that is too large, unreadable, or not bounded YAML is one
-    UsageError line that names it as `what` (e.g. "recipe")."""
+    """The YAML file at `path`, or one UsageError line that names it as `what` (e.g. "recipe")."""
     try:
         size = path.stat().st_size
         if size > MAX_FILE_BYTES:
@@ -81,6 +71,3 @@ def load_yaml_file(path: Path, what: str) -> Any:
         raise UsageError(f"{what} {path} is not valid YAML: {first_line(error)}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"cannot read {what} {path}: {first_line(error)}") from None
-
-
-__all__ = ["MAX_EXPANDED_NODES", "BoundedLoader", "UnboundedYAML", "load_yaml_file", "parse_yaml"]

@@ -1,15 +1,56 @@
-"""Rules of a ladder config.json: what `ladder_layers` means (`resolve_ladder_layers`), and RoPE
-written for every reader (`with_legacy_rope`). Plain Python with no imports: it travels inside
-checkpoints beside configuration_ladder_llama.py (a relative import, which transformers copies
-with it), and the command line and convert's copy path use it without loading transformers."""
+"""Rules of a ladder config.json: the families, what `ladder_layers` means, RoPE for every reader.
+Plain Python with no imports: it travels inside checkpoints beside configuration_ladder.py, and
+the command line uses it without loading transformers."""
+
+# The families a ladder model is made from (a config's model_type) and the model_type of each one's
+# ladder form (Llama's as the published ladder checkpoints have it). The one home of this table.
+LADDER_MODEL_TYPES = {
+    "llama": "llamaLadder",
+    "mistral": "mistralLadder",
+    "qwen2": "qwen2Ladder",
+    "qwen3": "qwen3Ladder",
+}
+# Each family's class-name stem in transformers and vLLM: Qwen3ForCausalLM, LadderQwen3ForCausalLM.
+CLASS_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def family_of(model_type: object) -> str | None:
+    for family, ladder_type in LADDER_MODEL_TYPES.items():
+        if model_type in (family, ladder_type):
+            return family
+    return None
+
+
+def ladder_architecture(family: str) -> str:
+    return f"Ladder{CLASS_NAMES[family]}ForCausalLM"
+
+
+def biased_projections(family: str, attention_bias: object = False, mlp_bias: object = False) -> frozenset[str]:
+    """The projections that carry a bias in the family's transformers model: Qwen2's q/k/v always and
+    nothing else, Mistral's none, Llama's and Qwen3's attention per `attention_bias`, Llama's MLP per
+    `mlp_bias`."""
+    if family == "qwen2":
+        return frozenset({"q_proj", "k_proj", "v_proj"})
+    if family == "mistral":
+        return frozenset()
+    attention = {"q_proj", "k_proj", "v_proj", "o_proj"} if attention_bias else set()
+    mlp = {"gate_proj", "up_proj", "down_proj"} if family == "llama" and mlp_bias else set()
+    return frozenset(attention | mlp)
+
+
+def attention_type(config, layer: int) -> str:
+    """A layer's attention, as the family's transformers model has it: Qwen2's and Qwen3's
+    `layer_types` name it per layer; Mistral slides on every layer when `sliding_window` is set
+    (it ignores `layer_types`); Llama never slides."""
+    family = family_of(config.model_type)
+    if family in ("qwen2", "qwen3"):
+        return config.layer_types[layer]
+    return "sliding_attention" if family == "mistral" and getattr(config, "sliding_window", None) else "full_attention"
 
 
 def resolve_ladder_layers(ladder_layers: object, num_hidden_layers: int) -> list[int]:
-    """Normalise `ladder_layers` to a sorted list of distinct layer indices.
-
-    An int N means the upper N layers, `range(L - N, L)`, as in the published configs;
-    a list names the layers; `None` means no ladder layer.
-    """
+    """`ladder_layers` as sorted distinct indices: an int N is the upper N layers (as the published
+    configs have it), a list names them, None is none."""
     if ladder_layers is None:
         return []
     if isinstance(ladder_layers, int) and not isinstance(ladder_layers, bool):
@@ -30,10 +71,8 @@ def resolve_ladder_layers(ladder_layers: object, num_hidden_layers: int) -> list
 
 
 def with_legacy_rope(values: dict) -> dict:
-    """`values` (a config dict) with RoPE also written the transformers 4.x way, `rope_theta` and
-    `rope_scaling`, as the published ladder configs have it. A 4.x reader (the official ladder code
-    targets 4.47) ignores transformers 5's `rope_parameters` and would silently use rope_theta
-    10000; transformers 5 reads the legacy keys to the same `rope_parameters`."""
+    """`values` with RoPE also written the transformers 4.x way (`rope_theta`, `rope_scaling`): a 4.x
+    reader ignores `rope_parameters` and would silently use rope_theta 10000."""
     values = dict(values)
     rope = dict(values.get("rope_parameters") or {})
     if "rope_theta" in rope:  # a per-layer-type mapping has no 4.x form: Llama never has one
@@ -42,7 +81,7 @@ def with_legacy_rope(values: dict) -> dict:
     return values
 
 
-# The names a Llama config.json may give that every transformers release a ladder checkpoint runs on
+# The names a config.json of a supported family may give that every transformers release a ladder checkpoint runs on
 # (4.47 to 5.x, docs/portability.md) knows: transformers fails on any other with a KeyError deep in
 # building the model. A test checks both lists against the installed transformers.
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -52,10 +91,9 @@ HIDDEN_ACTS = (
 )  # fmt: skip
 
 
-def check_llama_values(values: dict) -> None:
-    """Refuse (ValueError naming the key) a config whose activation or RoPE type no transformers
-    release builds, or whose context holds fewer than two positions (one token and the next, the
-    least that a model can be scored or trained on)."""
+def check_values(values: dict) -> None:
+    """Refuse (ValueError naming the key) an activation or RoPE type no transformers release builds,
+    or a context of fewer than two positions (the least a model can be scored on)."""
     act = values.get("hidden_act", "silu")
     if act not in HIDDEN_ACTS:
         raise ValueError(

@@ -1,15 +1,7 @@
-"""`ladder plan --calibrate`: measure this machine's profile for the model in speed.py.
-
-- device (each of two ranks at once, one thread each, float32): memory bandwidth from matrix-vector products over
-  weights far larger than the caches (what decode does), the matmul rate from the same weights at four
-  tokens, and the cost of one eager operator from a forward of a tiny model (whose roofline time is nil);
-  `matmul_peak` is the other rate, every thread on a large square matmul (training's MFU reference);
-- link: two ranks over gloo (torchrun; behind a command prefix such as ladder/plan/emulated_link.py's
-  network namespace) time blocking all-reduces of several sizes, fitted to base + bytes / bandwidth
-  (`fit_latency_bandwidth`), and at each size an asynchronous all-reduce beside a longer matmul, whose
-  excess over the matmul alone is the all-reduce's cost to the compute stream, fitted the same way to
-  host_us + bytes x host_ns_per_byte (gloo's thread wakes per packet, so the cost grows with the bytes;
-  measured on a quiet machine it hardly depends on the link's rate).
+"""`ladder plan --calibrate`: this machine's profile for the model in speed.py, measured by two gloo
+ranks at once (one thread each, float32): the device's rates on what decode does, and the link's
+latency and bandwidth from blocking all-reduces; an asynchronous all-reduce beside a longer matmul
+gives, by its excess, the all-reduce's cost to the compute stream (gloo's thread wakes per packet).
 """
 
 from __future__ import annotations
@@ -35,8 +27,7 @@ DEVICE_REPEATS = 25
 
 
 def fit_latency_bandwidth(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares fit of seconds = latency + size / bandwidth; returns (latency s, bandwidth bytes/s).
-    A non-positive slope (a link whose size term drowns in noise) is reported as infinite bandwidth."""
+    """Least-squares (latency s, bandwidth bytes/s); a slope lost in noise is infinite bandwidth."""
     n = len(sizes)
     if n < 2 or len(set(sizes)) < 2:
         raise ValueError("the fit needs at least two different sizes")
@@ -57,10 +48,8 @@ def _median_seconds(function, repeats: int) -> float:
 
 
 def device_rates(threads: int = 1) -> dict[str, float]:
-    """This process's achieved float32 rates with `threads` threads, on what decode does: one pass of
-    matrix products over 8 weights of 2048 x 2048 (128 MiB, beyond the caches) gives the memory
-    bandwidth at one token and the matmul rate at four (small-batch matmuls run far below a large
-    matmul's rate on a CPU); plus microseconds per eager operator."""
+    """Achieved float32 rates over 128 MiB of weights (beyond the caches): memory bandwidth at one
+    token, the matmul rate at four (far below a large matmul's on a CPU); microseconds per operator."""
     import torch
 
     torch.set_num_threads(threads)
@@ -81,15 +70,12 @@ def device_rates(threads: int = 1) -> dict[str, float]:
 
 
 def machine_memory() -> int:
-    """Bytes of RAM on this machine: what a CPU run plans its memory against."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @functools.cache
 def matmul_peak(size: int = 1024, seconds: float = 1.0) -> float:
-    """FLOP/s of float32 `size` x `size` matmuls with every thread, best of repeated runs for `seconds`:
-    this CPU's peak, what training's MFU is measured against (decode runs far below it: device_rates).
-    Measured once per process: a plan of several layer choices reads it for each."""
+    """This CPU's float32 peak with every thread (training's MFU reference), once per process."""
     import torch
 
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -116,19 +102,18 @@ def device_from_rates(rates: dict[str, float], how: str) -> Device:
 
 
 def measure_operator_us(threads: int = 1) -> float:
-    """Microseconds per eager operator: a one-token decode step of a tiny model (hidden 64) divided
-    by the operators it dispatches (speed.KERNELS['eager'] counts them per module)."""
+    """A tiny model's one-token decode step (its roofline time nil) over the operators it dispatches."""
     import torch
     from transformers import LlamaConfig
 
-    from ..tp.shard import LlamaShard, ShardShape
+    from ..tp.shard import ModelShard, ShardShape
 
     torch.set_num_threads(threads)
     config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
-    shard = LlamaShard(config, ShardShape.of(config)).eval()
+    shard = ModelShard(config, ShardShape.of(config)).eval()
     shard.setup_cache(1, 32)
     ids, position = torch.zeros(1, 1, dtype=torch.long), torch.tensor([3])
     with torch.inference_mode():
@@ -139,11 +124,7 @@ def measure_operator_us(threads: int = 1) -> float:
     return 1e6 * seconds / operators
 
 
-# --- The link: two ranks over gloo ---------------------------------------------------------------
-
-
 def _link_rank(out: Path) -> None:
-    """One rank of the link probe (under torchrun); rank 0 writes the samples to `out`."""
     import torch
     import torch.distributed as dist
 
@@ -200,8 +181,7 @@ def _link_rank(out: Path) -> None:
 
 
 def measure_link(name: str, prefix: list[str] | None = None) -> tuple[Device, Link]:
-    """Two gloo ranks (behind `prefix`, e.g. `ip netns exec NAME`): the device as the slower rank sees
-    it while both run, and the fitted latency-bandwidth link."""
+    """Two gloo ranks (behind `prefix`, e.g. `ip netns exec NAME`): the slower rank's device, and the link."""
     with tempfile.TemporaryDirectory(prefix="ladder-plan-link-") as scratch:
         out = Path(scratch, "link.json")
         command = [*torchrun(2, prefix), "-m", "ladder.plan.calibrate", "--link-rank", str(out)]
@@ -229,8 +209,6 @@ def measure_link(name: str, prefix: list[str] | None = None) -> tuple[Device, Li
 
 
 def calibrate(link: str = LOOPBACK) -> dict:
-    """This machine's device and a link: plain loopback, or loopback shaped to a rate such as 100mbit
-    (emulated_link.py; needs root); what `--hardware/--interconnect FILE` read."""
     with emulated_link(link) as prefix:
         device, measured = measure_link(link, prefix)
     return {

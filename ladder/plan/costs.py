@@ -1,16 +1,10 @@
-"""What a Llama-family model (Llama, Mistral, Qwen2, Qwen3) costs to run, from its config alone: parameter
-counts, and the FLOPs and bytes each module moves for a given number of tokens, per tensor-parallel rank. Pure arithmetic (no torch), shared
-by `ladder plan` (inference speed) and `ladder adapt --plan` (training cost, adapt/training_cost.py).
+"""What a Llama-family model (Llama, Mistral, Qwen2, Qwen3) costs to run, from its config alone:
+parameter counts, and FLOPs and bytes per module and tensor-parallel rank (pure arithmetic, no torch).
 
-Counting convention: a multiply-add is 2 FLOPs; a linear layer of P weights on t tokens costs 2 t P
-FLOPs forward (and twice that backward); attention scores and values cost 2 * 2 * t * heads * head_dim
-* context. Under tensor parallelism (Megatron, as ladder/tp/shard.py shards it) every rank holds its share
-of q/k/v/o and gate/up/down; the embedding, the final norm and the LM head are replicated.
-
-The families differ inside attention only: Qwen2's q/k/v biases (and o's, for a Llama with attention_bias)
-are weights read and added once per token (1 FLOP each, counted as 2 like a weight: small, but counted),
-sharded with their heads; Qwen3's per-head q and k RMSNorms are two head_dim weights, replicated, applied
-to every head; Mistral's sliding window bounds the positions a token attends (and the cache it reads).
+A multiply-add is 2 FLOPs; attention scores and values cost 2 * 2 * t * heads * head_dim * context.
+Each rank holds its share of q/k/v/o and gate/up/down (Megatron, as ladder/tp/shard.py shards them);
+the embedding, the final norm and the LM head are replicated. Biases count like weights (2 FLOPs
+each, sharded with their heads); Qwen3's q/k norms are replicated.
 """
 
 from __future__ import annotations
@@ -19,12 +13,11 @@ import math
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..model.config_rules import biased_projections, family_of
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The numbers of a config.json that decide its cost."""
-
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -38,20 +31,17 @@ class ModelShape:
     qk_norm: bool = False  # Qwen3's per-head q and k RMSNorms
     sliding_window: int | None = None  # Mistral v0.1's: positions each token attends, at most
 
-    def attention_extras(self, heads: int, kv_heads: int) -> int:
-        """Bias and q/k norm weights of one layer's attention holding `heads` and `kv_heads` heads."""
-        d = self.head_dim
-        biases = (heads + 2 * kv_heads) * d * (self.qkv_bias or self.o_bias) + self.hidden_size * self.o_bias
-        return biases + 2 * d * self.qk_norm
+    def layer_weights(self, heads: int, kv_heads: int, intermediate: int) -> tuple[int, int]:
+        """One layer's attention and MLP weights (each with its norm) holding these heads and rows."""
+        h, d = self.hidden_size, self.head_dim
+        biases = (heads + 2 * kv_heads) * d * (self.qkv_bias or self.o_bias) + h * self.o_bias
+        return 2 * h * (heads + kv_heads) * d + h + biases + 2 * d * self.qk_norm, 3 * h * intermediate + h
 
     def attended(self, context: int) -> int:
-        """Positions a token attends among `context`: all of them, or the sliding window's."""
         return min(context, self.sliding_window or context)
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
-        """From a config.json's dict; a missing or non-positive size is a UsageError naming the key.
-        The family (model_type) decides the extra operators; `ladder.plan.models.check_family` refuses others."""
 
         def size(key: str, default: int | None = None) -> int:
             value = config.get(key, default)
@@ -61,7 +51,8 @@ class ModelShape:
                 raise UsageError(f"config.json: {key} must be a positive integer, not {value!r}")
             return value
 
-        hidden, heads, family = size("hidden_size"), size("num_attention_heads"), config.get("model_type")
+        hidden, heads, family = size("hidden_size"), size("num_attention_heads"), family_of(config.get("model_type"))
+        biased = biased_projections(family, config.get("attention_bias"))
         window = config.get("sliding_window") if family == "mistral" or config.get("use_sliding_window") else None
         return cls(
             hidden_size=hidden,
@@ -72,8 +63,8 @@ class ModelShape:
             head_dim=size("head_dim", hidden // heads),
             vocab_size=size("vocab_size"),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(config.get("attention_bias")),
-            o_bias=family != "qwen2" and bool(config.get("attention_bias")),
+            qkv_bias="q_proj" in biased,
+            o_bias="o_proj" in biased,
             qk_norm=family == "qwen3",
             sliding_window=size("sliding_window") if window is not None else None,
         )
@@ -98,15 +89,12 @@ class ParameterCounts:
 
 
 def parameter_counts(shape: ModelShape) -> ParameterCounts:
-    """Parameter counts (what `sum(p.numel() for p in model.parameters())` adds up to for the family's
-    transformers model, with tied embeddings counted once)."""
-    h, q_width, kv_width = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    """As `sum(p.numel() for p in model.parameters())` counts them (tied embeddings once)."""
+    h = shape.hidden_size
+    attention, mlp = shape.layer_weights(shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
     return ParameterCounts(
-        attention=h * (q_width + 2 * kv_width)
-        + q_width * h
-        + h
-        + shape.attention_extras(shape.num_heads, shape.num_kv_heads),
-        mlp=3 * h * shape.intermediate_size + h,
+        attention=attention,
+        mlp=mlp,
         embedding=shape.vocab_size * h,
         lm_head=0 if shape.tied_embeddings else shape.vocab_size * h,
         final_norm=h,
@@ -135,8 +123,6 @@ class RankShape:
 
 @dataclass(frozen=True)
 class ModuleCost:
-    """One module's work on one rank for one forward: FLOPs, and bytes read from memory."""
-
     flops: float
     weight_bytes: float
     kv_bytes: float = 0.0
@@ -148,9 +134,6 @@ class ModuleCost:
 
 @dataclass(frozen=True)
 class ForwardCost:
-    """Per-rank cost of one forward over `tokens` tokens: each layer's attention and MLP (all layers
-    alike), the LM head (with the final norm), and the bytes of each all-reduced branch output."""
-
     attention: ModuleCost
     mlp: ModuleCost
     head: ModuleCost
@@ -169,23 +152,18 @@ class ForwardCost:
 def forward_cost(
     shape: ModelShape, batch: int, query_tokens: int, context: int, tp: int = 1, dtype_bytes: int = 2
 ) -> ForwardCost:
-    """Per-rank FLOPs and bytes of one forward of `batch` sequences of `query_tokens` new tokens each,
-    attending over `context` cached positions (decode: query_tokens=1; prefill: the prompt length).
-    The LM head runs on every query position (as gpt-fast and ladder/tp/runtime.py do)."""
+    """One forward of `batch` sequences of `query_tokens` new tokens each over `context` cached
+    positions; the LM head runs on every query position (as gpt-fast and ladder/tp/runtime.py do)."""
     rank = RankShape.of(shape, tp)
     h, d, tokens = shape.hidden_size, shape.head_dim, batch * query_tokens
-    q_width, kv_width = rank.heads * d, rank.kv_heads * d
-    attention_weights = (
-        h * (q_width + 2 * kv_width) + q_width * h + h + shape.attention_extras(rank.heads, rank.kv_heads)
-    )
+    attention_weights, mlp_weights = shape.layer_weights(rank.heads, rank.kv_heads, rank.intermediate)
     attended = shape.attended(context)
-    mlp_weights = 3 * h * rank.intermediate + h
     head_weights = shape.vocab_size * h + h
     return ForwardCost(
         attention=ModuleCost(
             flops=2 * tokens * attention_weights + 4 * tokens * rank.heads * d * attended,
             weight_bytes=dtype_bytes * attention_weights,
-            kv_bytes=dtype_bytes * 2 * batch * kv_width * attended,
+            kv_bytes=dtype_bytes * 2 * batch * rank.kv_heads * d * attended,
         ),
         mlp=ModuleCost(flops=2 * tokens * mlp_weights, weight_bytes=dtype_bytes * mlp_weights),
         head=ModuleCost(flops=2 * tokens * head_weights, weight_bytes=dtype_bytes * head_weights),

@@ -1,14 +1,7 @@
-"""An emulated interconnect for CPU runs: a network namespace whose loopback is shaped with tc's token
-bucket filter (tbf), so the ranks' gloo traffic crosses a link of a chosen rate.
-
-Why: on plain loopback an all-reduce costs CPU (the kernel copies the bytes) and 2 ranks on 2 cores
-leave none spare, so nothing can overlap. On a rate-limited link most of an all-reduce is waiting
-for the wire, which is what a slow interconnect looks like and what ladder wiring hides.
-
-Needs root and iproute2 (`ip`, `tc`) with the sch_tbf kernel module; netem is not needed. The
-namespace's loopback gets MTU 1500: tbf drops a packet larger than its bucket, and loopback's
-default 64 KiB MTU would need a bucket so large that whole all-reduces pass unshaped. Both ranks'
-traffic shares the one shaped device, like a half-duplex link.
+"""An emulated interconnect for CPU runs: a network namespace whose loopback is shaped by tc's token
+bucket filter, so that an all-reduce mostly waits for the wire, as on a slow interconnect (on plain
+loopback it costs CPU, and 2 ranks on 2 cores leave none to overlap). Needs root and iproute2. MTU
+1500: tbf drops a packet larger than its bucket, and a 64 KiB one would let all-reduces pass unshaped.
 """
 
 from __future__ import annotations
@@ -31,7 +24,6 @@ _BURST, _QUEUE_LATENCY = "4kb", "1s"
 
 
 def check_rate(rate: str) -> str:
-    """A tc rate in bits per second, e.g. 20mbit, 1gbit; the error says what is accepted."""
     if rate != LOOPBACK and not _RATE.match(rate):
         raise UsageError(
             f"link {rate!r} is not '{LOOPBACK}' or a rate in bits per second such as 20mbit, 500kbit, 1gbit"
@@ -40,7 +32,6 @@ def check_rate(rate: str) -> str:
 
 
 def check_tools() -> None:
-    """Fail early, with what to install, when this machine cannot make a shaped namespace."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise UsageError(
@@ -58,7 +49,7 @@ def _run(*command: str) -> None:
 
 
 def _remove_stale_namespaces() -> None:
-    """Namespaces left by benchmark runs that were killed (their process is gone)."""
+    """Namespaces of killed runs (their process is gone)."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for line in listing.splitlines():
         name = line.split()[0] if line.split() else ""
@@ -69,8 +60,7 @@ def _remove_stale_namespaces() -> None:
 
 @contextlib.contextmanager
 def emulated_link(rate: str) -> Iterator[list[str]]:
-    """Yield the command prefix that runs a program on a loopback shaped to `rate` (nothing for plain
-    loopback). The namespace is removed on exit, also after an error or Ctrl-C."""
+    """The command prefix that runs a program on a loopback shaped to `rate` (none for plain loopback)."""
     if rate == LOOPBACK:
         yield []
         return

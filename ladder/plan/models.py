@@ -1,36 +1,31 @@
-"""The config a plan prices, from whatever names the model, with nothing downloaded and no weight read:
-a checkpoint folder, its config.json, a .gguf file or `embedded`, or a Hub ID (its config in the local
-Hugging Face cache, else the published shapes shipped in models.tsv: Llama 3.x, Qwen3, Qwen2.5, Mistral).
-Shared by `ladder plan` (which also takes a recipe, for its model.path) and `ladder adapt --plan`; the
-one table of published shapes every benchmark and test reads too (`published_config`)."""
+"""The config a plan prices, with nothing downloaded and no weight read: a checkpoint folder, its
+config.json, a .gguf file, `embedded`, or a Hub ID (the local Hugging Face cache, else models.tsv, the
+one table of published shapes that benchmarks and tests read too)."""
 
 from __future__ import annotations
 
 import csv
 import difflib
 import functools
-import json
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError, first_line
-from ..io.loading import EMBEDDED, HUB_MODEL_ID, embedded_model_path
-from ..layers import LLAMA_MODEL_TYPES
+from ..io.loading import EMBEDDED, HUB_MODEL_ID, embedded_model_path, load_config
+from ..io.tokenizer_files import read_json_object
+from ..layers import check_model_type
 
 PUBLISHED = Path(__file__).resolve().parent / "models.tsv"
-# The families whose shapes and extra operators ladder/plan/costs.py prices (Qwen2's q/k/v biases, Qwen3's
-# per-head q/k norms, Mistral's sliding window), besides the ladder Llama's own model type.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # What the offline hint fetches: the config alone (never Meta's consolidated original/ weights).
 HINT = "`hf download {repo} config.json --exclude 'original/*'`"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A model's config.json as a dict, where it came from (for messages), and the folder holding it
-    (None for a GGUF file or a published shape): the folder may hold a conversion's records."""
+    """A config.json as a dict, its source (for messages), and its folder (None for a GGUF file or a
+    published shape), which may hold a conversion's records."""
 
     config: dict
     source: str
@@ -70,15 +65,7 @@ def published_config(model_id: str) -> dict | None:
     return None if found is None else {key: value for key, value in found.items() if key not in ("name", "source")}
 
 
-def check_family(model_type: object, where: str) -> None:
-    """Refuse a config whose family the plan cannot price, naming the ones it can."""
-    if model_type not in (*FAMILIES, *LLAMA_MODEL_TYPES):
-        raise UsageError(f"{where} has model_type {model_type!r}; the plan prices {', '.join(FAMILIES)}")
-
-
 def model_config(model: str) -> ModelConfig:
-    """The config of the model `model` names (see the module's docstring); anything else is one
-    UsageError line."""
     path = Path(model).expanduser()
     if model == EMBEDDED or path.suffix == ".gguf":
         gguf = embedded_model_path() if model == EMBEDDED else path
@@ -107,13 +94,8 @@ def model_config(model: str) -> ModelConfig:
 
 
 def _json_config(path: Path) -> dict:
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as error:
-        raise UsageError(f"cannot read {path}: {str(error)[:200]}") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{path} is not a JSON object")
-    check_family(config.get("model_type"), str(path))
+    config = read_json_object(path, "config")
+    check_model_type(config.get("model_type"), str(path))
     return config
 
 
@@ -125,21 +107,16 @@ def _cached_hub_config(repo: str, revision: str | None) -> Path | None:
 
 
 def _gguf_config(path: Path) -> dict:
-    if not path.is_file():
-        raise UsageError(f"GGUF file {path} does not exist")
-    from transformers import AutoConfig
-
     try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+        config = load_config(path).to_dict()
     # A malformed file fails inside gguf-py's or transformers' parsing with whatever its bytes provoke.
-    except (OSError, ValueError, KeyError, IndexError, TypeError, struct.error, ArithmeticError) as error:
+    except (IndexError, TypeError, struct.error, ArithmeticError) as error:
         raise UsageError(f"cannot read the config embedded in {path}: {first_line(error)}") from None
-    check_family(config.get("model_type"), str(path))
+    check_model_type(config.get("model_type"), str(path))
     return config
 
 
 def own_ladder_layers(config: dict) -> list[int]:
-    """The layers a ladder checkpoint's config rewires (none for an original Llama)."""
     from ..model.config_rules import resolve_ladder_layers
 
     layers = config.get("num_hidden_layers")
@@ -147,6 +124,3 @@ def own_ladder_layers(config: dict) -> list[int]:
         return resolve_ladder_layers(config.get("ladder_layers"), layers) if isinstance(layers, int) else []
     except ValueError as error:
         raise UsageError(f"config.json: {error}") from None
-
-
-__all__ = ["FAMILIES", "ModelConfig", "model_config", "own_ladder_layers", "published_config", "published_shapes"]

@@ -1,20 +1,12 @@
-"""Predicted tensor-parallel decode time of a Llama, standard against ladder wiring.
+"""Predicted tensor-parallel decode time, standard against ladder wiring, from published (or
+calibrated) figures: devices.tsv and links.tsv beside this file, each row with its source.
 
-Three parts, each a plain function of published (or calibrated) figures:
-
-- compute: a roofline per module, max(bytes / bandwidth, FLOPs / FLOP rate) at the device's achieved
-  share of peak, plus a fixed cost per kernel (small with CUDA graphs, larger launched from Python);
-- communication: an all-reduce of n bytes over T ranks takes latency + 2 (T-1)/T n / bus bandwidth
-  (the latency-bandwidth model of nccl-tests' bus bandwidth); of that, host_us + n host_ns_per_byte
-  occupies the compute stream (a CPU's gloo thread; nothing for NCCL);
-- overlap: the layer loop of Algorithm 1, replayed exactly as ladder/tp/shard.py runs it, with the
-  compute stream and the link as two serial resources: a ladder layer's all-reduce runs behind the
-  next branch's compute, a standard layer waits for its own. A contiguous block of k ladder layers
-  hides 2k - 1 of its 2k all-reduces (`ladder.layers.overlapped_all_reduces` counts the same). That is
-  the TP runtime; an engine that hides fewer (vLLM outside full-graph decode steps: only the attention
-  output's, `overlapped_reductions`) runs the others as a standard layer does.
-
-Device and link figures are data: devices.tsv and links.tsv beside this file, each row with its source.
+- compute: a roofline per module at the device's achieved share of peak, plus a cost per kernel;
+- communication: latency + 2 (T-1)/T n / bus bandwidth (nccl-tests' model); host_us + n host_ns_per_byte
+  of it occupies the compute stream (a CPU's gloo thread; nothing for NCCL);
+- overlap: Algorithm 1's layer loop replayed as ladder/tp/shard.py runs it, the compute stream and the
+  link as two serial resources; an engine that hides fewer all-reduces (`overlapped_reductions`) runs
+  the others as a standard layer does.
 """
 
 from __future__ import annotations
@@ -33,16 +25,13 @@ from ..units import parse_size
 from .costs import ForwardCost, ModelShape, ModuleCost, forward_cost
 
 PROFILES = Path(__file__).resolve().parent
-# What `ladder plan` and `ladder adapt --plan` price when no --hardware is named, and their
-# --train-devices (a count past any cluster is a typo that would overflow the arithmetic).
+# --hardware's default, and --train-devices (past any cluster a count is a typo).
 DEFAULT_HARDWARE, TRAIN_DEVICES = "h100", int_in(1, 1 << 20)
 # The range of each figure a command line may give (per second; microseconds), physical with room.
 FIGURE_RANGES = {"FLOPS": (1e6, 1e18), "BANDWIDTH": (1e3, 1e15), "LATENCY_US": (1e-3, 1e6)}
 
-# Kernels (GPU, compiled) or eager operators (CPU) each module launches; each costs the device's
-# per-kernel overhead beyond its roofline time. Compiled counts follow gpt-fast's fused graph (norm,
-# fused projection, rope + cache write, attention, output projection, residual add); eager counts are
-# the operators ladder/tp/shard.py dispatches (HF's RMSNorm and rope are several small ops each).
+# Kernels (compiled: gpt-fast's fused graph) or eager operators (those ladder/tp/shard.py dispatches)
+# each module launches, each at the device's per-kernel cost.
 KERNELS = {"compiled": {"attention": 6, "mlp": 4, "head": 2}, "eager": {"attention": 39, "mlp": 14, "head": 12}}
 
 # A ladder layer's two all-reduces: its attention output's and its MLP output's.
@@ -62,7 +51,6 @@ class Device:
 
     @property
     def on_cpu(self) -> bool:
-        """The cpu row, or a calibration of this machine ("cpu (measured)")."""
         return self.name.startswith("cpu")
 
     def module_seconds(self, cost: ModuleCost, kernels: int, graphs: bool) -> float:
@@ -71,13 +59,9 @@ class Device:
 
 
 def overlapped_reductions(engine: str, device: Device, full_graph: bool) -> tuple[str, ...]:
-    """Which of a ladder layer's all-reduces `engine` ("vllm" or "tp-runtime", ladder/tp/degrees.py)
-    runs behind compute on `device`, in a step that runs as one full CUDA graph or not; the others block,
-    as a standard layer's do. The TP runtime (ladder/tp/runtime.py): both, Algorithm 1 of the paper.
-    vLLM (ladder/serving/model.py): the attention output's always, on CUDA's auxiliary stream behind the
-    MLP; the MLP output's only in a full-graph step (a uniform decode batch under vLLM's default
-    FULL_AND_PIECEWISE), since piecewise graphs are split at attention and a fork there could not be
-    joined; on a CPU neither (no streams: a start is vLLM's synchronous all-reduce)."""
+    """Which of a ladder layer's all-reduces `engine` runs behind compute; the others block. vLLM hides
+    the MLP's only in a full-graph step, since piecewise graphs split at attention and a fork there could
+    not be joined; on a CPU neither (no streams: vLLM's all-reduce is synchronous)."""
     if engine == "tp-runtime":
         return BOTH
     if device.on_cpu:
@@ -103,7 +87,6 @@ class Link:
         return 1e-6 * (self.base_us + steps * self.hop_us) + steps / ranks * nbytes / self.bus_bandwidth
 
     def host_seconds(self, nbytes: float, ranks: int) -> float:
-        """The part of `all_reduce_seconds` that occupies the compute stream (cannot overlap compute)."""
         whole = self.all_reduce_seconds(nbytes, ranks)
         return min(whole, 1e-6 * self.host_us + 1e-9 * self.host_ns_per_byte * nbytes)
 
@@ -128,8 +111,6 @@ def link_names() -> list[str]:
 
 
 def _figures(parts: list[str], flag: str, names: tuple[str, ...]) -> list[float]:
-    """Figures given on the command line, each finite and in its stated range (FIGURE_RANGES): a typo
-    such as 1e999, 1e-300 or nan is one UsageError line, never a priced cell."""
     try:
         return [float_in(*FIGURE_RANGES[name])(part) for part, name in zip(parts, names)]
     except argparse.ArgumentTypeError as error:
@@ -137,9 +118,8 @@ def _figures(parts: list[str], flag: str, names: tuple[str, ...]) -> list[float]
 
 
 def device_profile(spec: str, flag: str = "--hardware") -> Device:
-    """A device by name (devices.tsv, any case), `FLOPS,BANDWIDTH,MEMORY` (per second, and a size, e.g.
-    989e12,3.35e12,80GB; without MEMORY it prices decoding but not a retraining), or a JSON file
-    `ladder plan --calibrate` wrote. `flag` names the option in errors."""
+    """A device by name (devices.tsv), `FLOPS,BANDWIDTH[,MEMORY]` (without MEMORY no retraining is
+    priced), or a `ladder plan --calibrate` JSON file."""
     if (row := _table("devices.tsv").get(spec.lower())) is not None:
         return _profile(Device, row)
     if spec.endswith(".json"):
@@ -156,8 +136,6 @@ def device_profile(spec: str, flag: str = "--hardware") -> Device:
 
 
 def link_profile(spec: str) -> Link:
-    """An interconnect by name (links.tsv, any case), `BANDWIDTH,LATENCY_US` (bus bytes/s and
-    microseconds, e.g. 370e9,20), or a JSON file `ladder plan --calibrate` wrote."""
     if (row := _table("links.tsv").get(spec.lower())) is not None:
         return _profile(Link, row)
     if spec.endswith(".json"):
@@ -187,15 +165,11 @@ def _calibration(path: str) -> dict:
     return data
 
 
-# --- The layer loop of Algorithm 1, replayed on two serial resources -----------------------------
-
-
 @dataclass
 class Timeline:
     """One forward replayed: its duration, and which all-reduces ran behind compute."""
 
     seconds: float = 0.0
-    compute_seconds: float = 0.0
     hidden: list[int] = field(default_factory=list)  # indices (2 per layer: attention, MLP) of overlapped all-reduces
     all_reduces: int = 0
 
@@ -266,7 +240,6 @@ class _Replay:
 
     def compute(self, seconds: float) -> None:
         self.clock += seconds
-        self.timeline.compute_seconds += seconds
         self.computes += 1
 
     def launch(self, index: int) -> int:
@@ -294,9 +267,8 @@ def replay(
     shared_link: bool = False,
     overlapped: tuple[str, ...] = BOTH,
 ) -> Timeline:
-    """Replay ladder/tp/shard.py's `LlamaShard.forward` (one flag per layer) with these module times and
-    all-reduce costs; `wire_s` < 0 means no communication at all (the no-communication bound).
-    `overlapped`: which of a ladder layer's all-reduces run behind compute (the engine's; the rest block)."""
+    """Replay ladder/tp/shard.py's `ModelShard.forward` (one ladder flag per layer); `wire_s` < 0: no
+    communication at all (the bound)."""
     run = _Replay(max(wire_s, 0.0), host_s if wire_s >= 0 else 0.0, shared_link)
     communicate = wire_s >= 0
     pending_attention = pending_mlp = None
@@ -332,13 +304,8 @@ def replay(
     return run.timeline
 
 
-# --- Predictions ---------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Setting:
-    """Where and how the model runs."""
-
     device: Device
     link: Link
     tp: int
@@ -384,7 +351,6 @@ def _module_times(cost: ForwardCost, setting: Setting) -> tuple[float, float, fl
 
 
 def step_times(shape: ModelShape, setting: Setting, ladder_layers: list[int], query_tokens: int) -> dict[str, Timeline]:
-    """The three wirings of one forward (standard, ladder with these layers, no communication)."""
     context = setting.prompt + setting.new_tokens  # the static cache is attended whole (gpt-fast, ladder/tp/runtime.py)
     cost = forward_cost(shape, setting.batch, query_tokens, context, setting.tp, setting.dtype_bytes)
     attention, mlp, head, wire, host = _module_times(cost, setting)
@@ -402,7 +368,6 @@ def step_times(shape: ModelShape, setting: Setting, ladder_layers: list[int], qu
 
 
 def predict(shape: ModelShape, setting: Setting, ladder_layers: list[int]) -> Prediction:
-    """Decode time per token (and prefill time) of standard, ladder and no-communication wirings."""
     decode = step_times(shape, setting, ladder_layers, query_tokens=1)
     prefill = step_times(shape, setting, ladder_layers, query_tokens=setting.prompt)
     return Prediction(

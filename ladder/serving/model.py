@@ -1,18 +1,14 @@
-"""Ladder Residual Llama for vLLM (arXiv 2501.06589), on vLLM's own Llama parts.
+"""Ladder Residual for vLLM (arXiv 2501.06589): each family's ladder model is a small diff over vLLM's
+own model of that family (vllm/model_executor/models/{llama,mistral,qwen2,qwen3}.py). The family's
+model builds its decoder layers as they are (attention with its q/k norms, biases or sliding window,
+MLP, fused add-RMSNorms, rotary embedding, paged attention), its embedding, final norm and weight
+loader; the LM head and logits are vLLM's LlamaForCausalLM's, which every family computes alike.
+Only the layer loop and the ladder layers differ, written once (`LadderModel`, `LadderForCausalLM`).
+Standard layers are the family's, called unchanged: without ladder layers it is vLLM's model.
 
-A small diff over vLLM's `LlamaForCausalLM` (vllm/model_executor/models/llama.py): the same
-column/row-parallel linears (stacked q/k/v and gate/up), vocab-parallel embedding and LM head,
-paged attention with its KV cache, rotary embedding and weight loader. Only the layer loop and
-the ladder layers differ; standard layers are vLLM's `LlamaDecoderLayer`, called unchanged, so a
-checkpoint without ladder layers computes exactly vLLM's Llama.
-
-The layer loop, the ladder layer and its all-reduce ops live in `ladder.serving.ops` (torch
-alone, so tests run them without vLLM); this module builds vLLM's modules around them and
-sets vLLM's tensor-parallel group, auxiliary stream and forward context there (`ops.ENGINE`).
-`ladder/tp/runtime.py` is this package's own runtime, which overlaps both reductions (gloo or
-NCCL, asynchronously).
-
-Imported only inside the serving environment (vLLM installed); `ladder.serving.plugin` registers it.
+The layer loop, the ladder layer and its all-reduce ops live in `ladder.serving.ops` (torch alone, so
+tests run them without vLLM); this module sets vLLM's tensor-parallel group, auxiliary stream and
+forward context there (`ops.ENGINE`). Imported only where vLLM is installed; the plugin registers it.
 """
 
 from itertools import islice
@@ -21,12 +17,14 @@ import torch
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.distributed import get_pp_group, get_tp_group
 from vllm.forward_context import get_forward_context, is_forward_context_available
-from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from vllm.model_executor.models.utils import extract_layer_index
+from vllm.model_executor.models.llama import LlamaForCausalLM, LlamaModel
+from vllm.model_executor.models.mistral import MistralForCausalLM, MistralModel
+from vllm.model_executor.models.qwen2 import Qwen2Model
+from vllm.model_executor.models.qwen3 import Qwen3Model
 from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import aux_stream, current_stream
 
-from ladder.model.configuration_ladder_llama import resolve_ladder_layers
+from ladder.model.config_rules import resolve_ladder_layers
 from ladder.serving import ops
 
 
@@ -39,44 +37,30 @@ def _may_span_attention() -> bool:
 ops.ENGINE = ops.Engine(get_tp_group, aux_stream, _may_span_attention, current_stream)
 
 
-class LadderLlamaDecoderLayer(LlamaDecoderLayer):
-    """Differs from vLLM's Llama layer: a ladder layer reads the stream from before the previous
-    module's output was added, and reduces its row-parallel outputs itself (`ladder_forward`).
-    A standard layer is vLLM's layer as is."""
+class LadderModel:
+    """Goes before a family's vLLM model class: its layers, built as the family builds them, are
+    marked, and the layer loop is `ops.layer_loop`. A ladder layer reads the stream from before the
+    previous module's output was added, and reduces its row-parallel outputs itself. Pipeline
+    parallelism is not supported (its hand-over carries two tensors)."""
 
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        prefix: str = "",
-        config=None,
-        attn_layer_type: type[torch.nn.Module] = LlamaAttention,
-    ) -> None:
-        super().__init__(vllm_config, prefix=prefix, config=config, attn_layer_type=attn_layer_type)
-        config = config or vllm_config.model_config.hf_config
-        ladder_layers = resolve_ladder_layers(config.ladder_layers, config.num_hidden_layers)
-        index = extract_layer_index(prefix)
-        self.is_ladder = index in ladder_layers
-        # Overlap only where there is something to reduce. The MLP output's reduction overlaps the next
-        # layer's attention, so only when that layer is a ladder one: a standard layer reads the whole
-        # stream at once.
-        self.overlap_attention = self.is_ladder and get_tp_group().world_size > 1
-        self.overlap_mlp = self.overlap_attention and index + 1 in ladder_layers
-        if self.is_ladder:
-            # The sum is added later than Llama adds it, so the layer loop owns the all-reduce.
-            self.self_attn.o_proj.reduce_results = False
-            self.mlp.down_proj.reduce_results = False
-
-    ladder_forward = ops.ladder_forward
-
-
-class LadderLlamaModel(LlamaModel):
-    """Differs from vLLM's `LlamaModel`: the layer loop carries the ladder layers' pending attention
-    output, and pipeline parallelism is not supported (its hand-over carries two tensors)."""
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", layer_type=LadderLlamaDecoderLayer):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **family_arguments) -> None:
         if get_pp_group().world_size > 1:
-            raise ValueError("LadderLlamaForCausalLM does not support pipeline parallelism; use tensor parallelism")
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+            raise ValueError(f"{type(self).__name__} does not support pipeline parallelism; use tensor parallelism")
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **family_arguments)
+        config = vllm_config.model_config.hf_config
+        ladder_layers = resolve_ladder_layers(config.ladder_layers, config.num_hidden_layers)
+        tensor_parallel = get_tp_group().world_size > 1
+        for index, layer in enumerate(self.layers):
+            layer.is_ladder = index in ladder_layers
+            # Overlap only where there is something to reduce. The MLP output's reduction overlaps the
+            # next layer's attention, so only when that layer is a ladder one: a standard layer reads
+            # the whole stream at once.
+            layer.overlap_attention = layer.is_ladder and tensor_parallel
+            layer.overlap_mlp = layer.overlap_attention and index + 1 in ladder_layers
+            if layer.is_ladder:
+                # The sum is added later than the family adds it, so the layer loop owns the all-reduce.
+                layer.self_attn.o_proj.reduce_results = False
+                layer.mlp.down_proj.reduce_results = False
 
     def forward(
         self,
@@ -92,12 +76,19 @@ class LadderLlamaModel(LlamaModel):
         return hidden_states
 
 
-class LadderLlamaForCausalLM(LlamaForCausalLM):
-    """Differs from vLLM's `LlamaForCausalLM` in its backbone, a `LadderLlamaModel`, and in two
-    compile settings."""
+class LadderForCausalLM(LlamaForCausalLM):
+    """vLLM's `LlamaForCausalLM` around a family's model with the ladder layer loop (`family_model`,
+    named where a family subclasses it: `LadderModel` goes first), with two compile settings."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", layer_type=LadderLlamaDecoderLayer):
-        # vLLM's all-reduce + RMSNorm fusion (GPU) matches Llama's pattern, vLLM's all_reduce
+    backbone: type[torch.nn.Module]
+
+    def __init_subclass__(cls, family_model: type[torch.nn.Module] | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if family_model is not None:  # (vLLM's adapters subclass a model class without it)
+            cls.backbone = type(f"Ladder{family_model.__name__}", (LadderModel, family_model), {})
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **family_arguments) -> None:
+        # vLLM's all-reduce + RMSNorm fusion (GPU) matches the families' pattern, vLLM's all_reduce
         # followed by the fused add-RMSNorm that consumes it, and moves the reduction into that
         # norm. A ladder layer's sum is consumed a module later, by design, so its reductions are
         # ladder ops the pass does not match; off, so that nothing at the ladder/standard boundaries
@@ -109,10 +100,22 @@ class LadderLlamaForCausalLM(LlamaForCausalLM):
             # o_proj and its all_reduce_start after the MLP, next to the wait, and nothing could
             # overlap (seen in the code it built; tests/test_serving_compiled.py).
             vllm_config.compilation_config.inductor_compile_config["reorder_for_locality"] = False
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **family_arguments)
 
-    def _init_model(self, vllm_config: VllmConfig, prefix: str = "", layer_type=LadderLlamaDecoderLayer):
-        return LadderLlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+    def _init_model(self, vllm_config: VllmConfig, prefix: str = "", layer_type: object = None) -> torch.nn.Module:
+        return self.backbone(vllm_config=vllm_config, prefix=prefix)  # with the family's own decoder layer
 
 
-__all__ = ["LadderLlamaDecoderLayer", "LadderLlamaForCausalLM", "LadderLlamaModel"]
+class LadderLlamaForCausalLM(LadderForCausalLM, family_model=LlamaModel): ...
+
+
+class LadderMistralForCausalLM(LadderForCausalLM, MistralForCausalLM, family_model=MistralModel): ...  # its loader
+
+
+class LadderQwen2ForCausalLM(LadderForCausalLM, family_model=Qwen2Model): ...
+
+
+class LadderQwen3ForCausalLM(LadderForCausalLM, family_model=Qwen3Model): ...
+
+
+__all__ = ["LadderLlamaForCausalLM", "LadderMistralForCausalLM", "LadderQwen2ForCausalLM", "LadderQwen3ForCausalLM"]

@@ -10,22 +10,15 @@ adds the sum where the wiring needs it (Algorithm 1 of arXiv 2501.06589).
 
 The reductions are opaque custom ops, which also fence torch.compile: torch 2.13's inductor fused a
 pointwise read of a buffer that a mutating op fills (vLLM's CPU linears write through
-`_C.onednn_mm(out, ...)`) into a kernel before the write. Llama reads each output at once; the
+`_C.onednn_mm(out, ...)`) into a kernel before the write. vLLM's own models read each output at once; the
 ladder reads one a module later and served garbage at TP=1, where vLLM's all-reduce is a no-op. An
 extern op is neither fused nor moved, and its output is a buffer of its own.
 
-At TP > 1 on CUDA, `all_reduce_start` runs the reduction on the auxiliary stream after an event from
-the compute stream and `all_reduce_wait` joins it after the module it overlaps, unseen by
-torch.compile and recorded by CUDA-graph capture. Only data flow orders them under inductor:
-- the wait takes the start's input and output, so neither is freed or reused while the auxiliary
-  stream may use it (inductor reused the input at once otherwise);
-- the wait takes the overlapped module's output, so no pass moves the join before that module;
-- every reduction takes the previous one's result (`after`), so they run one at a time in program
-  order: vLLM's custom all-reduce has one staging buffer, and one pair of events serves the one
-  reduction in flight.
-An MLP output's reduction overlaps the next ladder layer's attention only in a full CUDA graph
-(`Engine.may_span_attention`): piecewise graphs are split at attention. On CPU there is no stream:
-start is the group's synchronous all-reduce and wait a copy.
+At TP > 1 on CUDA, `all_reduce_start` runs the reduction on the auxiliary stream and `all_reduce_wait`
+joins it after the module it overlaps, unseen by torch.compile. Only data flow orders them under
+inductor, so the wait takes the start's input and output and the overlapped module's output, and each
+reduction takes the previous one's result (`after`); docs/serving.md (The model) says why each. On
+CPU start is the group's synchronous all-reduce and wait a copy.
 """
 
 from __future__ import annotations
@@ -105,6 +98,7 @@ def _all_reduce(tensor: torch.Tensor, after: torch.Tensor | None) -> torch.Tenso
 
 def _all_reduce_start(tensor: torch.Tensor, after: torch.Tensor | None, spans_attention: bool) -> torch.Tensor:
     stream = ENGINE.aux_stream()
+    # A reduction spans an attention only within one full CUDA graph: piecewise graphs split at attention.
     if stream is None or (spans_attention and not ENGINE.may_span_attention()):
         return _all_reduce(tensor, after)
     return _start_on_aux_stream(tensor, stream)
@@ -166,8 +160,9 @@ def ladder_forward(
     residual: torch.Tensor | None,
     pending_attention: torch.Tensor | None,
 ) -> tuple[torch.Tensor | InFlight, torch.Tensor, torch.Tensor]:
-    """A ladder layer (vLLM's Llama layer: fused add-RMSNorms, `self_attn`, `mlp`, whose outputs are
-    unreduced): (hidden_states, residual, pending_attention) in, the same out (see the module doc).
+    """A ladder layer (a family's vLLM decoder layer: fused add-RMSNorms, `self_attn`, `mlp`, whose
+    outputs are unreduced): (hidden_states, residual, pending_attention) in, the same out (see the
+    module doc).
     hidden_states, the previous MLP's output, is `InFlight` where its reduction overlaps this
     layer's attention; this layer's is where the next layer is a ladder one too (`overlap_mlp`)."""
     if residual is None:  # first layer: both streams are the embeddings
@@ -203,8 +198,8 @@ def ladder_forward(
 def layer_loop(
     layers: Iterable[torch.nn.Module], positions: torch.Tensor, hidden_states: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoder layers of vLLM's LlamaModel.forward with ladder layers among them (`is_ladder`:
-    `ladder_forward`; else vLLM's layer as is): the embeddings in, (hidden_states, residual) out,
+    """The decoder layers of a family's vLLM model forward with ladder layers among them (`is_ladder`:
+    `ladder_forward`; else the family's layer as is): the embeddings in, (hidden_states, residual) out,
     for the final fused add-RMSNorm."""
     residual = pending_attention = None
     fenced = True  # hidden_states came through a ladder op, or from no linear (the embeddings)

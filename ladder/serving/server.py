@@ -1,10 +1,6 @@
-"""`ladder serve MODEL [--tp N] [--host H] [--port P] [--api-key KEY] [-- VLLM_ARGS...]`: vLLM's
-OpenAI-compatible server (`vllm serve`, in .venv-serve) for a ladder or Llama checkpoint, the plugin
-loading the ladder architecture. It first checks, in one line and exit status 2, what vLLM would
-refuse only after starting (the checkpoint, read by vLLM's own configuration checks; the arguments,
-read by vLLM's own parser; the listening address, which needs a key beyond loopback; the memory),
-then replaces itself with `vllm serve` (docs/serving.md).
-"""
+"""`ladder serve MODEL [--tp N] [--host H] [--port P] [--api-key KEY] [-- VLLM_ARGS...]`: checks in
+one line what vLLM would refuse only after starting (checkpoint, arguments, address, memory), then
+replaces itself with `vllm serve` (docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ from pathlib import Path
 
 from ladder.cli_types import positive_int
 from ladder.errors import ArgumentParser, UsageError, first_line
-from ladder.io.loading import HUB_MODEL_ID, check_llama_checkpoint, read_config_dict, resolve_model_path
+from ladder.io.loading import HUB_MODEL_ID, check_checkpoint, read_config_dict, resolve_model_path
 from ladder.serving.engine import (
     cpu_binding,
     cpu_kv_cache_space,
@@ -35,22 +31,17 @@ from ladder.tp.degrees import vllm_refusal
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 API_KEY_VARIABLE = "VLLM_API_KEY"  # what vLLM's own --api-key option defaults to
-# Seconds in-flight requests may finish after SIGTERM. vLLM's default, 0, aborts them and gives the
-# engine process no time to exit: its manager sends SIGTERM and SIGKILL at once, which leaks the
-# engine's shared memory and semaphores. With a grace period an idle engine exits on its own at
-# once, and a busy one first answers what it was answering.
+# Seconds in-flight requests may finish after SIGTERM. vLLM's default, 0, sends the engine SIGTERM
+# and SIGKILL at once, which leaks its shared memory and semaphores.
 SHUTDOWN_TIMEOUT = 30
 # Set for the server's processes; the plugin (ladder/serving/plugin.py) then applies `quiet_engine_shutdown`.
 SERVE_ENV_FLAG = "LADDER_SERVE"
 
 
 def quiet_engine_shutdown() -> None:
-    """Work around vLLM's shutdown race (vllm-project/vllm#48745, fix proposed in #49000): on SIGTERM,
-    AsyncLLM.shutdown stops the engine before it cancels its output handler, which then reads the
-    EngineDeadError that the stopped engine's output queue leaves for it, logs it as a failure with
-    a traceback and makes the server exit with status 1, after a shutdown that went well. Once
-    shutdown has started, that error waits for the handler's cancellation instead; a real engine
-    death before shutdown is reported as before."""
+    """Work around vLLM's shutdown race (vllm-project/vllm#48745): on SIGTERM the output handler reads
+    the stopped engine's EngineDeadError and the server exits with status 1 and a traceback. Once
+    shutdown has started, that error waits for the handler's cancellation instead."""
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core_client import AsyncMPClient
     from vllm.v1.engine.exceptions import EngineDeadError
@@ -77,11 +68,8 @@ def quiet_engine_shutdown() -> None:
 
 
 def drop_exit_leak_reports() -> None:
-    """Drop nanobind's leak report from what this process writes once its exit handlers have run.
-    triton's bindings (nanobind) list every triton type and function still alive when the interpreter
-    finalizes, about 30 lines per vLLM process after a clean shutdown ("nanobind: leaked 4
-    instances!": triton IR attributes that torch or vLLM keep in module state, which nanobind checks
-    after module teardown). Nothing leaks: the process is gone. Everything else passes through."""
+    """Drop nanobind's leak report (about 30 lines of "nanobind: leaked ..." per vLLM process: triton
+    objects alive at interpreter exit, which is no leak) from this process's stderr after exit."""
 
     def route_stderr() -> None:
         sys.stderr.flush()
@@ -115,24 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def served_model_name(given: str, model: Path) -> str:
-    """The name clients send: a Hub ID as given, else the folder's name (vLLM's default is the path)."""
-    return given if HUB_MODEL_ID.fullmatch(given) and not Path(given).expanduser().exists() else model.name
-
-
 def vllm_serve_arguments(model: Path, args: argparse.Namespace, passthrough: list[str]) -> list[str]:
-    """The arguments of `vllm serve`: ours first, so that any option the passthrough repeats, in any
-    spelling vLLM takes, overrides ours as it would on vLLM's own command line (argparse keeps the last)."""
+    """The arguments of `vllm serve`: ours first, so that the passthrough overrides them (argparse
+    keeps the last)."""
     ours = ["--host", args.host, "--port", str(args.port), "--tensor-parallel-size", str(args.tp)]
-    ours += ["--served-model-name", served_model_name(args.model, model)]
+    # The name clients send: a Hub ID as given, else the folder's name (vLLM's default is the path).
+    hub_id = HUB_MODEL_ID.fullmatch(args.model) and not Path(args.model).expanduser().exists()
+    ours += ["--served-model-name", args.model if hub_id else model.name]
     ours += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--middleware", f"{__name__}.{KeyOnEveryPath.__name__}"]
     return [str(model), *ours, *passthrough]
 
 
 def parse_vllm_serve(arguments: list[str]) -> argparse.Namespace:
-    """`arguments` (the model, then options) as `vllm serve ARGUMENTS` reads them, with the parser of
-    vLLM's own `serve` command: it takes any unambiguous prefix of an option, `_` for `-`, the last of
-    a repeated option and `--config FILE`, so no other reading can tell what the server will run."""
+    """`arguments` as `vllm serve` reads them, with its own parser (option prefixes, `_` for `-`, the
+    last of a repeated option, `--config FILE`): no other reading tells what the server will run."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -160,8 +144,7 @@ def parse_vllm_serve(arguments: list[str]) -> argparse.Namespace:
 
 
 def is_loopback(host: str | None) -> bool:
-    """Whether a listening address is reachable from this machine only. An empty host is every
-    interface (vLLM binds ""); a host name may resolve to any interface."""
+    """Whether a listening address is loopback ("" is every interface; a host name may be any)."""
     if host == "localhost":
         return True
     try:
@@ -171,16 +154,14 @@ def is_loopback(host: str | None) -> bool:
 
 
 def api_keys(serve: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
-    """The keys vLLM asks clients for, by its own rule (init_entrypoints_middleware): the non-empty
-    --api-key values, or $VLLM_API_KEY when no --api-key was given. So an empty --api-key asks no
-    key, and hides the variable."""
+    """The keys vLLM asks for, by its own rule: the non-empty --api-key values, or $VLLM_API_KEY when
+    no --api-key was given (so an empty --api-key asks none)."""
     return [key for key in (serve.api_key or [environ.get(API_KEY_VARIABLE)]) if key]
 
 
 def check_access(serve: argparse.Namespace, environ: Mapping[str, str]) -> None:
-    """Refuse to listen beyond this machine (any address but loopback) without an API key: vLLM's
-    server otherwise answers anyone who can reach the port. `serve` is what vLLM's parser read and
-    `environ` the environment vLLM will start in."""
+    """Refuse to listen beyond loopback without an API key (vLLM's server would answer anyone);
+    `serve` is what vLLM's parser read, `environ` the environment vLLM starts in."""
     if not 0 < serve.port < 65536:
         raise UsageError(f"--port {serve.port}: a port is a number from 1 to 65535")
     if serve.grpc:  # vLLM's serve_grpc binds host:port, "" as every interface, and reads no key and no --uds
@@ -204,11 +185,9 @@ def check_access(serve: argparse.Namespace, environ: Mapping[str, str]) -> None:
 
 
 class KeyOnEveryPath:
-    """ASGI middleware that `ladder serve` adds to vLLM's server (`--middleware`): where the server
-    has API keys, every path but the liveness probes asks for one. vLLM's own check guards only /v1,
-    /v2, /inference and /cohere, while SageMaker's /invocations answers the same completions and
-    /tokenize, /load, /metrics ... answer anyone. The keys are read when the first request comes,
-    from the arguments vLLM parsed (its app's state), by vLLM's rule."""
+    """ASGI middleware (`--middleware`): where the server has API keys, every path but the liveness
+    probes asks for one. vLLM's own check guards only /v1, /v2, /inference and /cohere, while
+    /invocations, /tokenize, /metrics ... answer anyone. Keys are read at the first request."""
 
     OPEN_PATHS = ("/health", "/ping")
 
@@ -233,10 +212,8 @@ class KeyOnEveryPath:
 
 
 def check_servable(model: Path, tp: int) -> None:
-    """Build vLLM's engine configuration for the checkpoint, as `vllm serve` will: the same checks
-    (architecture known to vLLM or a plugin, heads divisible by the TP size, config readable), and
-    on a CPU the head sizes its attention kernel runs (vLLM checks those only at the first request,
-    which then kills the engine)."""
+    """Build vLLM's engine configuration for the checkpoint, as `vllm serve` will, and on a CPU check
+    the head sizes its attention kernel runs (vLLM checks those only at the first request)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
@@ -266,10 +243,8 @@ def check_servable(model: Path, tp: int) -> None:
 
 
 def size_memory(model: Path, serve: argparse.Namespace, environ: dict[str, str]) -> list[str]:
-    """Size vLLM's memory for this machine unless the user did (VLLM_CPU_KVCACHE_SPACE,
-    --kv-cache-memory-bytes or --gpu-memory-utilization): on a CPU the KV cache, in `environ`; on a
-    GPU the share of its memory, as arguments to add. vLLM's default share, 92% of the memory,
-    refuses to start wherever more than 8% is in use."""
+    """Size vLLM's memory unless the user did: on a CPU the KV cache, in `environ`; on a GPU the share
+    of its memory, as arguments to add (vLLM's default, 92%, refuses to start where 8% is in use)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
@@ -301,10 +276,8 @@ def main(argv: list[str]) -> int:
     model = resolve_model_path(args.model)
     if not model.is_dir():
         raise UsageError(f"{model} is a GGUF file: vLLM serves checkpoint directories; `ladder convert` writes one")
-    check_llama_checkpoint(model)  # before vLLM reads it: another model_type may ship code
-    # vLLM logs a few warnings when imported (Triton without a CPU backend, ...), some before its
-    # logging is set up: keep them out of this check, so that a refusal is the one line. The
-    # server gets the caller's setting back.
+    check_checkpoint(model)  # before vLLM reads it: another model_type may ship code
+    # vLLM warns when imported: keep that out of the checks, so that a refusal is one line.
     logging_level = os.environ.get("VLLM_LOGGING_LEVEL")
     os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
     logging.getLogger("vllm").setLevel(logging.ERROR)

@@ -40,6 +40,3 @@ def vllm_refusal(heads: int, kv_heads: int, tp: int) -> str | None:
 def refusal(engine: str, heads: int, kv_heads: int, tp: int) -> str | None:
     """Why `engine` (a key of ENGINES) refuses TP=`tp` for these head counts; None when it runs it."""
     return {"vllm": vllm_refusal, "tp-runtime": tp_runtime_refusal}[engine](heads, kv_heads, tp)
-
-
-__all__ = ["ENGINES", "refusal", "tp_runtime_refusal", "vllm_refusal"]

@@ -1,5 +1,5 @@
-"""Tensor-parallel inference runtime for standard and ladder Llama checkpoints (gpt-fast's tp.py and
-generate.py, for the shard in `ladder.tp.shard`).
+"""Tensor-parallel inference runtime for standard and ladder checkpoints of the Llama, Mistral, Qwen2
+and Qwen3 families (gpt-fast's tp.py and generate.py, for the shard in `ladder.tp.shard`).
 
 Launch one process per rank with torchrun (gloo on CPU, NCCL on GPU, one GPU per rank):
 
@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig
+from transformers import PretrainedConfig
 
 from ladder.errors import UsageError
 from ladder.io.loading import load_config
 from ladder.io.tensors import LazyTensorLoader, ShardedTensorIndex
 from ladder.serving.ops import InFlight
-from ladder.tp.shard import LlamaShard, Ready, ShardShape, local_sum
+from ladder.tp.shard import ModelShard, Ready, ShardShape, local_sum
 
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -55,8 +55,8 @@ def init_distributed(cuda: bool | None = None) -> tuple[int, int, torch.device]:
 # --- Loading this rank's slices ------------------------------------------------------------------
 
 
-def read_config(path: str | Path) -> LlamaConfig:
-    """The Llama or ladder config of a checkpoint directory (a ladder config carries `ladder_layers`)."""
+def read_config(path: str | Path) -> PretrainedConfig:
+    """The config of a checkpoint directory of a supported family or its ladder form (with `ladder_layers`)."""
     path = Path(path)
     if path.suffix == ".gguf" or not (path / "config.json").is_file():
         raise UsageError(
@@ -65,8 +65,18 @@ def read_config(path: str | Path) -> LlamaConfig:
     return load_config(path)  # checked first: an unknown model_type may ship code
 
 
-def _scaled(heads: range, width: int) -> range:
-    return range(heads.start * width, heads.stop * width)
+# Where each module of a shard's layer is read from, under the checkpoint's `model.layers.N.` (weight
+# and bias alike); a fused module concatenates its sources.
+SOURCES = {
+    "attention.norm": ("input_layernorm",),
+    "attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attention.q_norm": ("self_attn.q_norm",),
+    "attention.k_norm": ("self_attn.k_norm",),
+    "attention.wo": ("self_attn.o_proj",),
+    "mlp.norm": ("post_attention_layernorm",),
+    "mlp.w13": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.w2": ("mlp.down_proj",),
+}
 
 
 def load_shard(
@@ -75,9 +85,9 @@ def load_shard(
     tp_size: int = 1,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> LlamaShard:
+) -> ModelShard:
     """This rank's shard of a checkpoint, Megatron-style: q/k/v and gate/up column-parallel (rows of
-    the HF weights), o/down row-parallel (columns), embeddings, norms and LM head replicated."""
+    the HF weights and biases), o/down row-parallel (columns), embeddings, norms and LM head replicated."""
     path = Path(path)
     config = read_config(path)
     try:
@@ -85,8 +95,12 @@ def load_shard(
     except ValueError as error:
         raise UsageError(f"{path}: {error}") from None
     with torch.device("meta"):
-        shard = LlamaShard(config, shape)
-    q_rows, kv_rows = _scaled(shape.heads, shape.head_dim), _scaled(shape.kv_heads, shape.head_dim)
+        shard = ModelShard(config, shape)
+    width = shape.head_dim
+    q_rows, kv_rows = (range(heads.start * width, heads.stop * width) for heads in (shape.heads, shape.kv_heads))
+    # This rank's part: rows of the column-parallel sources, columns of the row-parallel ones, the rest whole.
+    rows = {"attention.wqkv": (q_rows, kv_rows, kv_rows), "mlp.w13": (shape.intermediate,) * 2}
+    columns = {"attention.wo": q_rows, "mlp.w2": shape.intermediate}
     index = ShardedTensorIndex.from_directory(path)
     if index is None:
         raise UsageError(f"{path} has no model.safetensors (or index): the TP runtime reads safetensors only")
@@ -95,34 +109,25 @@ def load_shard(
         def read(name: str, **part: range) -> torch.Tensor:
             return checkpoint.read(name, **part).to(dtype)
 
+        def layer_parameter(key: str) -> torch.Tensor:  # "layers.N.branch.module.weight"
+            _, number, branch, module, kind = key.split(".")
+            module = f"{branch}.{module}"
+            names = [f"model.layers.{number}.{source}.{kind}" for source in SOURCES[module]]
+            if module in rows:
+                return torch.cat([read(name, rows=part) for name, part in zip(names, rows[module])])
+            if module in columns and kind == "weight":
+                return read(names[0], columns=columns[module])
+            if module in columns:  # the ranks' outputs are summed: only rank 0's adds the bias
+                return read(names[0]) if rank == 0 else torch.zeros(shape.hidden_size, dtype=dtype)
+            return read(names[0])
+
         embed = read("model.embed_tokens.weight")
         state = {
             "embed.weight": embed,
             "norm.weight": read("model.norm.weight"),
             "lm_head.weight": embed if config.tie_word_embeddings else read("lm_head.weight"),
         }
-        for index in range(shape.num_layers):
-            source, target = f"model.layers.{index}.", f"layers.{index}."
-            attention, mlp = source + "self_attn.", source + "mlp."
-            state |= {
-                target + "attention.norm.weight": read(source + "input_layernorm.weight"),
-                target + "attention.wqkv.weight": torch.cat(
-                    [
-                        read(attention + "q_proj.weight", rows=q_rows),
-                        read(attention + "k_proj.weight", rows=kv_rows),
-                        read(attention + "v_proj.weight", rows=kv_rows),
-                    ]
-                ),
-                target + "attention.wo.weight": read(attention + "o_proj.weight", columns=q_rows),
-                target + "mlp.norm.weight": read(source + "post_attention_layernorm.weight"),
-                target + "mlp.w13.weight": torch.cat(
-                    [
-                        read(mlp + "gate_proj.weight", rows=shape.intermediate),
-                        read(mlp + "up_proj.weight", rows=shape.intermediate),
-                    ]
-                ),
-                target + "mlp.w2.weight": read(mlp + "down_proj.weight", columns=shape.intermediate),
-            }
+        state |= {key: layer_parameter(key) for key in shard.state_dict() if key.startswith("layers.")}
     try:
         shard.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as error:  # a shape that does not match config.json
@@ -166,7 +171,7 @@ def prioritize_gloo_threads() -> int:
 COMMUNICATION = ("all-reduce", "none")
 
 
-def install_communication(shard: LlamaShard, mode: str = "all-reduce", group: dist.ProcessGroup | None = None) -> None:
+def install_communication(shard: ModelShard, mode: str = "all-reduce", group: dist.ProcessGroup | None = None) -> None:
     """Install how the shard sums its partial outputs across ranks.
 
     "all-reduce": the real thing (a no-op at TP=1). "none": the NO-COMMUNICATION BOUND: every rank
@@ -183,7 +188,7 @@ def install_communication(shard: LlamaShard, mode: str = "all-reduce", group: di
 
 
 @torch.inference_mode()
-def prefill(shard: LlamaShard, prompt_ids: torch.Tensor) -> torch.Tensor:
+def prefill(shard: ModelShard, prompt_ids: torch.Tensor) -> torch.Tensor:
     """Run the prompts (batch, length; equal lengths) through the cache; the greedy next tokens (batch, 1)."""
     positions = torch.arange(prompt_ids.shape[1], device=prompt_ids.device)
     return shard(prompt_ids, positions)[:, -1:].argmax(-1)
@@ -191,7 +196,7 @@ def prefill(shard: LlamaShard, prompt_ids: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def decode(
-    shard: LlamaShard, tokens: torch.Tensor, position: int, steps: int, step: DecodeStep | None = None
+    shard: ModelShard, tokens: torch.Tensor, position: int, steps: int, step: DecodeStep | None = None
 ) -> torch.Tensor:
     """Greedy decoding: feed `tokens` (batch, 1) at cache `position`, then each new token; returns the
     `steps` tokens produced (batch, steps). `step` replaces the plain forward (e.g. a CUDA graph)."""
@@ -205,7 +210,7 @@ def decode(
 
 
 def generate(
-    shard: LlamaShard, prompt_ids: torch.Tensor, max_new_tokens: int, step: DecodeStep | None = None
+    shard: ModelShard, prompt_ids: torch.Tensor, max_new_tokens: int, step: DecodeStep | None = None
 ) -> torch.Tensor:
     """Greedy generation with the static cache (no early stop at EOS); the new tokens (batch, max_new_tokens)."""
     length = prompt_ids.shape[1]
@@ -220,7 +225,7 @@ def generate(
 # --- GPU speed options ---------------------------------------------------------------------------
 
 
-def compile_branches(shard: LlamaShard) -> None:
+def compile_branches(shard: ModelShard) -> None:
     """torch.compile each attention and MLP branch; the layer loop and its collectives stay eager, so
     the asynchronous all-reduces overlap exactly as without compile (the official code's
     semi-compiled mode)."""
@@ -237,7 +242,7 @@ class CUDAGraphStep:
     Build it right after `setup_cache` and before any prefill: its warm-up writes cache position 0.
     """
 
-    def __init__(self, shard: LlamaShard, batch: int):
+    def __init__(self, shard: ModelShard, batch: int):
         device = shard.lm_head.weight.device
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
@@ -256,20 +261,3 @@ class CUDAGraphStep:
         self.position.copy_(input_pos)
         self.graph.replay()
         return self.logits
-
-
-__all__ = [
-    "COMMUNICATION",
-    "GLOO_THREADS",
-    "AllReduce",
-    "CUDAGraphStep",
-    "compile_branches",
-    "decode",
-    "generate",
-    "init_distributed",
-    "install_communication",
-    "load_shard",
-    "prefill",
-    "prioritize_gloo_threads",
-    "read_config",
-]

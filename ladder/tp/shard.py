@@ -1,5 +1,6 @@
-"""One rank's shard of a Llama for tensor-parallel inference, gpt-fast style (pytorch-labs/gpt-fast
-model.py): a lean forward with a static KV cache, fused projections and local shapes only.
+"""One rank's shard of a Llama, Mistral, Qwen2 or Qwen3 (dense) for tensor-parallel inference, gpt-fast
+style (pytorch-labs/gpt-fast model.py): a lean forward with a static KV cache, fused projections and
+local shapes only.
 
 References: the Ladder Residual paper (arXiv 2501.06589), Algorithm 1, and its official gpt-fast
 code (github.com/mayank31398/ladder-residual-inference, gpt_fast/gpt_ladder_TP.py), whose layer
@@ -13,8 +14,11 @@ where the wiring needs the sum. This file imports nothing distributed: the defau
 identity, exact at TP=1, and `ladder.tp.runtime` installs the collective (an all-reduce over the group).
 
 The attention and MLP maths follow transformers' Llama (RMSNorm, RoPE from LlamaRotaryEmbedding so
-llama3/linear/... scaling comes for free, GQA, tied embeddings), so logits match
-`LlamaForCausalLM` / `LadderLlamaForCausalLM` to float tolerance.
+llama3/linear/... scaling comes for free, GQA, tied embeddings); the families differ only in small
+optional pieces chosen from the config: biases (Qwen2's on q/k/v, `attention_bias`, `mlp_bias`),
+Qwen3's per-head q/k RMSNorm, and a sliding window in the mask (Mistral's on every layer, Qwen's on
+the layers `layer_types` marks). Logits match each family's transformers model and its ladder form to
+float tolerance.
 """
 
 from __future__ import annotations
@@ -26,10 +30,16 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig
+from transformers import PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from ..model.config_rules import resolve_ladder_layers
+from ..model.config_rules import (
+    LADDER_MODEL_TYPES,
+    attention_type,
+    biased_projections,
+    family_of,
+    resolve_ladder_layers,
+)
 from .degrees import tp_runtime_refusal
 
 
@@ -57,17 +67,25 @@ class ShardShape:
     heads: range  # this rank's query heads
     kv_heads: range
     intermediate: range  # this rank's MLP channels
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each query and key head (head_dim wide) before RoPE
+    sliding_window: int | None  # how many positions a sliding layer sees, itself included
+    sliding_layers: frozenset[int]
 
     @classmethod
-    def of(cls, config: LlamaConfig, rank: int = 0, tp_size: int = 1) -> ShardShape:
-        if (
-            config.hidden_act != "silu"
-            or getattr(config, "attention_bias", False)
-            or getattr(config, "mlp_bias", False)
-        ):
+    def of(cls, config: PretrainedConfig, rank: int = 0, tp_size: int = 1) -> ShardShape:
+        family = family_of(config.model_type)
+        if family is None or config.hidden_act != "silu":
             raise ValueError(
-                "only Llama's SiLU MLP without biases is supported (hidden_act=silu, no attention/mlp bias)"
+                f"the TP runtime runs {', '.join(LADDER_MODEL_TYPES)} models with hidden_act silu, "
+                f"not {config.model_type} with {config.hidden_act}"
             )
+        biased = biased_projections(
+            family, getattr(config, "attention_bias", False), getattr(config, "mlp_bias", False)
+        )
+        window = getattr(config, "sliding_window", None)
         kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
         if problem := tp_runtime_refusal(heads, kv_heads, tp_size):
             raise ValueError(problem)
@@ -82,6 +100,16 @@ class ShardShape:
             heads=range(kv_range.start * group, kv_range.stop * group),
             kv_heads=kv_range,
             intermediate=shard_range(config.intermediate_size, tp_size, rank),
+            qkv_bias="q_proj" in biased,
+            o_bias="o_proj" in biased,
+            mlp_bias="gate_proj" in biased,
+            qk_norm=family == "qwen3",
+            sliding_window=window,
+            sliding_layers=frozenset(
+                i
+                for i in range(config.num_hidden_layers)
+                if window and attention_type(config, i) == "sliding_attention"
+            ),
         )
 
 
@@ -119,8 +147,9 @@ def settle(x: torch.Tensor, pending: Pending | None) -> torch.Tensor:
 
 
 class AttentionBranch(nn.Module):
-    """norm -> this rank's q/k/v heads (one fused matmul) -> RoPE -> static KV cache -> SDPA -> its
-    columns of o_proj. Returns the partial sum; it does not touch the residual."""
+    """norm -> this rank's q/k/v heads (one fused matmul) -> per-head q/k norms (Qwen3) -> RoPE ->
+    static KV cache -> SDPA -> its columns of o_proj. Returns the partial sum; it does not touch the
+    residual."""
 
     def __init__(self, shape: ShardShape):
         super().__init__()
@@ -129,8 +158,10 @@ class AttentionBranch(nn.Module):
         kv_width = len(shape.kv_heads) * shape.head_dim
         self.split = (q_width, kv_width, kv_width)
         self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
-        self.wqkv = nn.Linear(shape.hidden_size, sum(self.split), bias=False)
-        self.wo = nn.Linear(q_width, shape.hidden_size, bias=False)
+        self.wqkv = nn.Linear(shape.hidden_size, sum(self.split), bias=shape.qkv_bias)
+        self.wo = nn.Linear(q_width, shape.hidden_size, bias=shape.o_bias)
+        head_norm = (lambda: LlamaRMSNorm(shape.head_dim, eps=shape.rms_norm_eps)) if shape.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = head_norm(), head_norm()  # whole on every rank: they act within a head
         self.register_buffer("k_cache", None, persistent=False)  # allocated by setup_cache
         self.register_buffer("v_cache", None, persistent=False)
 
@@ -145,8 +176,8 @@ class AttentionBranch(nn.Module):
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         q, k, v = self.wqkv(self.norm(x)).split(self.split, dim=-1)
-        q = q.view(batch, length, -1, self.shape.head_dim).transpose(1, 2)
-        k = k.view(batch, length, -1, self.shape.head_dim).transpose(1, 2)
+        q = self.q_norm(q.view(batch, length, -1, self.shape.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(batch, length, -1, self.shape.head_dim)).transpose(1, 2)
         v = v.view(batch, length, -1, self.shape.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         self.k_cache.index_copy_(2, input_pos, k)
@@ -163,8 +194,8 @@ class MLPBranch(nn.Module):
     def __init__(self, shape: ShardShape):
         super().__init__()
         self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
-        self.w13 = nn.Linear(shape.hidden_size, 2 * len(shape.intermediate), bias=False)
-        self.w2 = nn.Linear(len(shape.intermediate), shape.hidden_size, bias=False)
+        self.w13 = nn.Linear(shape.hidden_size, 2 * len(shape.intermediate), bias=shape.mlp_bias)
+        self.w2 = nn.Linear(len(shape.intermediate), shape.hidden_size, bias=shape.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(self.norm(x)).chunk(2, dim=-1)
@@ -172,26 +203,29 @@ class MLPBranch(nn.Module):
 
 
 class Block(nn.Module):
-    """A decoder layer as two branches; `is_ladder` says how their outputs join the residual."""
+    """A decoder layer as two branches; `is_ladder` says how their outputs join the residual,
+    `sliding` whether its attention sees only the last `sliding_window` positions."""
 
-    def __init__(self, shape: ShardShape, is_ladder: bool = False):
+    def __init__(self, shape: ShardShape, is_ladder: bool = False, sliding: bool = False):
         super().__init__()
         self.attention = AttentionBranch(shape)
         self.mlp = MLPBranch(shape)
-        self.is_ladder = is_ladder
+        self.is_ladder, self.sliding = is_ladder, sliding
 
 
-class LlamaShard(nn.Module):
+class ModelShard(nn.Module):
     """Embedding and LM head (replicated on every rank), the sharded blocks, the final norm and the
     RoPE tables. `setup_cache` must run before the first forward."""
 
-    def __init__(self, config: LlamaConfig, shape: ShardShape):
+    def __init__(self, config: PretrainedConfig, shape: ShardShape):
         super().__init__()
         self.config = config
         self.shape = shape
         ladder_layers = set(resolve_ladder_layers(getattr(config, "ladder_layers", None), shape.num_layers))
         self.embed = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(Block(shape, index in ladder_layers) for index in range(shape.num_layers))
+        self.layers = nn.ModuleList(
+            Block(shape, index in ladder_layers, index in shape.sliding_layers) for index in range(shape.num_layers)
+        )
         self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.reduce: Reduce = local_sum
@@ -208,7 +242,8 @@ class LlamaShard(nn.Module):
             block.is_ladder = index in chosen
 
     def setup_cache(self, batch: int, max_length: int) -> None:
-        """Allocate the KV caches, the causal mask and the cos/sin tables for `max_length` positions."""
+        """Allocate the KV caches, the causal and sliding-window masks and the cos/sin tables for
+        `max_length` positions."""
         weight = self.lm_head.weight
         for block in self.layers:
             block.attention.setup_cache(batch, max_length, weight.dtype, weight.device)
@@ -217,26 +252,30 @@ class LlamaShard(nn.Module):
         cos, sin = rope(weight, positions[None])
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        causal = torch.ones(max_length, max_length, dtype=torch.bool, device=weight.device).tril()
-        self.register_buffer("causal_mask", causal, persistent=False)
+        behind = positions[:, None] - positions[None, :]  # query position - key position
+        window = self.shape.sliding_window or max_length
+        self.register_buffer("causal_mask", behind >= 0, persistent=False)
+        self.register_buffer("sliding_mask", (behind >= 0) & (behind < window), persistent=False)
         self.max_length = max_length
 
     def forward(self, input_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """Logits for `input_ids` (batch, length) at cache positions `input_pos` (length,).
 
-        The two streams of ladder/model/modeling_ladder_llama.py are `x` plus what is pending: `x` with
+        The two streams of ladder/model/modeling_ladder.py are `x` plus what is pending: `x` with
         the pending attention sum settled is its attn_stream, with the pending MLP sum settled too
         its mlp_stream. The residual `x` takes each branch's summed output one step late (Algorithm 1): a ladder
         layer adds the previous attention output, launches its own attention, adds the previous
         MLP output, launches its MLP, and the sums travel while the next branch computes. A
         standard layer adds whatever is pending and sums its attention at once; its MLP output is
         also left pending, because a ladder layer right after it reads the stream from before that
-        MLP (see ladder/model/modeling_ladder_llama.py). The caller keeps positions inside the cache.
+        MLP (see ladder/model/modeling_ladder.py). The caller keeps positions inside the cache.
         """
-        cos, sin, mask = self.cos[:, input_pos], self.sin[:, input_pos], self.causal_mask[input_pos]
+        cos, sin = self.cos[:, input_pos], self.sin[:, input_pos]
+        causal, sliding = self.causal_mask[input_pos], self.sliding_mask[input_pos]
         x = self.embed(input_ids)
         pending_attention = pending_mlp = None
         for block in self.layers:
+            mask = sliding if block.sliding else causal
             if block.is_ladder:
                 x = settle(x, pending_attention)
                 pending_attention = self.reduce(block.attention(x, cos, sin, mask, input_pos), True)
@@ -249,18 +288,3 @@ class LlamaShard(nn.Module):
                 pending_mlp = self.reduce(block.mlp(x), False)
         x = settle(settle(x, pending_attention), pending_mlp)
         return self.lm_head(self.norm(x))
-
-
-__all__ = [
-    "AttentionBranch",
-    "Block",
-    "LlamaShard",
-    "MLPBranch",
-    "Pending",
-    "Ready",
-    "Reduce",
-    "ShardShape",
-    "local_sum",
-    "settle",
-    "shard_range",
-]
