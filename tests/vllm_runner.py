@@ -70,9 +70,24 @@ def run(spec: dict) -> dict:
     }
 
 
+def register_loaded(models: list[str]) -> None:
+    """Register the architectures of `models` by their classes, loaded here. vLLM inspects an
+    architecture registered by name (its own, and the ladder plugin's) in a new Python that imports
+    vLLM, 8-10 s each, remembered under VLLM_CACHE_ROOT, which is the test session's own; this process
+    has vLLM imported already (and builds each engine's config, where the inspection happens)."""
+    from vllm import ModelRegistry
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # the ladder architectures, as LLM() registers them
+    for model in models:
+        for architecture in json.loads(open(os.path.join(model, "config.json")).read())["architectures"]:
+            ModelRegistry.register_model(architecture, ModelRegistry.models[architecture].load_model_cls())
+
+
 def main(job_path: str, result_path: str) -> None:
     job = json.loads(open(job_path).read())
     results = {}
+    register_loaded([spec["model"] for spec in job["runs"]])
     for spec in job["runs"]:
         # A TP=1 engine in this process: no engine or worker process to start. Once one has run here,
         # vLLM reads its environment no more (enable_envs_cache): the runs after it stay in process.
