@@ -24,10 +24,8 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
-from benchmarks.common import PUBLISHED_SHAPES, run_benchmark, write_synthetic_checkpoint
+from benchmarks.common import PUBLISHED_SHAPES, REPOSITORY, run_benchmark, write_synthetic_checkpoint
 from ladder.errors import ArgumentParser
-
-REPOSITORY = Path(__file__).resolve().parents[1]
 
 CONVERT_IN_CHILD = """
 import json, os, sys, time
@@ -44,29 +42,18 @@ print(json.dumps({"seconds": seconds, "peak_rss": peak_kib * 1024, "heavy_import
 """
 
 
-def evict_from_page_cache(directory: Path) -> None:
-    """Drop a directory's files from the page cache (only clean pages go, so sync first)."""
-    os.sync()
-    for path in directory.rglob("*"):
-        if path.is_file():
-            descriptor = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(descriptor)
-
-
-def read_through(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                while handle.read(64 << 20):
-                    pass
-
-
 def prepare(source: Path, out: Path, cache: str) -> None:
+    """No output yet, and the source's files dropped from the page cache (only clean pages go, so sync
+    first), then read through once for `warm`."""
     shutil.rmtree(out, ignore_errors=True)
-    evict_from_page_cache(source)
+    os.sync()
+    files = [path for path in source.rglob("*") if path.is_file()]
+    for path in files:
+        descriptor = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(descriptor)
     if cache == "warm":
-        read_through(source)
+        subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
 
 
 def time_copy(source: Path, out: Path) -> float:

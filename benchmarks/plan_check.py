@@ -17,37 +17,22 @@ in one run, side by side; exits 1 when a row misses its bound.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from transformers import LlamaConfig
-
-from benchmarks.common import PUBLISHED_SHAPES, machine, run_benchmark
-from benchmarks.tp_speed import BOUND, STANDARD, Variant, Workload, launch
+from benchmarks import common, tp_speed
+from benchmarks.common import PUBLISHED_SHAPES, STANDARD
+from benchmarks.tp_speed import BOUND, SYNTHETIC, launch, workload
 from ladder.adapt.training_cost import PUBLISHED_MEMORY, torchtitan_reserved_bytes
-from ladder.cli_types import int_in, positive_int, positive_ints
 from ladder.errors import ArgumentParser
-from ladder.io.files import atomic_write
 from ladder.plan.calibrate import measure_link
 from ladder.plan.costs import ModelShape
 from ladder.plan.emulated_link import LOOPBACK, check_rate, emulated_link
 from ladder.plan.speed import Setting, device_profile, link_profile, predict
 
-# Wide enough that a branch computes for milliseconds on one core (an all-reduce costs ~0.2 ms of CPU
-# here), small enough that 3 links x 2 batches x 4 wirings run in a few minutes.
-CPU_SHAPE = dict(
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    num_hidden_layers=4,
-    vocab_size=4096,
-)
 HERE_TOLERANCE, PUBLISHED_TOLERANCE = 0.10, 0.15
 
 # Published speed-ups (Zhang et al., arXiv 2501.06589, inference with gpt-fast on H100, prompt 1024,
@@ -81,34 +66,15 @@ class Row:
         return self.tolerance is None or abs(self.error) <= self.tolerance
 
 
-def measured_speedups(rows: list[dict], variant: str) -> dict[int, tuple[float, float]]:
-    """Per batch: the median over rounds of standard/variant decode time (both timed in the same round),
-    and the spread of those ratios."""
-    result = {}
-    for batch in sorted({row["batch"] for row in rows}):
-        standard = next(r for r in rows if r["batch"] == batch and r["variant"] == STANDARD)["decode_ms_samples"]
-        ladder = next(r for r in rows if r["batch"] == batch and r["variant"] == variant)["decode_ms_samples"]
-        ratios = [s / v for s, v in zip(standard, ladder)]
-        median = statistics.median(ratios)
-        result[batch] = (median, (max(ratios) - min(ratios)) / median)
-    return result
-
-
-def check_here(args: argparse.Namespace, config: LlamaConfig, report: dict) -> list[Row]:
-    layers = config.num_hidden_layers
-    wirings = {f"all {layers}": list(range(layers)), f"upper {layers // 2}": list(range(layers - layers // 2, layers))}
-    variants = [Variant(STANDARD, [], "all-reduce")]
-    variants += [Variant(f"ladder ({name})", chosen, "all-reduce") for name, chosen in wirings.items()]
-    variants.append(Variant(BOUND, [], "none"))  # shown beside, to tell a compute error from a communication one
-    plan = Workload(
-        model="synthetic:plan-check", config=config.to_dict(), tp=2, batches=args.batches,
-        prompt_length=args.prompt_length, new_tokens=args.new_tokens, repeats=args.repeats, warmup=1,
-        dtype="float32", device="cpu", threads=1, compile=False, cuda_graphs=False,
-        comm_priority="realtime", variants=variants,
-    )  # fmt: skip
+def check_here(args: argparse.Namespace, report: dict) -> list[Row]:
+    """tp_speed's run of its "plan-check" shape (TP=2 over gloo, fp32, one thread per rank) on each link,
+    after the link's calibration, against the model's predictions."""
+    tp_argv = [f"--model={SYNTHETIC}plan-check", "--tp=2", "--device=cpu", "--dtype=float32", "--threads=1"]
+    tp_argv += [f"--batch={','.join(map(str, args.batch))}", f"--prompt-length={args.prompt_length}"]
+    tp_argv += [f"--new-tokens={args.new_tokens}", f"--repeats={args.repeats}", "--warmup=1"]
+    config, variants, _ = workload(tp_speed.parse_args(tp_argv))
     shape, rows = ModelShape.from_config(config.to_dict()), []
     for link_name in args.links:
-        plan.link = link_name
         load_before = os.getloadavg()[0]
         with emulated_link(link_name) as prefix:
             device, link = measure_link(link_name, prefix)
@@ -119,26 +85,33 @@ def check_here(args: argparse.Namespace, config: LlamaConfig, report: dict) -> l
                 "ns/byte on the CPU",
                 flush=True,
             )
-            measured = launch(plan, prefix)
+            measured = launch(tp_argv, link_name, prefix)
         loads = dict(load_before=load_before, load_after=os.getloadavg()[0])
         report["links"].append(dict(device=asdict(device), link=asdict(link), rows=measured, **loads))
-        rows += compare(shape, device, link, args, measured, wirings)
+        rows += compare(shape, device, link, args, measured, variants)
     return rows
 
 
-def compare(
-    shape: ModelShape, device, link, args: argparse.Namespace, measured: list[dict], wirings: dict
-) -> list[Row]:
-    """One link's rows: each wiring's predicted and measured speed-up per batch, then the bound's (not checked)."""
+def compare(shape: ModelShape, device, link, args: argparse.Namespace, measured: list[dict], variants) -> list[Row]:
+    """One link's rows: each ladder wiring's predicted and measured speed-up per batch, then the bound's
+    (not checked: shown beside, to tell a compute error from a communication one)."""
     rows = []
-    for name, chosen in [*wirings.items(), (BOUND, None)]:
-        speedups = measured_speedups(measured, BOUND if chosen is None else f"ladder ({name})")
-        for batch, (speedup, spread) in speedups.items():
+    for variant in variants[1:]:  # all but standard
+        for batch in args.batch:
+            # The median over rounds of standard/variant decode time (both timed in the same round), and
+            # the spread of those ratios.
+            standard, ladder = (
+                next(row for row in measured if row["batch"] == batch and row["variant"] == name)["decode_ms_samples"]
+                for name in (STANDARD, variant.name)
+            )
+            ratios = [s / v for s, v in zip(standard, ladder)]
+            speedup = statistics.median(ratios)
+            spread = (max(ratios) - min(ratios)) / speedup
             setting = Setting(device, link, tp=2, batch=batch, prompt=args.prompt_length,
                               new_tokens=args.new_tokens, dtype_bytes=4, cuda_graphs=False)  # fmt: skip
-            prediction = predict(shape, setting, chosen or [])
-            where = f"{link.name}, batch {batch}, " + (BOUND if chosen is None else f"ladder {name}")
-            if chosen is None:
+            prediction = predict(shape, setting, variant.ladder_layers)
+            where = f"{link.name}, batch {batch}, " + variant.name.replace("(", "").replace(")", "")
+            if variant.name == BOUND:
                 rows.append(Row("here", where, prediction.bound_speedup, speedup, None, spread=spread))
             else:
                 rows.append(
@@ -194,33 +167,27 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = ArgumentParser(prog="benchmarks.plan_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--links", default=f"{LOOPBACK},400mbit,100mbit", help="link settings (default %(default)s)")
-    parser.add_argument("--batch", type=positive_ints, default="1,4", help="batch sizes (default %(default)s)")
-    parser.add_argument("--prompt-length", type=positive_int, default=4)
-    parser.add_argument("--new-tokens", type=int_in(2, 1 << 20), default=8)
-    parser.add_argument("--repeats", type=positive_int, default=10, help="timed rounds per link (default %(default)s)")
+    common.add_decode_options(parser, "plan_check", prompt=4, tokens=8, rounds=10)
     parser.add_argument("--published-only", action="store_true", help="only (b): no measurement")
-    parser.add_argument("--out", default="runs/bench/plan_check.json")
     args = parser.parse_args(argv)
     args.links = [check_rate(link.strip()) for link in args.links.split(",") if link.strip()]
-    args.batches = args.batch
     return args
 
 
 def measure(argv: list[str]) -> int:
     args = parse_args(argv)
     started, load = time.time(), os.getloadavg()[0]
-    report = dict(machine=machine(), links=[])
+    report = dict(machine=common.machine(), links=[])
     print(f"machine: {report['machine']['cpu']}, {os.cpu_count()} CPUs, load average {load:.2f} at start", flush=True)
-    rows = [] if args.published_only else check_here(args, LlamaConfig(**CPU_SHAPE, tie_word_embeddings=False), report)
+    rows = [] if args.published_only else check_here(args, report)
     rows += check_published() + check_memory_published()
     print(table(rows))
     print(f"{time.time() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at the end (started at {load:.2f})")
     report["rows"] = [asdict(row) | {"error": row.error, "passed": row.passed} for row in rows]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(args.out, json.dumps(report, indent=2) + "\n")
+    common.write_report(args.out, report)
     loads = [load, os.getloadavg()[0]] + [link["load_after"] for link in report["links"]]
     if report["links"] and max(loads) > 1.5 * os.cpu_count():  # the two ranks alone make about one per CPU here
         print(
@@ -235,4 +202,4 @@ def measure(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_benchmark("plan_check", measure))
+    sys.exit(common.run_benchmark("plan_check", measure))

@@ -29,12 +29,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import run_benchmark
+from benchmarks.common import REPOSITORY, run_benchmark
 from ladder.errors import ArgumentParser
 from ladder.io.loading import load_model
 
 MAX_DIFFERENCE = 1e-3  # nats; float32 rounding between the two paths measured 1.1e-4 at most
-REPO = Path(__file__).resolve().parents[1]
 
 
 def requests_of(suite_name: str) -> dict[str, list]:
@@ -116,7 +115,7 @@ def whole_commands(args: argparse.Namespace) -> int:
                 "ladder eval": [bin_ / "ladder", "eval", model_dir, "--suite", suite, "--no-cache", "--device", "cpu"]
                 + ["--dtype", "float32", "--batch-size", batch, "--out", out["ladder eval"]],
                 "lm_eval": [bin_ / "lm_eval", "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32"]
-                + ["--tasks", args.task, "--include_path", REPO / "eval" / "tasks", "--limit", str(args.limit)]
+                + ["--tasks", args.task, "--include_path", REPOSITORY / "eval" / "tasks", "--limit", str(args.limit)]
                 + ["--device", "cpu", "--batch_size", batch, "--output_path", out["lm_eval"]],
             }
             for side, command in commands.items():

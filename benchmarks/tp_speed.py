@@ -28,24 +28,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import LlamaConfig
 
-from benchmarks.common import PUBLISHED_SHAPES, machine, run_benchmark
-from ladder.cli_types import non_negative_int, positive_int, positive_ints
+from benchmarks import common
+from benchmarks.common import PUBLISHED_SHAPES, STANDARD
+from ladder.cli_types import non_negative_int, positive_int
 from ladder.errors import ArgumentParser, UsageError
-from ladder.io.files import atomic_write
 from ladder.io.loading import DTYPES
 from ladder.launch import rank_environment, torchrun
 from ladder.plan.emulated_link import LOOPBACK, check_rate, emulated_link
-from ladder.tp.runtime import GLOO_THREADS, prioritize_gloo_threads
+from ladder.tp import runtime
 from ladder.tp.shard import ModelShard, ShardShape
-
-# The ranks run `python -m benchmarks.tp_speed`: from the repository root, whatever the caller's folder.
-REPOSITORY = Path(__file__).resolve().parents[1]
 
 # Synthetic shapes (random weights). "cpu", the default, is a ~1B-parameter Llama-2-style model
 # (multi-head attention) cut to 8 layers, so a 2-core run takes a few minutes. Its width matters:
@@ -53,17 +51,19 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 # for several ms before hiding one pays. Ladder hides the MLP's all-reduce behind the next attention
 # branch, which grouped-query attention makes 3x cheaper: "cpu-gqa" (Llama-3 style) shows the
 # difference. The others are the published shapes, for GPU machines.
-CPU_SHAPE = dict(
-    hidden_size=3072,
-    intermediate_size=8192,
-    num_attention_heads=24,
-    num_key_value_heads=24,
-    num_hidden_layers=8,
-    vocab_size=8192,
-)
-SHAPES = {"cpu": CPU_SHAPE, "cpu-gqa": {**CPU_SHAPE, "num_key_value_heads": 8}, **PUBLISHED_SHAPES}
+CPU_SHAPE = common.llama_shape(hidden=3072, intermediate=8192, heads=24, kv_heads=24, layers=8, vocab=8192)
+# benchmarks.plan_check's: wide enough that a branch computes for milliseconds on one core (an
+# all-reduce costs ~0.2 ms of CPU here), small enough that 3 links x 2 batches x 4 wirings run in a
+# few minutes.
+PLAN_CHECK_SHAPE = common.llama_shape(hidden=2048, intermediate=5632, heads=16, kv_heads=16, layers=4, vocab=4096)
+SHAPES = {
+    "cpu": CPU_SHAPE,
+    "cpu-gqa": {**CPU_SHAPE, "num_key_value_heads": 8},
+    "plan-check": PLAN_CHECK_SHAPE,
+    **PUBLISHED_SHAPES,
+}
 SYNTHETIC = "synthetic:"
-STANDARD, BOUND = "standard", "no-comm bound"  # the variants every other is compared with
+BOUND = "no-comm bound"  # with STANDARD, the variants every other is compared with
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -88,24 +88,26 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return summaries
 
 
-def table(rows: list[dict], summaries: list[dict]) -> str:
-    header = f"{'link':<10} {'batch':>5}  {'variant':<18} {'decode ms/tok':>13} {'spread':>6} {'tok/s':>8} {'vs standard':>11} {'bound gain':>10} {'prefill ms':>10}"
-    lines = [header, "-" * len(header)]
+def report_table(rows: list[dict], summaries: list[dict]) -> str:
+    """One link's rows, then its communication shares."""
+    columns = [
+        ("link", "<10", lambda row: row["link"]),
+        ("batch", ">5", lambda row: str(row["batch"])),
+        ("variant", "<18", lambda row: row["variant"] + (" *" if row["variant"] == BOUND else "")),
+        *common.DECODE_COLUMNS,
+        (
+            "bound gain",
+            ">10",
+            lambda row: "n/a" if row["share_of_bound_gain"] is None else f"{row['share_of_bound_gain']:.0%}",
+        ),
+        ("prefill ms", ">10", lambda row: f"{row['prefill_ms']:.1f}"),
+    ]
+    lines = common.table(rows, columns) + [""]
     for summary in summaries:
-        for row in rows:
-            if (row["link"], row["batch"]) != (summary["link"], summary["batch"]):
-                continue
-            share = row["share_of_bound_gain"]
-            lines.append(
-                f"{row['link']:<10} {row['batch']:>5}  {row['variant'] + (' *' if row['variant'] == BOUND else ''):<18} "
-                f"{row['decode_ms_per_token']:>13.2f} {row['decode_spread']:>6.0%} {row['tokens_per_s']:>8.1f} "
-                f"{row['speedup_vs_standard']:>10.2f}x {'n/a' if share is None else f'{share:.0%}':>10} {row['prefill_ms']:>10.1f}"
-            )
         if summary["communication_share_of_standard"] is not None:
             lines.append(
-                f"{summary['link']:<10} {summary['batch']:>5}  communication share of standard decode (1 - bound/standard): {summary['communication_share_of_standard']:.0%}"
+                f"batch {summary['batch']}: communication share of standard decode (1 - bound/standard): {summary['communication_share_of_standard']:.0%}"
             )
-        lines.append("")
     lines.append(
         f"* {BOUND}: all-reduces skipped, so its OUTPUTS ARE WRONG; it only times a free interconnect.\n"
         "spread: (max - min) / median over the repeats; bound gain: (standard - variant) / (standard - bound), "
@@ -119,34 +121,6 @@ class Variant:
     name: str
     ladder_layers: list[int]
     communication: str  # "all-reduce" or "none" (see ladder.tp.runtime.install_communication)
-
-
-@dataclass
-class Workload:
-    """Everything a rank runs, written to JSON by the launcher and read by each rank."""
-
-    model: str
-    config: dict
-    tp: int
-    batches: list[int]
-    prompt_length: int
-    new_tokens: int
-    repeats: int
-    warmup: int
-    dtype: str
-    device: str
-    threads: int
-    compile: bool
-    cuda_graphs: bool
-    comm_priority: str
-    link: str = LOOPBACK
-    variants: list[Variant] = field(default_factory=list)
-
-    @classmethod
-    def from_json(cls, text: str) -> Workload:
-        values = json.loads(text)
-        values["variants"] = [Variant(**variant) for variant in values["variants"]]
-        return cls(**values)
 
 
 # --- One rank (runs under torchrun) --------------------------------------------------------------
@@ -168,8 +142,6 @@ def synthetic_shard(
 
 def timed(function, device: torch.device) -> tuple[float, object]:
     """Seconds from a common start (barrier) until the slowest rank is done, and the result."""
-    import torch.distributed as dist
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if dist.is_initialized():
@@ -184,74 +156,58 @@ def timed(function, device: torch.device) -> tuple[float, object]:
     return elapsed.item(), result
 
 
-def run_rank(workload: Workload, result_path: Path) -> None:
-    import torch.distributed as dist
-
-    from ladder.tp.runtime import (
-        CUDAGraphStep,
-        compile_branches,
-        decode,
-        init_distributed,
-        install_communication,
-        load_shard,
-        prefill,
-    )
-
-    rank, tp_size, device = init_distributed(cuda=workload.device == "cuda")
-    if workload.comm_priority == "realtime" and tp_size > 1 and prioritize_gloo_threads() == 0 and rank == 0:
-        print(f"warning: no threads named {GLOO_THREADS}: gloo runs at normal priority", file=sys.stderr)
-    torch.set_num_threads(workload.threads)
+def run_rank(args: argparse.Namespace, config, variants: list[Variant], result_path: Path) -> None:
+    rank, tp_size, device = runtime.init_distributed(cuda=args.device == "cuda")
+    if args.comm_priority == "realtime" and tp_size > 1 and runtime.prioritize_gloo_threads() == 0 and rank == 0:
+        print(f"warning: no threads named {runtime.GLOO_THREADS}: gloo runs at normal priority", file=sys.stderr)
+    torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # random weights must not wander into slow denormal arithmetic
-    dtype = DTYPES[workload.dtype]
-    if workload.model.startswith(SYNTHETIC):
-        shard = synthetic_shard(LlamaConfig(**workload.config), rank, tp_size, dtype, device)
+    dtype = DTYPES[args.dtype]
+    if args.model.startswith(SYNTHETIC):
+        shard = synthetic_shard(config, rank, tp_size, dtype, device)
     else:
-        shard = load_shard(workload.model, rank, tp_size, dtype, device)
-    if workload.compile:
-        compile_branches(shard)
+        shard = runtime.load_shard(args.model, rank, tp_size, dtype, device)
+    if args.compile:
+        runtime.compile_branches(shard)
 
     def configure(variant: Variant) -> None:
         shard.set_ladder_layers(variant.ladder_layers)
-        install_communication(shard, variant.communication)
+        runtime.install_communication(shard, variant.communication)
 
-    rows, begun = [], time.time()
-    for batch in workload.batches:
-        shard.setup_cache(batch, workload.prompt_length + workload.new_tokens)
+    rows, begun, decoded = [], time.time(), args.new_tokens - 1  # the first new token comes from the prefill
+    for batch in args.batch:
+        shard.setup_cache(batch, args.prompt_length + args.new_tokens)
         generator = torch.Generator().manual_seed(batch)  # the same prompts on every rank
-        prompt = torch.randint(0, shard.shape.vocab_size, (batch, workload.prompt_length), generator=generator).to(
-            device
-        )
+        prompt = torch.randint(0, shard.shape.vocab_size, (batch, args.prompt_length), generator=generator).to(device)
         steps = {}
-        if workload.cuda_graphs:  # one graph per variant (the wiring is baked in), captured before any prefill
-            for variant in workload.variants:
+        if args.cuda_graphs:  # one graph per variant (the wiring is baked in), captured before any prefill
+            for variant in variants:
                 configure(variant)
-                steps[variant.name] = CUDAGraphStep(shard, batch)
-        samples = {variant.name: ([], []) for variant in workload.variants}
-        rounds = workload.warmup + workload.repeats
+                steps[variant.name] = runtime.CUDAGraphStep(shard, batch)
+        samples = {variant.name: ([], []) for variant in variants}
+        rounds = args.warmup + args.repeats
         for round_index in range(rounds):
             # Variants interleaved within each round, so slow drifts in machine load hit them all alike.
-            for variant in workload.variants:
+            for variant in variants:
                 configure(variant)
-                prefill_s, first = timed(lambda: prefill(shard, prompt), device)
+                prefill_s, first = timed(lambda: runtime.prefill(shard, prompt), device)
                 step = steps.get(variant.name)
-                decode_s, _ = timed(
-                    lambda: decode(shard, first, workload.prompt_length, workload.new_tokens - 1, step), device
-                )
-                if round_index >= workload.warmup:
-                    samples[variant.name][0].append(1e3 * decode_s / (workload.new_tokens - 1))
+                decode_s, _ = timed(lambda: runtime.decode(shard, first, args.prompt_length, decoded, step), device)
+                if round_index >= args.warmup:
+                    samples[variant.name][0].append(1e3 * decode_s / decoded)
                     samples[variant.name][1].append(1e3 * prefill_s)
             if rank == 0:
                 print(
-                    f"  [{workload.link}] batch {batch}: round {round_index + 1}/{rounds} ({time.time() - begun:.0f} s)",
+                    f"  [{args.link}] batch {batch}: round {round_index + 1}/{rounds} ({time.time() - begun:.0f} s)",
                     file=sys.stderr,
                     flush=True,
                 )
-        for variant in workload.variants:
+        for variant in variants:
             decode_ms, prefill_ms = samples[variant.name]
             median = statistics.median(decode_ms)
             rows.append(
                 dict(
-                    link=workload.link,
+                    link=args.link,
                     tp=tp_size,
                     batch=batch,
                     variant=variant.name,
@@ -274,56 +230,39 @@ def run_rank(workload: Workload, result_path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
+    parser = ArgumentParser(prog="benchmarks.tp_speed", description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add(
         "--model",
         default=SYNTHETIC + "cpu",
         help=f"a checkpoint directory (safetensors) or {SYNTHETIC}NAME, NAME in {', '.join(SHAPES)} (default {SYNTHETIC}cpu)",
     )
-    parser.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel degree: ranks launched (default 2)")
-    parser.add_argument("--batch", type=positive_ints, default="1,4", help="batch sizes, comma-separated (default 1,4)")
-    parser.add_argument(
-        "--prompt-length", type=positive_int, default=32, help="prompt tokens per sequence (default 32)"
-    )
-    parser.add_argument(
-        "--new-tokens",
-        type=int,
-        default=16,
-        help="tokens generated per run; decode is timed over all but the first (default 16)",
-    )
-    parser.add_argument(
-        "--repeats", type=positive_int, default=5, help="timed rounds; medians are reported (default 5)"
-    )
-    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed rounds first (default 1)")
-    parser.add_argument(
+    add("--tp", type=positive_int, default=2, help="tensor-parallel degree: ranks launched (default 2)")
+    common.add_decode_options(parser, "tp_speed", prompt=32, tokens=16, rounds=5)
+    add("--warmup", type=non_negative_int, default=1, help="untimed rounds first (default 1)")
+    add(
         "--link",
         default=LOOPBACK,
         help=f"'{LOOPBACK}' and/or tbf-shaped rates, comma-separated, e.g. {LOOPBACK},100mbit (default {LOOPBACK})",
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
-    parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads per rank (default 1)")
-    parser.add_argument(
-        "--comm-priority", choices=("realtime", "normal"),
+    add("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--dtype", choices=tuple(DTYPES), help="default float32 on CPU, bfloat16 on CUDA")
+    add("--threads", type=positive_int, default=1, help="CPU threads per rank (default 1)")
+    add(
+        "--comm-priority",
+        choices=("realtime", "normal"),
         help="CPU: scheduling of gloo's communication threads (default realtime as root, else normal; see prioritize_gloo_threads)",
-    )  # fmt: skip
-    parser.add_argument("--compile", action="store_true", help="torch.compile the attention and MLP branches")
-    parser.add_argument(
-        "--cuda-graphs", action="store_true", help="replay each decode step as one CUDA graph (CUDA only)"
     )
-    parser.add_argument(
-        "--out", default="runs/bench/tp_speed.json", help="JSON results (default runs/bench/tp_speed.json)"
-    )
-    parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "RESULT"), help=argparse.SUPPRESS)
+    add("--compile", action="store_true", help="torch.compile the attention and MLP branches")
+    add("--cuda-graphs", action="store_true", help="replay each decode step as one CUDA graph (CUDA only)")
+    add("--worker", metavar="RESULT", help=argparse.SUPPRESS)  # a rank, under torchrun: rank 0 writes RESULT
     return parser.parse_args(argv)
 
 
-def make_workload(args: argparse.Namespace) -> tuple[Workload, str]:
-    """Validate every option and the model's shape for every rank before anything is launched."""
-    from ladder.tp.runtime import read_config
-
-    if args.new_tokens < 2:
-        raise UsageError("--new-tokens must be at least 2 (the first comes from the prefill)")
+def workload(args: argparse.Namespace) -> tuple[object, list[Variant], str]:
+    """Validate every option and the model's shape for every rank before anything is launched (each
+    rank does it again from the same options), fill in the defaults of --dtype and --comm-priority,
+    and return the model's config, the variants, and the model in words."""
     if args.device == "cuda":
         if torch.cuda.device_count() < args.tp:
             raise UsageError(f"--tp {args.tp} needs {args.tp} GPUs; this machine has {torch.cuda.device_count()}")
@@ -332,7 +271,8 @@ def make_workload(args: argparse.Namespace) -> tuple[Workload, str]:
     root = os.geteuid() == 0
     if args.comm_priority == "realtime" and not root:
         raise UsageError("--comm-priority realtime needs root (SCHED_FIFO); use --comm-priority normal")
-    comm_priority = "n/a" if args.device == "cuda" else args.comm_priority or ("realtime" if root else "normal")
+    args.comm_priority = "n/a" if args.device == "cuda" else args.comm_priority or ("realtime" if root else "normal")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.model.startswith(SYNTHETIC):
         name = args.model[len(SYNTHETIC) :]
         if name not in SHAPES:
@@ -342,7 +282,7 @@ def make_workload(args: argparse.Namespace) -> tuple[Workload, str]:
         )
         described = f"synthetic {name} (random weights)"
     else:
-        config = read_config(args.model)
+        config = runtime.read_config(args.model)
         ladder_layers = getattr(config, "ladder_layers", None) or "none"
         described = f"checkpoint {args.model} ({config.model_type}, its own ladder layers: {ladder_layers})"
     try:
@@ -362,34 +302,18 @@ def make_workload(args: argparse.Namespace) -> tuple[Workload, str]:
     ]
     if args.tp > 1:  # at TP=1 there is nothing to overlap and the bound equals standard
         variants += [Variant(f"ladder (upper {len(upper_half)})", upper_half, "all-reduce"), Variant(BOUND, [], "none")]
-    workload = Workload(
-        model=args.model,
-        config=config.to_dict() if args.model.startswith(SYNTHETIC) else {},
-        tp=args.tp,
-        batches=args.batch,
-        prompt_length=args.prompt_length,
-        new_tokens=args.new_tokens,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        dtype=args.dtype or ("bfloat16" if args.device == "cuda" else "float32"),
-        device=args.device,
-        threads=args.threads,
-        compile=args.compile,
-        cuda_graphs=args.cuda_graphs,
-        comm_priority=comm_priority,
-        variants=variants,
-    )
-    return workload, described
+    return config, variants, described
 
 
-def launch(workload: Workload, prefix: list[str]) -> list[dict]:
-    """Run the ranks under torchrun (behind `prefix`, e.g. `ip netns exec NAME`) and collect rank 0's rows."""
+def launch(argv: list[str], link: str, prefix: list[str]) -> list[dict]:
+    """Run the ranks of `python -m benchmarks.tp_speed ARGV` on `link` under torchrun (behind `prefix`,
+    e.g. `ip netns exec NAME`) and collect rank 0's rows."""
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tp-speed-") as scratch:
-        workload_path, result_path = Path(scratch, "workload.json"), Path(scratch, "result.json")
-        workload_path.write_text(json.dumps(asdict(workload)))
-        command = [*torchrun(workload.tp, prefix), "-m", "benchmarks.tp_speed", "--worker", str(workload_path)]
-        command.append(str(result_path))
-        process = subprocess.Popen(command, env=rank_environment(workload.threads), cwd=REPOSITORY)
+        result_path = Path(scratch, "result.json")
+        command = [*torchrun(args.tp, prefix), "-m", "benchmarks.tp_speed", *argv, "--link", link]
+        command += ["--worker", str(result_path)]
+        process = subprocess.Popen(command, env=rank_environment(args.threads), cwd=common.REPOSITORY)
         try:
             status = process.wait()
         except BaseException:  # Ctrl-C: stop the ranks before the namespace goes away
@@ -406,35 +330,36 @@ def launch(workload: Workload, prefix: list[str]) -> list[dict]:
 
 def measure(argv: list[str]) -> int:
     args = parse_args(argv)
+    config, variants, described = workload(args)
     if args.worker:
-        run_rank(Workload.from_json(Path(args.worker[0]).read_text()), Path(args.worker[1]))
+        run_rank(args, config, variants, Path(args.worker))
         return 0
-    workload, described = make_workload(args)
     links = [check_rate(link.strip()) for link in args.link.split(",") if link.strip()] or [LOOPBACK]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     print(
-        f"TP={workload.tp} on {workload.device} ({'NCCL' if workload.device == 'cuda' else f'gloo, {workload.threads} thread(s) per rank, {workload.comm_priority} priority for gloo threads'}), "
-        f"{workload.dtype}, {described}\nbatch {','.join(map(str, workload.batches))}, prompt {workload.prompt_length}, "
-        f"{workload.new_tokens} new tokens, {workload.warmup} warm-up + {workload.repeats} timed rounds; links: {', '.join(links)}"
-        + (f"{' compile' if workload.compile else ''}{' cuda-graphs' if workload.cuda_graphs else ''}"),
+        f"TP={args.tp} on {args.device} ({'NCCL' if args.device == 'cuda' else f'gloo, {args.threads} thread(s) per rank, {args.comm_priority} priority for gloo threads'}), "
+        f"{args.dtype}, {described}\nbatch {','.join(map(str, args.batch))}, prompt {args.prompt_length}, "
+        f"{args.new_tokens} new tokens, {args.warmup} warm-up + {args.repeats} timed rounds; links: {', '.join(links)}"
+        + (f"{' compile' if args.compile else ''}{' cuda-graphs' if args.cuda_graphs else ''}"),
         flush=True,
     )
-    if workload.tp == 1:
+    if args.tp == 1:
         print(
             "TP=1: no communication, so nothing for ladder to hide: a sanity run and kernel timings, not a TP figure."
         )
-    if workload.device == "cpu" and workload.tp * workload.threads > (os.cpu_count() or 1):
+    if args.device == "cpu" and args.tp * args.threads > (os.cpu_count() or 1):
         print(
-            f"warning: {workload.tp} ranks x {workload.threads} threads exceed the {os.cpu_count()} CPUs: ranks will steal each other's time",
+            f"warning: {args.tp} ranks x {args.threads} threads exceed the {os.cpu_count()} CPUs: ranks will steal each other's time",
             file=sys.stderr,
         )
+    settings = {
+        key: value for key, value in vars(args).items() if key not in ("link", "out", "worker", "quiet", "verbose")
+    }
     rows, runs = [], []
     for link in links:
-        workload.link = link
         load_before, started = os.getloadavg()[0], time.time()
         with emulated_link(link) as prefix:
-            rows += launch(workload, prefix)
+            rows += launch(argv, link, prefix)
         runs.append(
             dict(
                 link=link,
@@ -445,25 +370,22 @@ def measure(argv: list[str]) -> int:
         )
         summaries = add_ratios(rows)
         print(
-            table([row for row in rows if row["link"] == link], [s for s in summaries if s["link"] == link]), flush=True
+            report_table([row for row in rows if row["link"] == link], [s for s in summaries if s["link"] == link]),
+            flush=True,
         )
         report = dict(
             command=["python", "-m", "benchmarks.tp_speed", *argv],
             model=described,
-            workload={key: value for key, value in asdict(workload).items() if key not in ("config", "link")},
-            machine=machine(),
+            workload=settings | dict(variants=[asdict(variant) for variant in variants]),
+            machine=common.machine(),
             runs=runs,
             summaries=summaries,
             rows=rows,
         )
-        atomic_write(out, json.dumps(report, indent=2) + "\n")
-    print(f"results: {out}")
+        common.write_report(args.out, report)
+    print(f"results: {args.out}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_benchmark("tp_speed", measure, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.run_benchmark("tp_speed", measure))

@@ -20,11 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import run_benchmark
+from benchmarks.common import REPOSITORY, run_benchmark
 from ladder.errors import ArgumentParser
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "smollm2-135m-ladder-cpu.yaml"
+RECIPE = REPOSITORY / "recipes" / "smollm2-135m-ladder-cpu.yaml"
 
 
 def recipe_for(steps: int, overrides: list[str], out: Path):
@@ -129,7 +128,8 @@ def measure(argv: list[str]) -> int:
     for _ in range(args.rounds):
         for kind in results:
             command = [sys.executable, "-m", "benchmarks.train_speed", "--child", kind, f"--steps={args.steps}"]
-            done = subprocess.run([*command, *args.overrides], check=True, capture_output=True, text=True, cwd=REPO)
+            command += args.overrides
+            done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPOSITORY)
             run = json.loads(done.stdout.strip().splitlines()[-1])
             warmup = 2 if kind == "adapt-compile" else 1  # compilation happens in the first steps
             results[kind]["seconds"] += run["seconds"][warmup:]

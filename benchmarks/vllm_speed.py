@@ -34,24 +34,17 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import PUBLISHED_SHAPES, machine, run_benchmark
-from ladder.cli_types import int_in, positive_int, positive_ints
+from benchmarks import common
+from benchmarks.common import STANDARD
+from ladder.cli_types import positive_int
 from ladder.errors import ArgumentParser, UsageError
 
 SHAPES = {
     # ~100M parameters in 8 layers: a decode step is a few ms per rank on one CPU core, so the
     # all-reduces weigh as they would on a GPU, and three engines start and run in a few minutes.
-    "cpu": dict(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        num_hidden_layers=8,
-        vocab_size=8192,
-    ),
-    **PUBLISHED_SHAPES,
+    "cpu": common.llama_shape(hidden=1024, intermediate=2816, heads=8, kv_heads=8, layers=8, vocab=8192),
+    **common.PUBLISHED_SHAPES,
 }
-STANDARD = "standard"
 
 
 def write_config(directory: Path, shape: dict, ladder_layers: list[int] | None, max_len: int) -> Path:
@@ -192,13 +185,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add = parser.add_argument
     add("--shape", choices=tuple(SHAPES), default="cpu", help="model shape, random (dummy) weights (default cpu)")
     add("--tp", type=positive_int, default=2, help="tensor-parallel degree (default 2)")
-    add("--batch", type=positive_ints, default=[1, 4], help="batch sizes, comma-separated (default 1,4)")
-    add("--prompt-length", type=positive_int, default=32, help="prompt tokens per sequence (default 32)")
-    add("--new-tokens", type=int_in(2, 1 << 20), default=32, help="tokens generated per timed run (default 32)")
-    add("--repeats", type=positive_int, default=3, help="timed rounds; medians are reported (default 3)")
+    common.add_decode_options(parser, "vllm_speed", prompt=32, tokens=32, rounds=3)
     add("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on GPUs, float32 on the CPU (slow bf16)")
     add("--compiled", action="store_true", help="vLLM's default torch.compile (and CUDA graphs on GPU), not eager")
-    add("--out", default="runs/bench/vllm_speed.json", help="JSON results (default runs/bench/vllm_speed.json)")
     return parser.parse_args(argv)
 
 
@@ -237,7 +226,7 @@ def run_variant(name: str, model: Path, args: argparse.Namespace, max_len: int) 
     return rows
 
 
-def run(argv: list[str]) -> int:
+def measure(argv: list[str]) -> int:
     args = parse_args(argv)
     from ladder.serving.engine import cpu_binding, use_spawn_where_cuda_may_be
 
@@ -246,8 +235,6 @@ def run(argv: list[str]) -> int:
         from vllm.platforms import current_platform
     except ImportError:
         raise UsageError("vLLM is not installed here; run it with .venv-serve/bin/python (make bench-vllm)") from None
-    from ladder.io.files import atomic_write
-
     if args.dtype is None:  # bf16 is slow on these CPUs
         args.dtype = "float32" if current_platform.is_cpu() else "bfloat16"
     shape = SHAPES[args.shape]
@@ -270,43 +257,34 @@ def run(argv: list[str]) -> int:
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm-speed-") as root:
-        for name, ladder_layers in variants.items():
-            model = write_config(
-                Path(root) / name.replace(" ", "_").replace("(", "").replace(")", ""), shape, ladder_layers, max_len
-            )
+        for number, (name, ladder_layers) in enumerate(variants.items()):
+            model = write_config(Path(root) / f"variant-{number}", shape, ladder_layers, max_len)
             # A fresh spawned process per engine; its workers are not daemons (vLLM starts its own).
             with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
                 rows += pool.submit(run_variant, name, model, args, max_len).result()
     for row in rows:
         standard = next(r for r in rows if r["variant"] == STANDARD and r["batch"] == row["batch"])
         row["speedup_vs_standard"] = standard["decode_ms_per_token"] / row["decode_ms_per_token"]
-    print(table(rows))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    columns = [
+        ("batch", ">5", lambda row: str(row["batch"])),
+        ("variant", "<20", lambda row: row["variant"]),
+        *common.DECODE_COLUMNS,
+        ("all-reduce share", ">16", lambda row: f"{row['communication_share']:.0%}"),
+    ]
+    print("", *common.table(sorted(rows, key=lambda row: row["batch"]), columns), sep="\n")
+    print(
+        "all-reduce share: time the compute stream spends in vLLM's all-reduce (waiting for the other rank included) / decode time, per rank."
+    )
     record = dict(command=["python", "-m", "benchmarks.vllm_speed", *argv], shape=shape)
     record |= {
         name: getattr(args, name) for name in ("tp", "dtype", "compiled", "prompt_length", "new_tokens", "repeats")
     }
-    where = machine() | {"device": current_platform.device_name}
+    where = common.machine() | {"device": current_platform.device_name}
     record |= dict(binding=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), machine=where, rows=rows)
-    atomic_write(out, json.dumps(record, indent=2) + "\n")
-    print(f"\nresults in {out}")
+    common.write_report(args.out, record)
+    print(f"\nresults in {args.out}")
     return 0
 
 
-def table(rows: list[dict]) -> str:
-    header = f"{'batch':>5}  {'variant':<20} {'decode ms/tok':>13} {'spread':>6} {'tok/s':>8} {'vs standard':>11} {'all-reduce share':>16}"
-    lines = ["", header, "-" * len(header)]
-    for row in sorted(rows, key=lambda r: r["batch"]):
-        lines.append(
-            f"{row['batch']:>5}  {row['variant']:<20} {row['decode_ms_per_token']:>13.2f} {row['decode_spread']:>6.0%} "
-            f"{row['tokens_per_s']:>8.1f} {row['speedup_vs_standard']:>10.2f}x {row['communication_share']:>16.0%}"
-        )
-    lines.append(
-        "all-reduce share: time the compute stream spends in vLLM's all-reduce (waiting for the other rank included) / decode time, per rank."
-    )
-    return "\n".join(lines)
-
-
 if __name__ == "__main__":  # vLLM spawns its engine and workers: they re-import this file
-    sys.exit(run_benchmark("vllm_speed", run))
+    sys.exit(common.run_benchmark("vllm_speed", measure))
