@@ -4,32 +4,20 @@ after (from the run's metrics.jsonl); the front matter is `ladder.io.model_card`
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from tabulate import tabulate
 
-from ladder.io.model_card import SourceFacts, loading_section, origin_line, render_card
+from ladder.io.model_card import loading_section, origin_line, render_card
 from ladder.layers import format_layers
 
-from .checkpoint import METRICS_FILE, TrainState
-from .recipe import RECIPE_FILE, Recipe
+from .checkpoint import METRICS_FILE
+from .recipe import RECIPE_FILE
 
 
-@dataclass(frozen=True)
-class TrainingFacts:
-    """What the card says about the run besides its recipe."""
-
-    ladder_layers: list[int]
-    num_hidden_layers: int
-    state: TrainState
-    tokens_per_step: int
-    processes: int
-    eval_blocks: int
-
-
-def model_card(recipe: Recipe, source: SourceFacts, licences: list[str], run: TrainingFacts) -> str:
-    """README.md of the final model of a run of `recipe`, made from `source`."""
+def model_card(run, licences: list[str]) -> str:
+    """README.md of the final model of `run` (adapt/train.py's AdaptRun), made from its source model."""
+    recipe, source, state = run.recipe, run.source_facts, run.state
     run_dir = recipe.run_dir()
     evals = [
         r for r in (json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()) if "eval_loss" in r
@@ -47,8 +35,8 @@ def model_card(recipe: Recipe, source: SourceFacts, licences: list[str], run: Tr
         "## Training",
         "",
         f"- recipe `{recipe.name}` (`{RECIPE_FILE}` beside the weights holds all of it)",
-        f"- {run.state.tokens_seen:,} tokens in {run.state.step} steps of {run.tokens_per_step:,} "
-        f"({recipe.data.seq_len}-token packed blocks), {run.processes} process(es)",
+        f"- {state.tokens_seen:,} tokens in {state.step} steps of {run.budget.tokens_per_step:,} "
+        f"({recipe.data.seq_len}-token packed blocks), {run.accelerator.num_processes} process(es)",
         f"- data: {sources}",
         f"- trainable: {recipe.trainable.mode}; objective: {recipe.objective.name}; AdamW lr "
         f"{recipe.optimizer.lr:g}, {recipe.schedule.decay} decay; precision {recipe.precision}",
@@ -61,7 +49,7 @@ def model_card(recipe: Recipe, source: SourceFacts, licences: list[str], run: Tr
         lines += ["", "## Held-out loss", "", table]
         lines += [
             "",
-            f"On {run.eval_blocks} held-out blocks of {recipe.data.seq_len} tokens; every "
+            f"On {len(run.data.eval)} held-out blocks of {recipe.data.seq_len} tokens; every "
             f"evaluation is in `metrics.jsonl` of the run ({run_dir}).",
         ]
     lines += ["", loading_section()]

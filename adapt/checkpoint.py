@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, load
 
 from ladder.errors import UsageError
 from ladder.io.files import atomic_directory, atomic_write, write_failure
@@ -39,15 +39,11 @@ class TrainState:
 
 
 def checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (an interrupted save's temporary is a hidden name)."""
+    """Complete checkpoints, oldest first (an interrupted save's temporary is a hidden name): the latest
+    is `max(checkpoints(directory), default=None)`."""
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.glob("step-*") if (p / STATE_FILE).is_file())
-
-
-def latest_checkpoint(directory: Path) -> Path | None:
-    found = checkpoints(directory)
-    return found[-1] if found else None
 
 
 def differing_keys(saved: dict, current: dict, prefix: str = "") -> list[str]:
@@ -67,7 +63,7 @@ def differing_keys(saved: dict, current: dict, prefix: str = "") -> list[str]:
 def save_checkpoint(accelerator: Accelerator, final: Path, state: TrainState, recipe: Recipe, keep: int) -> None:
     """Write `final` atomically from every process; then keep only the newest `keep` checkpoints."""
     main = accelerator.is_main_process
-    kept = latest_checkpoint(final.parent)
+    kept = max(checkpoints(final.parent), default=None)
     with contextlib.ExitStack() as stack:
         temporary = stack.enter_context(atomic_directory(final, force=True)) if main else None
         temporary = broadcast_object_list([str(temporary)])[0]
@@ -102,7 +98,7 @@ def check_same_recipe(path: Path, recipe: Recipe) -> None:
             "start a new output_dir (or delete that folder)"
         )
     saved = recipe_from_dict(load_yaml_file(path / RECIPE_FILE, "the saved recipe"))
-    if differences := differing_keys(saved.to_dict(), recipe.to_dict()):
+    if differences := differing_keys(saved.model_dump(), recipe.model_dump()):
         raise UsageError(
             f"resume: the recipe differs from the one {path} was trained with at {', '.join(differences)}; "
             "resume with the same recipe, or start a new output_dir (or delete that folder)"
@@ -147,8 +143,6 @@ def check_random_states(checkpoint: Path, process_index: int) -> None:
     """accelerate reads a checkpoint's random states with `torch.load(weights_only=True)`, and goes on
     without them, in silence, when that fails. Read them the same way before any weight loads: a file
     missing or holding anything else (a pickle crafted to run code) is refused in one line, never run."""
-    from accelerate.utils import load
-
     path = checkpoint / f"random_states_{process_index}.pkl"
     try:
         with warnings.catch_warnings():  # torch's note on the pickle protocol: the refusal is the one line

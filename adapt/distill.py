@@ -11,6 +11,7 @@ with no ladder layer, so its layers take and return the student's two streams.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -59,17 +60,14 @@ class Distiller:
                 key: kwargs[key] for key in ("attention_mask", "position_ids", "position_embeddings")
             }
 
-        def keep_stream(index):
-            def hook(module, args, output):
-                captured.streams[index] = output[1]
-
-            return hook
+        def keep_stream(index, module, args, output):
+            captured.streams[index] = output[1]
 
         try:
             if self.shared_prefix:
                 handles.append(self.student_layers[self.first].register_forward_pre_hook(keep_prefix, with_kwargs=True))
             for index in self.ladder_layers:
-                handles.append(self.student_layers[index].register_forward_hook(keep_stream(index)))
+                handles.append(self.student_layers[index].register_forward_hook(functools.partial(keep_stream, index)))
             yield captured
         finally:
             for handle in handles:

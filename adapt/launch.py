@@ -119,7 +119,7 @@ def start_trackers(accelerator: Accelerator, recipe: Recipe, run_dir: Path, resu
             "resume": "allow",
             "name": recipe.name,
             "dir": str(run_dir),
-            "config": recipe.to_dict(),
+            "config": recipe.model_dump(),
         }
     accelerator.init_trackers(recipe.name, init_kwargs=init_kwargs)
 

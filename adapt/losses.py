@@ -166,8 +166,9 @@ def head_losses(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(training loss, next-token loss) from the final hidden states (after the final norm) and the LM
     head's weight, chunk by chunk: the next-token loss is the mean cross-entropy over the labels that
-    are not -100; the training loss (1 - kd_weight) x that + kd_weight x `kd_loss`. Equal to computing
-    full logits first (a test checks loss and gradients)."""
+    are not -100; the training loss (1 - kd_weight) x that + kd_weight x T² x KL(teacher || student) at
+    `temperature`, mean over every position (T² keeps the gradients' scale as T changes, Hinton et al.
+    2015). Equal to computing full logits first (a test checks loss and gradients)."""
     if kd_weight and (teacher_hidden is None or teacher_weight is None):
         raise ValueError("kd_weight > 0 needs the teacher's hidden states and LM head weight")
     needs_grad = (torch.is_grad_enabled() and hidden.requires_grad, torch.is_grad_enabled() and weight.requires_grad)
@@ -183,27 +184,6 @@ def head_losses(
         chunk_tokens,
         needs_grad,
     )
-
-
-def lm_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None
-) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labels that are not -100, in float32, chunk by chunk."""
-    return head_losses(hidden, weight, labels, chunk_tokens=chunk_tokens)[0]
-
-
-def kd_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_weight: torch.Tensor,
-    temperature: float,
-    chunk_tokens: int | None = None,
-) -> torch.Tensor:
-    """KL(teacher || student) of the distributions at `temperature`, per position (every position),
-    times T² (so its gradients keep their scale as T changes, Hinton et al. 2015), chunk by chunk."""
-    labels = torch.full(hidden.shape[:-1], IGNORE_INDEX, device=hidden.device)
-    return head_losses(hidden, weight, labels, teacher_hidden, teacher_weight, 1.0, temperature, chunk_tokens)[0]
 
 
 @contextlib.contextmanager

@@ -34,15 +34,11 @@ def build_optimizer(
     return optimizer, build_schedule(optimizer, schedule, total_steps)
 
 
-def warmup_steps(schedule: ScheduleSpec, total_steps: int) -> int:
-    return schedule.warmup_steps or round(schedule.warmup_fraction * total_steps)
-
-
 def build_schedule(
     optimizer: torch.optim.Optimizer, schedule: ScheduleSpec, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """The learning-rate schedule over `total_steps` (a LambdaLR: a resumed run continues it exactly)."""
-    warmup = warmup_steps(schedule, total_steps)
+    warmup = schedule.warmup_steps or round(schedule.warmup_fraction * total_steps)
     if schedule.decay == "cosine":
         return get_scheduler(
             "cosine_warmup_with_min_lr",

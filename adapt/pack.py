@@ -314,36 +314,25 @@ def source_documents(shards: list[Path], quota: int) -> Iterator[tuple[np.ndarra
 def interleaved(streams: list[Iterator], quotas: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """The documents of several streams merged, each next one from the stream furthest behind its quota
     (ties: the first), so every stretch holds the sources in proportion."""
-    cursors = [DocumentCursor(stream) for stream in streams]
+    documents = [split_documents(stream) for stream in streams]
+    heads = {i: head for i, stream in enumerate(documents) if (head := next(stream, None)) is not None}
     given = [0] * len(streams)
-    while True:
-        live = [i for i, cursor in enumerate(cursors) if cursor.has_next()]
-        if not live:
-            return
-        i = min(live, key=lambda k: given[k] / quotas[k])
-        ids, targets = cursors[i].next()
+    while heads:  # in index order: a stream's entry keeps its place until it ends
+        i = min(heads, key=lambda k: given[k] / quotas[k])
+        ids, targets = heads[i]
         given[i] += len(ids)
         yield ids, targets, np.array([len(ids)])
+        heads[i] = next(documents[i], None)
+        if heads[i] is None:
+            del heads[i]
 
 
-class DocumentCursor:
-    """One document at a time from a stream of (ids, targets, lengths) pieces."""
-
-    def __init__(self, stream: Iterator):
-        self.stream, self.piece, self.offsets, self.at = stream, None, None, 0
-
-    def has_next(self) -> bool:
-        while self.piece is None or self.at == len(self.offsets) - 1:
-            piece = next(self.stream, None)
-            if piece is None:
-                return False
-            self.piece, self.offsets, self.at = piece, np.concatenate([[0], np.cumsum(piece[2])]), 0
-        return True
-
-    def next(self) -> tuple[np.ndarray, np.ndarray]:
-        begin, end = self.offsets[self.at], self.offsets[self.at + 1]
-        self.at += 1
-        return self.piece[0][begin:end], self.piece[1][begin:end]
+def split_documents(stream: Iterator) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, targets) of one document at a time from a stream of (ids, targets, lengths) pieces."""
+    for ids, targets, lengths in stream:
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        for begin, end in itertools.pairwise(offsets):
+            yield ids[begin:end], targets[begin:end]
 
 
 class BlockWriter:

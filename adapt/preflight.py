@@ -14,7 +14,7 @@ from ladder.io.loading import check_checkpoint, load_tokenizer, read_config_dict
 from ladder.io.outputs import check_output
 from ladder.layers import is_ladder_model_type, parse_layer_choice
 
-from .checkpoint import METRICS_FILE, check_same_recipe, latest_checkpoint
+from .checkpoint import METRICS_FILE, check_same_recipe, checkpoints
 from .data import data_prepared, local_files
 from .recipe import Recipe, model_path
 from .sources import source_root
@@ -98,7 +98,7 @@ def resume_point(recipe: Recipe) -> Path | None:
                 "or choose another output_dir (or delete that folder)"
             )
         return None
-    found = final_dir if final_dir.exists() else latest_checkpoint(checkpoint_dir)
+    found = final_dir if final_dir.exists() else max(checkpoints(checkpoint_dir), default=None)
     if found is not None:
         check_same_recipe(found, recipe)
     return found

@@ -235,14 +235,24 @@ class Recipe(Spec):
                 if not source.path:
                     raise UsageError(f"data.{group}[{i}].path is empty")
                 expand_path(source.path, f"data.{group}[{i}].path")
-        validate_mixture(self.data)
+        # Weights go on every data.train source or on none, with data.mix_tokens and without max_tokens.
+        weighted = [source.weight > 0 for source in self.data.train]
+        for i, source in enumerate(self.data.train):
+            if source.weight > 0 and source.max_tokens:
+                raise UsageError(
+                    f"data.train[{i}]: a weighted source takes its share of data.mix_tokens, not max_tokens"
+                )
+        if any(weighted) and not all(weighted):
+            raise UsageError(f"data.train[{weighted.index(False)}].weight: weight every data.train source, or none")
+        if any(weighted) != (self.data.mix_tokens > 0):
+            raise UsageError("data.mix_tokens goes with weights on the data.train sources, and weights need it")
+        for i, source in enumerate(self.data.eval):
+            if source.weight:
+                raise UsageError(f"data.eval[{i}].weight: only data.train's sources are mixed")
         return self
 
     def run_dir(self) -> Path:
         return Path(self.output_dir) if self.output_dir else Path("runs/adapt") / self.name
-
-    def to_dict(self) -> dict:
-        return self.model_dump()
 
 
 # Keys that may differ between a run and its resumption without changing what is computed.
@@ -266,7 +276,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | dict | No
 
 
 def recipe_from_dict(raw: dict) -> Recipe:
-    """A recipe from its `to_dict()` form (the copy saved with checkpoints), or a raw YAML mapping."""
+    """A recipe from its `model_dump()` form (the copy saved with checkpoints), or a raw YAML mapping."""
     try:
         return Recipe.model_validate(raw)
     except ValidationError as error:
@@ -292,22 +302,7 @@ FIELD_NAMES = {name for spec in Spec.__subclasses__() for name in spec.model_fie
 
 
 def dump_recipe(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
-
-
-def validate_mixture(data: DataSpec) -> None:
-    """Weights go on every data.train source or on none, with data.mix_tokens and without max_tokens."""
-    weighted = [source.weight > 0 for source in data.train]
-    for i, source in enumerate(data.train):
-        if source.weight > 0 and source.max_tokens:
-            raise UsageError(f"data.train[{i}]: a weighted source takes its share of data.mix_tokens, not max_tokens")
-    if any(weighted) and not all(weighted):
-        raise UsageError(f"data.train[{weighted.index(False)}].weight: weight every data.train source, or none")
-    if any(weighted) != (data.mix_tokens > 0):
-        raise UsageError("data.mix_tokens goes with weights on the data.train sources, and weights need it")
-    for i, source in enumerate(data.eval):
-        if source.weight:
-            raise UsageError(f"data.eval[{i}].weight: only data.train's sources are mixed")
+    return yaml.safe_dump(recipe.model_dump(), sort_keys=False)
 
 
 def model_path(text: str) -> str:

@@ -167,7 +167,8 @@ def resumable_batches(
             stream = open_stream()
             if position is not None:
                 stream.load_state_dict(position)
-            for records in batched(stream, size):
+            records_left = iter(stream)
+            while records := list(itertools.islice(records_left, size)):
                 position = stream.state_dict()
                 failures = 0
                 yield records, position
@@ -196,9 +197,3 @@ def transient(error: Exception) -> bool:
     except ImportError:
         network = (OSError, TimeoutError)
     return isinstance(error, network)
-
-
-def batched(items: Iterator, size: int) -> Iterator[list]:
-    iterator = iter(items)
-    while batch := list(itertools.islice(iterator, size)):
-        yield batch

@@ -137,7 +137,7 @@ class TrainingStep:
                 self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         loss, next_token = results[0]
         loss, next_token = loss * scale, next_token * share
-        if spec.name == "hidden" or spec.hidden_weight > 0:
+        if spec.uses_hidden():
             matched = hidden_loss([captured.streams[i] for i in self.ladder_layers], taught[0].streams)
             loss = matched if spec.name == "hidden" else loss + spec.hidden_weight * matched
         return loss, next_token

@@ -196,14 +196,11 @@ class ChatRenderer:
         from jinja2 import TemplateError
 
         try:
-            return self._render(messages, add_generation_prompt)
+            return self.worker.render(
+                self.template, messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
         except (TemplateError, TypeError, ValueError, RecursionError, OverflowError) as error:
             raise UsageError(f"the chat template of {self.owner} failed on this chat: {first_line(error)}") from None
-
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.worker.render(
-            self.template, messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
-        )
 
     def learn(self) -> tuple[bool | None, str | None]:
         """Whether the template keeps the whitespace around a turn's content, and what it puts after an

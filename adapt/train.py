@@ -29,14 +29,15 @@ from ladder.io.files import atomic_directory, atomic_write, lock_output
 from ladder.io.loading import load_tokenizer
 from ladder.io.model_card import copy_licence_files
 from ladder.layers import format_layers
+from ladder.plan.costs import ModelShape
 
-from .card import TrainingFacts, model_card
+from .card import model_card
 from .checkpoint import (
     METRICS_FILE,
     TrainState,
     check_random_states,
     check_same_data,
-    latest_checkpoint,
+    checkpoints,
     load_checkpoint,
     plain_ladder_model,
     save_checkpoint,
@@ -71,7 +72,7 @@ from .preflight import (
 )
 from .recipe import RECIPE_FILE, Recipe, dump_recipe
 from .step import StepResult, TrainingStep, step_metrics
-from .training_cost import checkpointing_policy, flops_per_token, model_shape, peak_flops, setup_of
+from .training_cost import checkpointing_policy, flops_per_token, peak_flops, setup_of
 
 # The ladder logger (ladder/log.py) through accelerate's adapter: it speaks on the main process only.
 log = get_logger("ladder")
@@ -182,13 +183,12 @@ class AdaptRun:
         )
         # The run folder is locked for the run's life (a second run into it is refused), and checked
         # again under the lock: a run that finished while this one loaded its model wrote there.
-        self.output_lock = lock_output(self.run_dir, "adapt") if self.main else None
-        if self.output_lock is not None:
-            releases.callback(self.output_lock.release)
-        if self.main and resume_point(recipe) != resume_from:
-            raise UsageError(
-                f"{self.run_dir} changed while this run loaded its model (another run wrote it): run again"
-            )
+        if self.main:
+            releases.callback(lock_output(self.run_dir, "adapt").release)
+            if resume_point(recipe) != resume_from:
+                raise UsageError(
+                    f"{self.run_dir} changed while this run loaded its model (another run wrote it): run again"
+                )
         self.state = self.restored(resume_from, data_files)
         start_trackers(accelerator, recipe, self.run_dir, resumed_at=self.state.step)
         self.progress = tqdm(
@@ -221,7 +221,7 @@ class AdaptRun:
 
     def mfu_basis(self, model: torch.nn.Module) -> tuple[float, float | None]:
         """The model FLOPs per token and the peak the log lines' MFU is measured against (training_cost.py)."""
-        accelerator, shape = self.accelerator, model_shape(model.config)
+        accelerator, shape = self.accelerator, ModelShape.from_config(model.config.to_dict())
         layers = self.trained_layers if self.recipe.trainable.mode == "ladder" else None
         cuda = accelerator.device.type == "cuda"
         setup = setup_of(self.recipe, shape, accelerator.num_processes, cuda, self.fsdp, layers)
@@ -311,7 +311,7 @@ class AdaptRun:
             )
 
     def kept(self, written_before: bool = False) -> str:
-        checkpoint = latest_checkpoint(self.checkpoint_dir)
+        checkpoint = max(checkpoints(self.checkpoint_dir), default=None)
         if checkpoint is None:
             return "no checkpoint had been written"
         return f"the last checkpoint{', written before that,' if written_before else ''} is kept: {checkpoint}"
@@ -405,20 +405,9 @@ class AdaptRun:
                 self.tokenizer.save_pretrained(temporary)
                 (temporary / RECIPE_FILE).write_text(dump_recipe(self.recipe))
                 licences = copy_licence_files(self.sources.student, temporary)
-                card = model_card(self.recipe, self.source_facts, licences, self.training_facts())
-                (temporary / "README.md").write_text(card)
+                (temporary / "README.md").write_text(model_card(self, licences))
                 if (self.run_dir / LAYER_SEARCH_FILE).is_file():
                     shutil.copyfile(self.run_dir / LAYER_SEARCH_FILE, temporary / LAYER_SEARCH_FILE)
             log.info(f"final model: {self.final_dir}")
         accelerator.wait_for_everyone()
         return self.final_dir
-
-    def training_facts(self) -> TrainingFacts:
-        return TrainingFacts(
-            self.ladder_layers,
-            self.num_hidden_layers,
-            self.state,
-            self.budget.tokens_per_step,
-            self.accelerator.num_processes,
-            len(self.data.eval),
-        )

@@ -22,13 +22,14 @@ import math
 from dataclasses import dataclass
 
 from ladder.errors import UsageError
+from ladder.io.loading import EMBEDDED
 from ladder.layers import parse_ladder_layers
 from ladder.plan.calibrate import machine_memory, matmul_peak
 from ladder.plan.costs import ModelShape, parameter_counts
-from ladder.plan.models import published_config
-from ladder.plan.speed import Device
+from ladder.plan.models import model_config, published_config
+from ladder.plan.speed import Device, device_names, device_profile
 
-from .recipe import Recipe
+from .recipe import Recipe, model_path
 
 POLICIES = ("none", "selective", "full")
 TORCHTITAN_OP_POLICY = "op"  # torchtitan's selective policy: priced for its published check only
@@ -53,11 +54,6 @@ ANCHOR_SOURCE = "torchtitan's Llama-3.1-8B on 8 H100s, FSDP2, compiled: 6,667 to
 PUBLISHED_MEMORY = [("torchtitan 8B, 8 GPUs", 8, 82.4, 77.0), ("torchtitan 8B, 128 GPUs", 128, 67.0, 62.0)]
 
 
-def model_shape(config) -> ModelShape:
-    """The shape of a transformers config (ladder/plan/costs.py counts its parameters)."""
-    return ModelShape.from_config(config.to_dict())
-
-
 @dataclass(frozen=True)
 class Program:
     """How a training program's own code holds memory, where programs differ."""
@@ -72,30 +68,20 @@ ADAPT = Program("ladder adapt", streams=2, loss="chunked")
 TORCHTITAN = Program("torchtitan", streams=1, loss="unchunked")
 
 
-def saved_bytes_per_token(shape: ModelShape, compute_bytes: int, stream_bytes: int, streams: int = 2) -> int:
-    """Bytes one trained decoder layer keeps for backward per token, with no recompute (see above)."""
-    hidden, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
-    computed = 4 * hidden + 2 * kv + 2 * shape.intermediate_size  # normed x2, q, out, k, v, gate, up
-    return streams * hidden * stream_bytes + computed * compute_bytes + 4 * shape.num_heads
-
-
-def op_policy_bytes_per_token(shape: ModelShape, compute_bytes: int, stream_bytes: int, streams: int) -> int:
-    """Bytes a layer keeps per token under torchtitan's "op" policy (its `_save_list`): the attention's
-    output and log-sum-exp, every other matmul's output in call order, and the layer's input."""
-    hidden, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
-    matmuls = hidden + kv + shape.intermediate_size + hidden  # q, v, gate, down: 1st, 3rd, 5th, 7th
-    return streams * hidden * stream_bytes + (matmuls + hidden) * compute_bytes + 4 * shape.num_heads
-
-
 def layer_saved_bytes(
     shape: ModelShape, tokens: int, policy: str, compute_bytes: int, stream_bytes: int, streams: int = 2
 ) -> float:
-    """Average bytes one layer keeps for backward at `tokens` per micro-batch under `policy`."""
+    """Average bytes one trained decoder layer keeps for backward at `tokens` per micro-batch under
+    `policy` (see above). torchtitan's "op" policy (its `_save_list`) keeps the attention's output and
+    log-sum-exp, every other matmul's output in call order, and the layer's input."""
+    hidden, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
+    inputs = streams * hidden * stream_bytes * tokens  # a recomputed layer keeps its streams
     if policy == TORCHTITAN_OP_POLICY:
-        return op_policy_bytes_per_token(shape, compute_bytes, stream_bytes, streams) * tokens
-    kept = saved_bytes_per_token(shape, compute_bytes, stream_bytes, streams) * tokens
-    inputs = streams * shape.hidden_size * stream_bytes * tokens  # a recomputed layer keeps its streams
-    return {"none": kept, "full": inputs, "selective": (kept + inputs) / 2}[policy]
+        computed = hidden + kv + shape.intermediate_size + hidden + hidden  # q, v, gate, down (1st, 3rd, 5th, 7th); out
+    else:
+        computed = 4 * hidden + 2 * kv + 2 * shape.intermediate_size  # normed x2, q, out, k, v, gate, up
+    kept = inputs + (computed * compute_bytes + 4 * shape.num_heads) * tokens  # and the fp32 log-sum-exp
+    return {"none": kept, "full": inputs, "selective": (kept + inputs) / 2, TORCHTITAN_OP_POLICY: kept}[policy]
 
 
 @dataclass(frozen=True)
@@ -213,7 +199,7 @@ def flops_per_token(shape: ModelShape, setup: TrainingSetup, policy: str) -> tup
     backward = flowing * (matmul + 2 * attention) + trained * matmul  # input grads, weight grads
     backward += head_forward * ((flowing > 0) + setup.head_trained)
     model = shape.num_layers * layer_forward + head_forward + backward
-    if policy == TORCHTITAN_OP_POLICY:  # k, o and up recomputed (op_policy_bytes_per_token)
+    if policy == TORCHTITAN_OP_POLICY:  # k, o and up recomputed (layer_saved_bytes)
         kv = shape.num_kv_heads * shape.head_dim
         matmuls = 2 * shape.hidden_size * (kv + shape.hidden_size + shape.intermediate_size)
         return model, model + flowing * matmuls
@@ -243,11 +229,6 @@ class TrainingCost:
     device_hours: float
     anchor_mfu: float  # the measured anchor's (ANCHOR) MFU by this module's count
     anchor_device_hours: float  # the budget's device-hours at that MFU
-
-
-def choose_policy(peaks: dict[str, float], device_memory: float) -> str:
-    """The least recompute whose peak fits `device_memory` with the margin (full when none fits)."""
-    return next((policy for policy in POLICIES if peaks[policy] <= MEMORY_MARGIN * device_memory), "full")
 
 
 def smallest_fit(shape: ModelShape, setup: TrainingSetup, device_memory: float, policy: str, chunk: int) -> dict | None:
@@ -283,7 +264,9 @@ def training_cost(
     priced = POLICIES if policy in ("auto", *POLICIES) else (*POLICIES, policy)
     parts = {p: memory_parts(shape, setup, p, chunk) for p in priced}
     peaks = {p: sum(parts[p].values()) for p in priced}
-    chosen = choose_policy(peaks, device_memory) if policy == "auto" else policy
+    # auto: the least recompute whose peak fits the device with the margin (full when none fits)
+    fitting = (p for p in POLICIES if peaks[p] <= MEMORY_MARGIN * device_memory)
+    chosen = next(fitting, "full") if policy == "auto" else policy
     fits = peaks[chosen] <= MEMORY_MARGIN * device_memory
     model, hardware = flops_per_token(shape, setup, chosen)
     per_device = utilisation * device_flops / hardware
@@ -349,11 +332,6 @@ def recipe_cost(
             "(e.g. 989e12,3.35e12,80GB)"
         )
     if shape is None:
-        from ladder.io.loading import EMBEDDED
-        from ladder.plan.models import model_config
-
-        from .recipe import model_path
-
         shape = ModelShape.from_config(model_config(model_path(recipe.model.path) or EMBEDDED).config)
     mode = "compiled" if recipe.model.compiles(not device.on_cpu) else "eager"
     flops, source = device.flops, UTILISATION_SOURCE.format(mode=mode)
@@ -380,7 +358,7 @@ def checkpointing_policy(recipe: Recipe, config, processes: int, fsdp: bool) -> 
         return policy
     accelerator = torch.accelerator.is_available()
     memory = torch.cuda.mem_get_info()[1] if accelerator else machine_memory()  # (free, total) bytes
-    shape = model_shape(config)
+    shape = ModelShape.from_config(config.to_dict())
     return training_cost(
         shape, setup_of(recipe, shape, processes, accelerator, fsdp), memory, 1.0
     ).activation_checkpointing
@@ -392,8 +370,6 @@ def peak_flops(recipe: Recipe, device) -> float | None:
         return recipe.logging.peak_flops
     if device.type == "cuda":
         import torch
-
-        from ladder.plan.speed import device_names, device_profile
 
         gpu = torch.cuda.get_device_name(device).lower()
         return next((device_profile(name).flops for name in device_names() if name != "cpu" and name in gpu), None)

@@ -100,7 +100,7 @@ def test_training_lowers_the_loss_and_writes_a_normal_checkpoint(tmp_path, tiny_
     model = AutoModelForCausalLM.from_pretrained(final)
     assert isinstance(model, ladder.LadderLlamaForCausalLM) and model.config.ladder_layers == [2, 3]
     assert AutoTokenizer.from_pretrained(final).eos_token_id is not None
-    assert load_recipe(final / "recipe.yaml").to_dict() == recipe.to_dict()
+    assert load_recipe(final / "recipe.yaml").model_dump() == recipe.model_dump()
     # The saved model is the trained one: its held-out loss is the last one logged.
     heldout = prepare_data(recipe.data, AutoTokenizer.from_pretrained(final)).eval.ids
     ids = torch.from_numpy(heldout.astype(np.int64))

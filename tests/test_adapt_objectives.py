@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import ladder
 from adapt_runs import write_recipe
-from ladder.adapt.losses import lm_loss, next_token_labels
+from ladder.adapt.losses import IGNORE_INDEX, head_losses, next_token_labels
 from ladder.adapt.recipe import load_recipe
 from tiny import random_ids, tiny_llama
 
@@ -23,15 +23,13 @@ def test_kd_loss_is_the_forward_kl_at_temperature_times_t_squared(tiny_checkpoin
     # Teacher: the tiny original; student: its ladder rewiring (different logits). The reference
     # is written out from the definition, in float64: mean over positions of
     # T² · Σ_v p_T(v) (log p_T(v) - log q_T(v)), with p the teacher's and q the student's softmax at T.
-    from ladder.adapt.losses import kd_loss
-
     teacher = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
     student = ladder.to_ladder(AutoModelForCausalLM.from_pretrained(tiny_checkpoint), 2).eval()
     ids = torch.randint(0, teacher.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         # A random tiny model's distributions are nearly uniform, where forward and reverse KL agree
         # to second order; sharpened logits (x100, through the LM head's weight) make the direction,
-        # and T, matter. kd_loss takes final hidden states and LM head weights (it never holds all logits).
+        # and T, matter. head_losses takes final hidden states and LM head weights (it never holds all logits).
         teacher_hidden, student_hidden = teacher.model(input_ids=ids)[0], student.model(input_ids=ids)[0]
         teacher_weight, student_weight = 100 * teacher.lm_head.weight, 100 * student.lm_head.weight
         teacher_logits, student_logits = teacher_hidden @ teacher_weight.T, student_hidden @ student_weight.T
@@ -41,7 +39,10 @@ def test_kd_loss_is_the_forward_kl_at_temperature_times_t_squared(tiny_checkpoin
         expected = temperature**2 * (p.exp() * (p - q)).sum(-1).mean()
         reverse = temperature**2 * (q.exp() * (q - p)).sum(-1).mean()
         assert expected > 0.05 and abs(reverse / expected - 1) > 1e-3  # 10x the tolerance: the directions differ
-        computed = kd_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, temperature)
+        unlabelled = torch.full(ids.shape, IGNORE_INDEX)  # kd_weight 1: the distillation term alone
+        computed, _ = head_losses(
+            student_hidden, student_weight, unlabelled, teacher_hidden, teacher_weight, 1.0, temperature
+        )
         assert float(computed) == pytest.approx(float(expected), rel=1e-4)
 
 
@@ -81,8 +82,6 @@ def test_merged_lora_model_gives_the_logits_of_the_peft_model(tmp_path, tiny_che
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 @pytest.mark.parametrize("kd_weight", [0.0, 0.3, 1.0])
 def test_chunked_losses_equal_the_full_logits_computation(kd_weight, temperature):
-    from ladder.adapt.losses import head_losses, kd_loss
-
     generator = torch.Generator().manual_seed(0)
     batch, seq, width, vocab = 2, 37, 16, 50
     hidden = torch.randn(batch, seq, width, generator=generator, dtype=torch.float64, requires_grad=True)
@@ -108,14 +107,14 @@ def test_chunked_losses_equal_the_full_logits_computation(kd_weight, temperature
     torch.testing.assert_close(next_token, ce, rtol=1e-10, atol=1e-12)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(lm_loss(hidden, weight, labels, chunk_tokens=7), ce, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(
-        kd_loss(hidden, weight, teacher_hidden, teacher_weight, temperature, chunk_tokens=7), kd, rtol=1e-10, atol=1e-12
-    )
+    torch.testing.assert_close(head_losses(hidden, weight, labels, chunk_tokens=7)[0], ce, rtol=1e-10, atol=1e-12)
+    unlabelled = torch.full_like(labels, IGNORE_INDEX)
+    kd_alone = head_losses(hidden, weight, unlabelled, teacher_hidden, teacher_weight, 1.0, temperature, chunk_tokens=7)
+    torch.testing.assert_close(kd_alone[0], kd, rtol=1e-10, atol=1e-12)
 
 
 def test_losses_in_lm_head_computes_no_logits_and_trains_like_the_plain_loss(tiny_checkpoint):
-    from ladder.adapt.losses import head_losses, losses_in_lm_head
+    from ladder.adapt.losses import losses_in_lm_head
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).train()
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -138,7 +137,7 @@ def test_held_out_losses_come_chunk_by_chunk_and_equal_the_full_logits(tiny_chec
     time inside the head, with the sums of the plain cross-entropy over full logits; chunks hold
     16 MiB of float32 logits on the CPU."""
     from ladder.adapt import losses
-    from ladder.adapt.losses import IGNORE_INDEX, block_loss_sums, chunk_positions, token_losses
+    from ladder.adapt.losses import block_loss_sums, chunk_positions, token_losses
 
     assert chunk_positions(49_152) == 85 and chunk_positions(2**40) == 1
     # On an accelerator a chunk spans at least 1,024 positions of a 128k vocabulary: the head weight is

@@ -21,7 +21,6 @@ from ladder.adapt.training_cost import (
     PUBLISHED_MEMORY,
     flops_per_token,
     layer_saved_bytes,
-    model_shape,
     recipe_cost,
     setup_of,
     torchtitan_reserved_bytes,
@@ -87,14 +86,14 @@ def test_saved_activations_per_layer_are_what_autograd_keeps():
     model.model.layers[4].requires_grad_(True)
     ids = random_ids(batch=2, length=40)
     counted = measured_saved_bytes(model, ids, 4)
-    planned = layer_saved_bytes(model_shape(model.config), ids.numel(), "none", 4, 4)
+    planned = layer_saved_bytes(ModelShape.from_config(model.config.to_dict()), ids.numel(), "none", 4, 4)
     assert counted > 0
     assert abs(planned / counted - 1) < 0.10, (planned, counted)
 
 
 def test_auto_recomputes_the_least_that_fits_the_device():
     recipe = load_recipe(CPU_RECIPE, ["trainable.mode=all", "model.activation_checkpointing=auto"])
-    shape = model_shape(tiny_llama().config)
+    shape = ModelShape.from_config(tiny_llama().config.to_dict())
     setup = setup_of(recipe, shape, devices=1, accelerator=False)
     roomy = training_cost(shape, setup, device_memory=1e12, device_flops=1e12)
     peaks = roomy.peak_by_policy
@@ -111,7 +110,7 @@ def test_auto_recomputes_the_least_that_fits_the_device():
 
 
 def test_training_only_upper_layers_plans_fewer_flops_and_bytes():
-    shape = model_shape(tiny_llama().config)
+    shape = ModelShape.from_config(tiny_llama().config.to_dict())
     plans = {
         mode: training_cost(
             shape,

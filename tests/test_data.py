@@ -19,7 +19,7 @@ from adapt_runs import chats, metrics, prose, write_recipe
 from ladder.adapt import sources as sources_module
 from ladder.adapt.cli import main as adapt_main
 from ladder.adapt.data import BlockOrder, document_positions, load_blocks, prepare_data
-from ladder.adapt.losses import lm_loss, next_token_labels
+from ladder.adapt.losses import head_losses, next_token_labels
 from ladder.adapt.recipe import DataSpec, SourceSpec
 from ladder.errors import UsageError
 from tiny import random_ids, tiny_llama
@@ -210,8 +210,8 @@ def test_chat_records_train_on_the_assistant_turns_only(tmp_path, smollm2_tokeni
     labels = next_token_labels(input_ids, torch.tensor([expected]))
     kept = [t for t in range(len(ids) - 1) if expected[t + 1]]
     direct = torch.nn.functional.cross_entropy(logits[0, kept], input_ids[0, [t + 1 for t in kept]])
-    # lm_loss takes final hidden states and the LM head's weight: an identity head makes them the logits.
-    assert float(lm_loss(logits, torch.eye(50), labels)) == pytest.approx(float(direct), rel=1e-6)
+    # head_losses takes final hidden states and the LM head's weight: an identity head makes them the logits.
+    assert float(head_losses(logits, torch.eye(50), labels)[0]) == pytest.approx(float(direct), rel=1e-6)
 
     (tmp_path / "t.txt").write_text("Plain prose.")
     with pytest.raises(UsageError, match="train_on: assistant needs chat records"):

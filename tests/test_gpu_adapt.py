@@ -39,7 +39,7 @@ def test_bf16_head_loss_matches_fp64_over_the_same_operands(device):
     """adapt/losses.py: the chunked head loss with bf16 operands and fp32 accumulation, compiled, against
     fp64 over the same bf16-rounded operands, in the loss and both gradients; on CUDA at the 8B head's
     vocabulary (on the CPU the product is rounded to bf16 first: a small shape)."""
-    from ladder.adapt.losses import lm_loss, next_token_labels
+    from ladder.adapt.losses import head_losses, next_token_labels
 
     device = torch.device(device)
     generator = torch.Generator(device).manual_seed(0)
@@ -52,7 +52,7 @@ def test_bf16_head_loss_matches_fp64_over_the_same_operands(device):
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
     expected_grads = torch.autograd.grad(expected, (hidden, weight))
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        loss = torch.compile(lambda h, w: lm_loss(h, w, labels))(hidden, weight)
+        loss = torch.compile(lambda h, w: head_losses(h, w, labels)[0])(hidden, weight)
         grads = torch.autograd.grad(loss, (hidden, weight))
 
     assert loss.dtype == torch.float32
