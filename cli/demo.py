@@ -158,16 +158,7 @@ def check_reuse(demo: Demo) -> None:
     if not reuse_conversion:
         demo.redo.add("convert")
         demo.redo.add("adapt")
-    check_folders(demo)
-    if "adapt" not in demo.redo:
-        try:
-            resume_point(demo.adapt_recipe)
-        except UsageError as error:
-            raise UsageError(f"{error}; for the demo: --redo adapt retrains") from None
-
-
-def check_folders(demo: Demo) -> None:
-    """Each folder a stage replaces or deletes is an earlier output of the command that writes it."""
+    # Each folder a stage replaces or deletes is an earlier output of the command that writes it.
     check_output(demo.ladder_dir, "convert", [demo.original], force=True)
     check_output(demo.adapt_dir, "adapt", existing="add", what="output_dir")
     check_output(demo.report_dir, "eval", force=True)
@@ -179,6 +170,11 @@ def check_folders(demo: Demo) -> None:
     for stage, (folder, command) in removed.items():
         if stage in demo.redo:
             check_removable(folder, command)
+    if "adapt" not in demo.redo:
+        try:
+            resume_point(demo.adapt_recipe)
+        except UsageError as error:
+            raise UsageError(f"{error}; for the demo: --redo adapt retrains") from None
 
 
 def convert_stage(demo: Demo) -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ladder.errors import UsageError
@@ -49,42 +48,22 @@ def attention_sizes(config: dict) -> tuple[int, int, int]:
 
 
 def check_config(config: dict, where: str) -> None:
-    check_model_type(config.get("model_type"), where)
-    check_not_ladder(config, where)
-    check_config_values(config, where)
-    check_attention_heads(config)
-
-
-def check_weights(tensors: dict[str, TensorSpec], config: dict) -> dict[str, str]:
-    check_layer_count(tensors, config)
-    # Integer weights would be cast to float as they are, not dequantized.
-    if others := [spec for spec in tensors.values() if not spec.is_floating_point]:
-        raise UsageError(
-            f"tensor {others[0].name} holds {others[0].dtype}; every weight of the model is floating point "
-            f"({len(others)} such tensor{'s' if len(others) > 1 else ''})"
-        )
-    return check_tensors(tensors, config)
-
-
-def check_not_ladder(config: dict, where: str) -> None:
-    """Refuse a ladder checkpoint as a source: its weights may be retrained for its wiring, and
-    verification compares with the family's model it is not."""
     model_type = config.get("model_type")
-    if not is_ladder_model_type(model_type):
-        return
-    layers = config.get("ladder_layers")
-    named = (
-        format_layers(sorted(layers))
-        if isinstance(layers, list) and all(isinstance(layer, int) for layer in layers)
-        else repr(layers)
-    )
-    raise UsageError(
-        f"{where} has model_type {model_type!r} (ladder layers {named}): it is converted already; "
-        "convert the original checkpoint"
-    )
-
-
-def check_attention_heads(config: dict) -> None:
+    check_model_type(model_type, where)
+    # A ladder checkpoint is no source: its weights may be retrained for its wiring, and verification
+    # compares with the family's model it is not.
+    if is_ladder_model_type(model_type):
+        layers = config.get("ladder_layers")
+        named = (
+            format_layers(sorted(layers))
+            if isinstance(layers, list) and all(isinstance(layer, int) for layer in layers)
+            else repr(layers)
+        )
+        raise UsageError(
+            f"{where} has model_type {model_type!r} (ladder layers {named}): it is converted already; "
+            "convert the original checkpoint"
+        )
+    check_config_values(config, where)
     hidden = config_size(config, "hidden_size")
     heads, kv_heads, head_dim = attention_sizes(config)
     if hidden % heads:
@@ -98,16 +77,6 @@ def check_attention_heads(config: dict) -> None:
         raise UsageError(
             f"config.json: head_dim {head_dim} is odd; rotary position embeddings turn pairs of dimensions"
         )
-
-
-def check_layer_count(names: Iterable[str], config: dict) -> None:
-    """The config's layer count against the layers the weights hold, before anything proportional to
-    it is built (a config asking 10^9 layers of a small checkpoint is refused at once)."""
-    count = config_size(config, "num_hidden_layers")
-    present = {int(match.group(1)) for name in names if (match := LAYER_TENSOR.match(name))}
-    if not is_every_layer(present, count):
-        held = f"layers {format_layers(sorted(present))}" if present else "no model.layers.N tensor"
-        raise UsageError(f"config.json: num_hidden_layers is {count}, but the weights hold {held}")
 
 
 def is_every_layer(indices: set[int], count: int) -> bool:
@@ -148,9 +117,22 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensors(source: dict[str, TensorSpec], config: dict) -> dict[str, str]:
-    """Every shape must agree with `expected_shapes`, and a tensor it lacks is dropped only for a
-    known reason; returns the dropped tensors, each with its reason."""
+def check_weights(source: dict[str, TensorSpec], config: dict) -> dict[str, str]:
+    """The weight headers against the config: its layer count against the layers they hold, before
+    anything proportional to it is built (a config asking 10^9 layers of a small checkpoint is
+    refused at once); then every shape must agree with `expected_shapes`, and a tensor it lacks is
+    dropped only for a known reason. Returns the dropped tensors, each with its reason."""
+    count = config_size(config, "num_hidden_layers")
+    present = {int(match.group(1)) for name in source if (match := LAYER_TENSOR.match(name))}
+    if not is_every_layer(present, count):
+        held = f"layers {format_layers(sorted(present))}" if present else "no model.layers.N tensor"
+        raise UsageError(f"config.json: num_hidden_layers is {count}, but the weights hold {held}")
+    # Integer weights would be cast to float as they are, not dequantized.
+    if others := [spec for spec in source.values() if not spec.is_floating_point]:
+        raise UsageError(
+            f"tensor {others[0].name} holds {others[0].dtype}; every weight of the model is floating point "
+            f"({len(others)} such tensor{'s' if len(others) > 1 else ''})"
+        )
     expected = expected_shapes(config)
     dropped = {}
     if config.get("tie_word_embeddings", False):

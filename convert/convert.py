@@ -17,8 +17,8 @@ from ladder.layers import AutoLayers, LayerSpec, parse_layer_choice
 
 from .execute import write_conversion
 from .layout import (
+    WEIGHT_MODES,
     ConversionSummary,
-    check_weight_mode,
     lay_out,
     open_source,
     output_dir,
@@ -47,17 +47,18 @@ def convert_checkpoint(
     None: when both models fit in memory). Bad input raises `UsageError` before anything is written.
     """
     started = time.perf_counter()
-    check_weight_mode(weights)
+    if weights not in WEIGHT_MODES:
+        raise UsageError(f"--weights {weights!r}: choose from {', '.join(WEIGHT_MODES)}")
     dtype = None if dtype is None else str(dtype).removeprefix("torch.")
     source_path = resolve_model_path(source)
     # A GGUF file is read for its checks, its tokenizer, config and weights, and its licence: parsed once.
     with gguf_parsed_once() if source_path.suffix == ".gguf" else contextlib.nullcontext():
-        headers = read_source(source_path)
-        choice = parse_layer_choice(ladder_layers, headers.num_hidden_layers, "--layers")
+        headers, num_layers = read_source(source_path)
+        choice = parse_layer_choice(ladder_layers, num_layers, "--layers")
         if calibration is not None and not isinstance(choice, AutoLayers):
             raise UsageError("--calibration goes with --layers auto:N (it is the text the layer search measures on)")
         out = output_dir(source_path, out, choice, force)
-        opened = open_source(source_path, headers, dtype, progress)
+        opened = headers or open_source(source_path, dtype, progress)
         search = search_layers(opened, choice, calibration, progress) if isinstance(choice, AutoLayers) else None
         layers = search.chosen if search is not None else choice
         conversion = lay_out(opened, out, layers, search, dtype, max_shard_size, weights, verify)

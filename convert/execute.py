@@ -47,9 +47,16 @@ def write_conversion(
     with atomic_directory(conversion.out, force, command="convert") as staging:
         _write_weights(conversion, staging, weights, progress)
         _write_config(staging, conversion.config)
-        _copy_other_files(source, staging)
+        # Tokenizer, generation config, licence (a GGUF file's saved); the model card as README.source.md.
+        for path in source.other_files:
+            shutil.copyfile(path, staging / path.name)
+        if source.card is not None:
+            shutil.copyfile(source.card, staging / "README.source.md")
+        if source.tokenizer is not None:
+            source.tokenizer.save_pretrained(staging)
+            source.model.generation_config.save_pretrained(staging)
         if summary.verify_skipped is None:
-            summary.damage = _checked_damage(source, staging, conversion.kept, progress)
+            summary.damage = _verify(source, staging, conversion.kept, progress)
         summary.seconds = round(time.perf_counter() - started, 2)
         (staging / "README.md").write_text(_model_card(summary, source_facts(source.path), source.card is not None))
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -67,44 +74,15 @@ def _write_weights(conversion: Conversion, staging: Path, weights: str, progress
         write_shards(staging, conversion.layout, _tensor_reader(source))
         return
     sizes = {path: path.stat().st_size for path in source.weight_files}
+    place = os.link if weights == "link" else shutil.copyfile
     with tqdm(
         desc="weights", total=sum(sizes.values()), unit="B", unit_scale=True, disable=None if progress else True
     ) as bar:
         for path, size in sizes.items():
-            if weights == "link":
-                os.link(path, staging / path.name)
-            else:
-                shutil.copyfile(path, staging / path.name)
+            place(path, staging / path.name)
             bar.update(size)
-    if weights == "link":
-        conversion.summary.weights = "hard-linked"
     if any(shard.filename != SINGLE_NAME for shard in conversion.layout):  # the source's files, as they are
         write_index(staging, conversion.layout)
-
-
-def _copy_other_files(source: Source, staging: Path) -> None:
-    """Tokenizer, generation config, licence (a GGUF file's saved); the model card as README.source.md."""
-    for path in source.other_files:
-        shutil.copyfile(path, staging / path.name)
-    if source.card is not None:
-        shutil.copyfile(source.card, staging / "README.source.md")
-    if source.tokenizer is not None:
-        source.tokenizer.save_pretrained(staging)
-        source.model.generation_config.save_pretrained(staging)
-
-
-def _checked_damage(source: Source, staging: Path, kept: list[TensorSpec], progress: bool) -> Damage:
-    """The conversion damage; nothing written where the written model is broken (a `UsageError`
-    where the source's outputs are not finite, a bug of this tool otherwise)."""
-    say(progress, "verifying: both models on fixed prompts ...")
-    from .verify import damage_not_finite, damage_problems
-
-    damage = _verify(source, staging, kept)
-    if broken := damage_not_finite(damage):  # bad input: the source's own outputs are not finite
-        raise UsageError(f"verification failed, nothing written: {broken}")
-    if problems := damage_problems(damage):
-        raise RuntimeError(f"verification failed, nothing written: {'; '.join(problems)}")
-    return damage
 
 
 def _write_config(directory: Path, config: dict) -> None:
@@ -129,13 +107,16 @@ def _tensor_reader(source: Source | Path) -> Callable[[str], torch.Tensor]:
     return read
 
 
-def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
-    """Compare the written checkpoint with the original in float32, both rounded to the written
-    dtype, one module at a time (`measure_damage_layerwise`)."""
+def _verify(source: Source, converted: Path, kept: list[TensorSpec], progress: bool) -> Damage:
+    """The conversion damage: the written checkpoint against the original in float32, both rounded
+    to the written dtype, one module at a time (`measure_damage_layerwise`). Nothing is written
+    where the written model is broken (a `UsageError` where the source's outputs are not finite, a
+    bug of this tool otherwise)."""
+    say(progress, "verifying: both models on fixed prompts ...")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .verify import measure_damage_layerwise, prompt_ids
+    from .verify import damage_not_finite, damage_problems, measure_damage_layerwise, prompt_ids
 
     config = load_config(converted)
     source_config = source.model.config if source.model is not None else load_config(source.path)
@@ -150,9 +131,14 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec]) -> Damage:
     except (OSError, ValueError, TypeError):
         tokenizer = None
     prompts = prompt_ids(tokenizer, config.vocab_size)
-    return measure_damage_layerwise(
+    damage = measure_damage_layerwise(
         original, ladder_model, _tensor_reader(source), _tensor_reader(converted), dtypes, prompts
     )
+    if broken := damage_not_finite(damage):  # bad input: the source's own outputs are not finite
+        raise UsageError(f"verification failed, nothing written: {broken}")
+    if problems := damage_problems(damage):
+        raise RuntimeError(f"verification failed, nothing written: {'; '.join(problems)}")
+    return damage
 
 
 def _model_card(summary: ConversionSummary, source: SourceFacts, kept_source_card: bool) -> str:

@@ -6,7 +6,6 @@ its tensors hold."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
@@ -20,11 +19,6 @@ from .checks import is_every_layer
 BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")  # llama.cpp's name for a layer's tensors: blk.0.attn_q.weight
 
 
-@dataclass(frozen=True)
-class GGUFInfo:
-    num_hidden_layers: int
-
-
 def _can_dequantize(tensor_type: gguf.GGMLQuantizationType) -> bool:
     _, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
     try:
@@ -34,7 +28,8 @@ def _can_dequantize(tensor_type: gguf.GGMLQuantizationType) -> bool:
     return True
 
 
-def inspect_llama_gguf(path: Path) -> GGUFInfo:
+def inspect_llama_gguf(path: Path) -> int:
+    """The block count of a Llama GGUF file that transformers can dequantize."""
     try:
         reader = gguf.GGUFReader(path)
     except (OSError, ValueError, KeyError, IndexError) as error:
@@ -58,4 +53,4 @@ def inspect_llama_gguf(path: Path) -> GGUFInfo:
     blocks = {int(match.group(1)) for tensor in reader.tensors if (match := BLOCK_TENSOR.match(tensor.name))}
     if not is_every_layer(blocks, count):
         raise UsageError(f"GGUF file {path} has llama.block_count {count}, but its tensors hold {len(blocks)} blocks")
-    return GGUFInfo(count)
+    return count

@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 
     from ladder.layer_search import LayerSearch
 
-    from .gguf import GGUFInfo
     from .verify import Damage
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # what save_pretrained uses ("5GB")
@@ -75,10 +74,6 @@ class Source:
     dropped: dict[str, str] = field(default_factory=dict)  # tensor name -> why it is not kept
     model: PreTrainedModel | None = None  # gguf: the dequantized model, and its tokenizer
     tokenizer: PreTrainedTokenizerBase | None = None
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return config_size(self.config, "num_hidden_layers")
 
 
 @dataclass
@@ -125,32 +120,6 @@ def default_output_dir(source: Path, num_ladder_layers: int) -> Path:
     return Path("runs") / "convert" / f"{name}-ladder{num_ladder_layers}"
 
 
-def _open_directory(directory: Path, config: dict) -> Source:
-    if (index := ShardedTensorIndex.from_directory(directory)) is None:
-        raise UsageError(
-            f"{directory} has no safetensors weights (model.safetensors or {INDEX_NAME}); save the "
-            "model with save_pretrained, which writes them"
-        )
-    source = Source(directory, "safetensors", config, index.tensors, index.files, list(index.shards))
-    root = input_root(directory)
-    for path in sorted(directory.iterdir()):
-        if path.name.startswith(".") or path in source.weight_files:
-            continue
-        if path.is_dir():
-            source.not_copied.append(path.name + "/")
-        elif path.name.endswith(WEIGHT_SUFFIXES) or path.suffix == ".py":
-            source.not_copied.append(path.name)
-        elif (path.name in WRITTEN_FILES and path.name != "README.md") or not path.is_file():
-            continue
-        elif not resolves_inside(path, root):  # a link to any file on the machine: skipped, one warning line
-            continue
-        elif path.name == "README.md":
-            source.card = path
-        else:
-            source.other_files.append(path)
-    return source
-
-
 def _output_layout(source: Source, kept: list[TensorSpec], max_shard_size: int | None) -> list[OutputShard]:
     """The source's grouping of tensors into files unless a shard size is asked."""
     if source.format != "safetensors" or max_shard_size is not None:
@@ -188,11 +157,6 @@ def ladder_config_dict(config: dict, layers: list[int], dtype: str) -> dict:
     return dict(sorted(with_legacy_rope(ladder).items()))
 
 
-def _dtype_name(tensors: list[TensorSpec]) -> str:
-    names = sorted({spec.dtype for spec in tensors if spec.is_floating_point})
-    return names[0] if len(names) == 1 else "mixed (" + ", ".join(names) + ")"
-
-
 def _fits_in_memory(tensors: list[TensorSpec]) -> str | None:
     """Why verification would not fit in memory, or None: it holds one module of each model at a
     time, in float32."""
@@ -225,24 +189,41 @@ def search_layers(source: Source, auto: AutoLayers, calibration: list[Path] | No
     return search
 
 
-def check_weight_mode(weights: str) -> None:
-    if weights not in WEIGHT_MODES:
-        raise UsageError(f"--weights {weights!r}: choose from {', '.join(WEIGHT_MODES)}")
-
-
-def read_source(path: Path) -> Source | GGUFInfo:
+def read_source(path: Path) -> tuple[Source | None, int]:
     """A directory's config.json, checked, then its weight headers against it; a GGUF file's
-    metadata, checked. Nothing that grows with the config's numbers is built before this."""
+    metadata, checked (None: `open_source` dequantizes it); with the layer count. Nothing that grows
+    with the config's numbers is built before this."""
     if path.suffix == ".gguf":
         from .gguf import inspect_llama_gguf
 
-        return inspect_llama_gguf(path)
+        return None, inspect_llama_gguf(path)
     config = read_config_dict(path)
     check_config(config, str(path / "config.json"))
     check_tokenizer_files(path, config_size(config, "vocab_size"))  # convert copies them
-    source = _open_directory(path, config)
+    if (index := ShardedTensorIndex.from_directory(path)) is None:
+        raise UsageError(
+            f"{path} has no safetensors weights (model.safetensors or {INDEX_NAME}); save the "
+            "model with save_pretrained, which writes them"
+        )
+    source = Source(path, "safetensors", config, index.tensors, index.files, list(index.shards))
+    root = input_root(path)
+    for entry in sorted(path.iterdir()):
+        if entry.name.startswith(".") or entry in source.weight_files:
+            continue
+        if entry.is_dir():
+            source.not_copied.append(entry.name + "/")
+        elif entry.name.endswith(WEIGHT_SUFFIXES) or entry.suffix == ".py":
+            source.not_copied.append(entry.name)
+        elif (entry.name in WRITTEN_FILES and entry.name != "README.md") or not entry.is_file():
+            continue
+        elif not resolves_inside(entry, root):  # a link to any file on the machine: skipped, one warning line
+            continue
+        elif entry.name == "README.md":
+            source.card = entry
+        else:
+            source.other_files.append(entry)
     source.dropped = check_weights(source.tensors, config)
-    return source
+    return source, config_size(config, "num_hidden_layers")
 
 
 def output_dir(source: Path, out: str | Path | None, choice: LayerChoice, force: bool) -> Path:
@@ -252,9 +233,8 @@ def output_dir(source: Path, out: str | Path | None, choice: LayerChoice, force:
     return out
 
 
-def open_source(path: Path, headers: Source | GGUFInfo, dtype: str | None, progress: bool) -> Source:
-    if isinstance(headers, Source):
-        return headers
+def open_source(path: Path, dtype: str | None, progress: bool) -> Source:
+    """A GGUF file dequantized whole, checked as a directory's headers are."""
     say(progress, f"dequantizing {path.name} ...")
     model, tokenizer = load_model(path, dtype or "float32")
     tensors = {name: TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()}
@@ -294,14 +274,15 @@ def lay_out(
         if copy_as_is
         else _output_layout(source, kept, max_shard_size)
     )
+    dtypes = sorted({spec.dtype for spec in kept if spec.is_floating_point})
     summary = ConversionSummary(
         source=str(source.path.resolve()),
         source_format=source.format,
         output=str(out.resolve()),
-        num_hidden_layers=source.num_hidden_layers,
+        num_hidden_layers=config_size(source.config, "num_hidden_layers"),
         ladder_layers=layers,
-        dtype=_dtype_name(kept),
-        weights="copied" if copy_as_is else "rewritten",
+        dtype=dtypes[0] if len(dtypes) == 1 else "mixed (" + ", ".join(dtypes) + ")",
+        weights=("hard-linked" if weights == "link" else "copied") if copy_as_is else "rewritten",
         tensors=len(kept),
         weight_bytes=sum(spec.nbytes for spec in kept),
         shards=[shard.filename for shard in layout],

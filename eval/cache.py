@@ -12,7 +12,6 @@ import hashlib
 import importlib
 import inspect
 import json
-import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -34,9 +33,6 @@ PROVENANCE_FILES = ("conversion.json", "recipe.yaml")
 SCORING_PACKAGES = ("ladder.eval", "ladder.model", "ladder.io")
 DIGEST_KEY = "ladder_content_sha256"
 FILE_HASHES = "file-hashes.json"
-# A temporary of a cache write (atomic_write's `.NAME.tmp-...`) older than this is a killed write's:
-# writing an entry takes well under a second.
-STALE_TEMPORARY_SECONDS = 3600
 
 
 def fingerprint(path: Path, hashes: FileHashes) -> str:
@@ -201,20 +197,10 @@ def _content_digest(record: dict, samples: dict) -> str:
     return hashlib.sha256(json.dumps([record, samples], sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
-def remove_stale_temporaries(cache_dir: Path) -> None:
-    """Remove killed writes' temporaries, older than any live write's."""
-    if not cache_dir.is_dir():
-        return
-    cutoff = time.time() - STALE_TEMPORARY_SECONDS
-    for leftover in cache_dir.glob(".*.tmp-*"):
-        with contextlib.suppress(OSError):  # another run may clean it at the same moment
-            if leftover.is_file() and leftover.lstat().st_mtime < cutoff:
-                leftover.unlink()
-
-
 def write_cache(path: Path, record: dict, samples: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The samples first: a record without them would not count as cached.
+    # The samples first: a record without them would not count as cached. atomic_write also removes
+    # a killed write's temporaries of the entry (no lock held), never a live run's.
     samples_json = json.dumps(samples, ensure_ascii=False).encode()
     atomic_write(path.with_suffix(".samples.json.gz"), gzip.compress(samples_json, compresslevel=6, mtime=0))
     atomic_write(path, json.dumps({**record, DIGEST_KEY: _content_digest(record, samples)}))

@@ -25,7 +25,7 @@ from ladder.launch import multi_process_launcher
 from .backends import BACKENDS
 from .evaluate import check_outputs, check_tasks, evaluate_models, quiet_libraries
 from .runtime import DEFAULT_BATCH_SIZE, check_processes, resolve_runtime, visible_gpus
-from .suite import Suite, load_suite, suite_names, tasks_suite
+from .suite import load_suite, suite_names, tasks_suite
 
 DEFAULT_RUNS = Path("runs/eval")
 
@@ -233,7 +233,19 @@ def main(argv: list[str]) -> int:
     out = args.out or DEFAULT_RUNS / f"{time.strftime('%Y%m%d-%H%M%S')}-{suite.name}-{os.urandom(3).hex()}"
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if args.processes > 1 and launched == 1:
-        return _launch(argv, args, suite, models, data_dir, cache_dir, out)
+        # This command again in N processes (`multi_process_launcher`), after the checks that would
+        # otherwise fail once per process.
+        from .models import resolve_models
+
+        check_outputs(resolve_models(models), out, cache_dir, data_dir, args.force)
+        check_processes(args.device, args.parallelize)
+        gpus = visible_gpus() if args.device != "cpu" else 0
+        if gpus and args.processes > gpus:
+            raise UsageError(f"--processes {args.processes}: only {gpus} GPU(s) are visible (one process per GPU)")
+        quiet_libraries(args.verbose)
+        check_tasks(suite, data_dir, args.processes)
+        command = [*multi_process_launcher(args.processes), "-m", "ladder.eval.cli", *argv, "--out", str(out)]
+        return subprocess.run(command).returncode
     if args.processes > 1 and args.processes != launched:
         raise UsageError(f"--processes {args.processes} under a launcher that started {launched}")
 
@@ -259,30 +271,6 @@ def main(argv: list[str]) -> int:
         for report in sorted(evaluation.out.glob("report.*")):
             print(f"  {report}")
     return 0
-
-
-def _launch(
-    argv: list[str],
-    args: argparse.Namespace,
-    suite: Suite,
-    models: list[str],
-    data_dir: Path | None,
-    cache_dir: Path | None,
-    out: Path,
-) -> int:
-    """This command again in `args.processes` processes (`multi_process_launcher`), after the checks
-    that would otherwise fail once per process."""
-    from .models import resolve_models
-
-    check_outputs(resolve_models(models), out, cache_dir, data_dir, args.force)
-    check_processes(args.device, args.parallelize)
-    gpus = visible_gpus() if args.device != "cpu" else 0
-    if gpus and args.processes > gpus:
-        raise UsageError(f"--processes {args.processes}: only {gpus} GPU(s) are visible (one process per GPU)")
-    quiet_libraries(args.verbose)
-    check_tasks(suite, data_dir, args.processes)
-    command = [*multi_process_launcher(args.processes), "-m", "ladder.eval.cli", *argv, "--out", str(out)]
-    return subprocess.run(command).returncode
 
 
 if __name__ == "__main__":

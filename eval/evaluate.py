@@ -102,8 +102,7 @@ def _score(refs, suite: Suite, data_dir, runtime, cache_dir, samples_dir, datase
     from .harness import run_suite
     from .lm_tasks import hub_offline
 
-    offline = hub_offline(datasets_cache) if suite.offline else contextlib.nullcontext()
-    with offline:
+    with hub_offline(datasets_cache) if suite.offline else contextlib.nullcontext():
         manager, prepared = _prepare_tasks(suite, data_dir, runtime.processes)
         return run_suite(refs, suite, manager, prepared, runtime, cache_dir=cache_dir, samples_dir=samples_dir)
 
@@ -113,8 +112,7 @@ def check_tasks(suite: Suite, data_dir: Path | None, processes: int) -> None:
     from .lm_tasks import hub_offline
 
     with tempfile.TemporaryDirectory(prefix="ladder-eval-") as scratch:
-        offline = hub_offline(Path(scratch)) if suite.offline else contextlib.nullcontext()
-        with offline:
+        with hub_offline(Path(scratch)) if suite.offline else contextlib.nullcontext():
             _prepare_tasks(suite, data_dir, processes)
 
 

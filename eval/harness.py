@@ -10,9 +10,8 @@ import gc
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 from lm_eval.api.model import CacheHook
 from lm_eval.tasks import TaskManager
@@ -30,7 +29,6 @@ from .cache import (
     fingerprint,
     model_class,
     read_cache,
-    remove_stale_temporaries,
     scoring_digest,
     task_identity,
     write_cache,
@@ -38,9 +36,7 @@ from .cache import (
 from .lm_tasks import evaluate_task, write_samples
 from .models import ModelRef, ModelResults, bound_chat_template, file_name
 from .runtime import Runtime, share
-from .suite import Suite, SuiteTask
-
-Scored = tuple[dict, dict]  # (lm-eval's record with per-item values, its per-item samples)
+from .suite import Suite
 
 
 def run_suite(
@@ -52,20 +48,17 @@ def run_suite(
     *,
     cache_dir: Path | None = None,
     samples_dir: Path | None = None,
-    log: Callable[[str], None] = lambda message: _write(message, logging.INFO),
 ) -> list[ModelResults]:
     """Score every model on every suite task; a model whose tasks are all cached is not loaded.
     `samples_dir`: each model's per-item samples go to samples_dir/<label>/<task>.jsonl.
     On the processes other than 0 of a multi-process run, returns an empty list."""
     main = runtime.rank == 0
-    if not main:
-        log = lambda message: None  # process 0 speaks for all
+    log = lambda message: _write(message, logging.INFO) if main else None  # process 0 speaks for all
     backend = get_backend(runtime.backend)
     cache = cache_dir if main else None  # process 0 alone reads and writes the cache
     hashes = FileHashes(cache / FILE_HASHES if cache is not None else None)  # weights' and data files'
     identities, scoring_code = {}, ""
     if cache is not None:
-        remove_stale_temporaries(cache)  # what killed writes left
         identities = {task.task: task_identity(task, prepared[task.task], hashes) for task in suite.tasks}
         scoring_code = scoring_digest()  # hashed once per run
     # The run's batch size, but 1 for rolling windows: a window is already max_length tokens, and
@@ -102,16 +95,41 @@ def run_suite(
             progress.refresh()
             missing = [task for task in suite.tasks if task.task not in cached]
             expected = progress.n  # the bar moves by items as they are scored, and by a task's items in all
-            for task, scored in _score_tasks(
-                ref, missing, backend, manager, prepared, runtime, batch_sizes, log, progress, items
-            ):
-                found[task] = scored
-                expected += items[task]
-                progress.update(expected - progress.n)
-                if cache is not None:  # as each task is scored: a failure later keeps it
-                    write_cache(cache / f"{keys[task]}.json", *scored)
+            if missing:  # the model loaded once, and not at all when every task is cached
+                where = f"{runtime.dtype} on {runtime.describe()['device']}, {runtime.processes} process(es)"
+                log(f"loading {ref.label} ({where})")
+                lm = backend.load_lm(ref, runtime)
+                counter = ItemProgress(lm, progress)
+                with TemplateWorker(f"{ref.label} ({ref.path})") as worker:  # started by the first chat, if any
+                    for number, task in enumerate(missing, 1):
+                        if task.apply_chat_template:
+                            bound_chat_template(lm, worker, task.apply_chat_template)
+                        progress.set_postfix_str(f"task {number}/{len(missing)} {task.task}")
+                        log(f"scoring {ref.label} on {task.describe()}")
+                        lm.batch_size_per_gpu = batch_sizes[task.task]
+                        started = time.monotonic()
+                        counter.items = items[task.task]
+                        scored = evaluate_task(lm, task, manager, prepared[task.task]["sizes"], runtime)
+                        log(f"scored {ref.label} on {task.task} in {time.monotonic() - started:.0f} s")
+                        if scored is None:  # the processes other than 0
+                            continue
+                        found[task.task] = scored
+                        expected += items[task.task]
+                        progress.update(expected - progress.n)
+                        if cache is not None:  # as each task is scored: a failure later keeps it
+                            write_cache(cache / f"{keys[task.task]}.json", *scored)
+                del lm
+                gc.collect()
             if main:
-                everything.append(_collect(results, found, suite, prepared, samples_dir, log))
+                if results.cached:
+                    log(f"{ref.label}: cached results for {', '.join(results.cached)}")
+                for task in suite.tasks:  # suite order
+                    record, samples = found[task.task]
+                    record["aggregations"] = prepared[task.task]["aggregations"]
+                    results.tasks[task.task] = record
+                    if samples_dir is not None:
+                        write_samples(samples_dir / file_name(ref.label), samples)
+                everything.append(results)
     return everything
 
 
@@ -119,42 +137,6 @@ def _write(message: str, level: int) -> None:
     """A line of the `ladder` logger's, written around the progress bar."""
     if ladder_log.isEnabledFor(level):
         tqdm.write(message, file=sys.stdout if level < logging.WARNING else sys.stderr)
-
-
-def _score_tasks(
-    ref: ModelRef,
-    tasks: list[SuiteTask],
-    backend: ModuleType,
-    manager: TaskManager,
-    prepared: dict[str, dict],
-    runtime: Runtime,
-    batch_sizes: dict[str, int | str],
-    log: Callable[[str], None],
-    progress: tqdm,
-    items_of: dict[str, int],
-) -> Iterator[tuple[str, Scored]]:
-    """Load the model once (not at all for no tasks), and yield each task's (record, samples) as it
-    is scored; nothing on the processes other than 0."""
-    if not tasks:
-        return
-    log(f"loading {ref.label} ({runtime.dtype} on {runtime.describe()['device']}, {runtime.processes} process(es))")
-    lm = backend.load_lm(ref, runtime)
-    counter = ItemProgress(lm, progress)
-    with TemplateWorker(f"{ref.label} ({ref.path})") as worker:  # started by the first chat, if any
-        for number, task in enumerate(tasks, 1):
-            if task.apply_chat_template:
-                bound_chat_template(lm, worker, task.apply_chat_template)
-            progress.set_postfix_str(f"task {number}/{len(tasks)} {task.task}")
-            log(f"scoring {ref.label} on {task.describe()}")
-            lm.batch_size_per_gpu = batch_sizes[task.task]
-            started = time.monotonic()
-            counter.items = items_of[task.task]
-            output = evaluate_task(lm, task, manager, prepared[task.task]["sizes"], runtime)
-            log(f"scored {ref.label} on {task.task} in {time.monotonic() - started:.0f} s")
-            if output is not None:
-                yield task.task, output
-    del lm
-    gc.collect()
 
 
 class ItemProgress(CacheHook):
@@ -182,22 +164,3 @@ class ItemProgress(CacheHook):
         self.pending += count * self.per_request
         self.progress.update(int(self.pending))  # whole items: the bar shows counts
         self.pending -= int(self.pending)
-
-
-def _collect(
-    results: ModelResults,
-    found: dict[str, Scored],
-    suite: Suite,
-    prepared: dict[str, dict],
-    samples_dir: Path | None,
-    log: Callable[[str], None],
-) -> ModelResults:
-    if results.cached:
-        log(f"{results.model.label}: cached results for {', '.join(results.cached)}")
-    for task in suite.tasks:  # suite order
-        record, samples = found[task.task]
-        record["aggregations"] = prepared[task.task]["aggregations"]
-        results.tasks[task.task] = record
-        if samples_dir is not None:
-            write_samples(samples_dir / file_name(results.model.label), samples)
-    return results

@@ -112,9 +112,7 @@ def task_configs(suite: Suite, manager: TaskManager) -> dict[str, dict]:
 def _plain(value):
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
-    if isinstance(value, bool):
-        return float(value)
-    return float(value) if isinstance(value, (int, float)) else value
+    return float(value) if isinstance(value, (int, float)) else value  # a bool too: 1.0 or 0.0
 
 
 def per_item_values(output: dict) -> dict[str, dict[str, dict]]:
@@ -142,8 +140,28 @@ def evaluate_task(
     if suite_task.every > 1 or suite_task.fraction is not None:
         samples = {name: suite_task.item_indices(size) for name, size in sizes.items()}
     # lm-eval prints some progress ("bootstrapping for stddev: perplexity"): to its log, not stdout.
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
-        output = _simple_evaluate(lm, suite_task, manager, samples, runtime)
+    with (
+        contextlib.redirect_stdout(io.StringIO()) as printed,
+        mock.patch.multiple(
+            lm_eval.evaluator,
+            add_env_info=lambda storage: storage.update(_environment()),
+            get_git_commit_hash=lambda: _environment()["git_hash"],
+        ),
+    ):
+        output = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[suite_task.task],
+            num_fewshot=suite_task.num_fewshot,
+            limit=suite_task.limit if samples is None else None,
+            samples=samples,
+            task_manager=manager,
+            bootstrap_iters=BOOTSTRAP_DRAWS,
+            log_samples=True,
+            # Recorded in lm-eval's `config` (the model is already placed: these do not move it).
+            device=runtime.describe()["device"],
+            batch_size=lm.batch_size_per_gpu,
+            **suite_task.chat_options(),
+        )
     for line in filter(None, printed.getvalue().splitlines()):
         logging.getLogger("lm_eval").info(line)
     if output is None:
@@ -167,28 +185,6 @@ def _environment() -> dict:
     git = subprocess.run(["git", "describe", "--always"], cwd=TASKS_DIR, capture_output=True, text=True)
     environment["git_hash"] = git.stdout.strip() or None
     return environment
-
-
-def _simple_evaluate(lm, suite_task: SuiteTask, manager: TaskManager, samples: dict | None, runtime: Runtime):
-    with mock.patch.multiple(
-        lm_eval.evaluator,
-        add_env_info=lambda storage: storage.update(_environment()),
-        get_git_commit_hash=lambda: _environment()["git_hash"],
-    ):
-        return lm_eval.simple_evaluate(
-            model=lm,
-            tasks=[suite_task.task],
-            num_fewshot=suite_task.num_fewshot,
-            limit=suite_task.limit if samples is None else None,
-            samples=samples,
-            task_manager=manager,
-            bootstrap_iters=BOOTSTRAP_DRAWS,
-            log_samples=True,
-            # Recorded in lm-eval's `config` (the model is already placed: these do not move it).
-            device=runtime.describe()["device"],
-            batch_size=lm.batch_size_per_gpu,
-            **suite_task.chat_options(),
-        )
 
 
 def write_samples(directory: Path, samples: dict) -> None:

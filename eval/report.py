@@ -167,15 +167,11 @@ def build_rows(models: list[ModelResults]) -> list[Row]:
     return rows
 
 
-def _decimals(value: float | None) -> int:
-    magnitude = 0 if value is None else abs(value)
-    return 4 if magnitude < 10 else 2 if magnitude < 1000 else 1
-
-
 def _format(estimate: Estimate, like: float | None, signed: bool = False) -> str:
     if estimate.value is None:
         return "—"
-    decimals = _decimals(like)
+    magnitude = 0 if like is None else abs(like)
+    decimals = 4 if magnitude < 10 else 2 if magnitude < 1000 else 1
     text = f"{estimate.value:{'+' if signed else ''}.{decimals}f}"
     if estimate.stderr is not None:
         text += f" ± {estimate.stderr:.{decimals}f}"
@@ -209,28 +205,14 @@ def report_dict(models: list[ModelResults], rows: list[Row], header: dict) -> di
         "models": [{"label": m.model.label, **m.provenance()} for m in models],
         "stderr": STDERR_NOTE,
         "rows": [
-            {
-                "task": row.task,
-                "metric": row.metric,
-                "n": row.n,
-                "higher_is_better": row.higher_is_better,
+            asdict(row)
+            | {
                 "scores": {m.model.label: asdict(s) for m, s in zip(models, row.scores)},
                 "differences": {m.model.label: asdict(d) for m, d in zip(models[1:], row.differences)},
             }
             for row in rows
         ],
     }
-
-
-def markdown_report(models: list[ModelResults], rows: list[Row], header: dict) -> str:
-    labels = [m.model.label for m in models]
-    lines = [f"# Evaluation: suite `{header['suite']}`", ""]
-    lines += [f"- {key}: {value}" for key, value in header.items() if key != "suite"]
-    lines += [
-        f"- model `{m.model.label}`: {m.model.path}" + (" (reference)" if i == 0 else "") for i, m in enumerate(models)
-    ]
-    lines += ["", markdown_table(labels, rows), "", STDERR_NOTE, ""]
-    return "\n".join(lines)
 
 
 def _bar_label(row: Row, series: int, compare: bool) -> str:
@@ -280,7 +262,14 @@ def figure(models: list[ModelResults], rows: list[Row]):
 def write_report(models: list[ModelResults], header: dict, directory: Path) -> str:
     """report.md, report.json and report.png; returns the markdown table."""
     rows = build_rows(models)
-    (directory / "report.md").write_text(markdown_report(models, rows, header))
+    table = markdown_table([m.model.label for m in models], rows)
+    lines = [f"# Evaluation: suite `{header['suite']}`", ""]
+    lines += [f"- {key}: {value}" for key, value in header.items() if key != "suite"]
+    lines += [
+        f"- model `{m.model.label}`: {m.model.path}" + (" (reference)" if i == 0 else "") for i, m in enumerate(models)
+    ]
+    lines += ["", table, "", STDERR_NOTE, ""]
+    (directory / "report.md").write_text("\n".join(lines))
     (directory / "report.json").write_text(json.dumps(report_dict(models, rows, header), indent=2) + "\n")
     figure(models, rows).savefig(directory / "report.png", dpi=110)
-    return markdown_table([m.model.label for m in models], rows)
+    return table

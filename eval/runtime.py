@@ -78,7 +78,15 @@ def resolve_runtime(
         use_spawn_where_cuda_may_be()  # before anything imports vLLM (its backend's check does)
     accelerator = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        accelerator = _accelerator(device, parallelize)
+        check_processes(device, parallelize)
+        from accelerate import Accelerator, InitProcessGroupKwargs
+
+        # Process 0 hashes the models and reads the cache while the others wait (a large model
+        # takes a while): a generous timeout for the first collective.
+        accelerator = Accelerator(
+            cpu=device == "cpu" or visible_gpus() == 0,
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(hours=6))],
+        )
         device = "cpu" if accelerator.device.type == "cpu" else str(accelerator.device)
     else:
         device = _single_process_device(device)
@@ -96,18 +104,6 @@ def check_processes(device: str, parallelize: bool) -> None:
         raise UsageError("--parallelize splits one model over all GPUs: it runs in one process (drop --processes)")
     if device.startswith("cuda:"):
         raise UsageError(f"--device {device} names one GPU; with several processes each takes its own")
-
-
-def _accelerator(device: str, parallelize: bool):
-    check_processes(device, parallelize)
-    from accelerate import Accelerator, InitProcessGroupKwargs
-
-    # Process 0 hashes the models and reads the cache while the others wait (a large model
-    # takes a while): a generous timeout for the first collective.
-    return Accelerator(
-        cpu=device == "cpu" or visible_gpus() == 0,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(hours=6))],
-    )
 
 
 def visible_gpus() -> int:

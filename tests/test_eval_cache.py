@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 from eval_runs import cached, write_suite
+from filelock import FileLock
 
 from ladder.errors import UsageError
 from ladder.eval import cli
 from ladder.eval.cache import (
     FILE_HASHES,
     SCORING_PACKAGES,
-    STALE_TEMPORARY_SECONDS,
     FileHashes,
     cache_key,
     code_digest,
@@ -145,8 +145,8 @@ def test_cache_misses_on_a_data_byte_and_the_dtype_and_hits_unchanged(tiny_check
 
 def test_corrupt_cache_entries_are_rescored_and_killed_writes_cleaned(tiny_checkpoint, tmp_path, capsys):
     """A cache entry that does not read back (flipped gzip bytes, bad UTF-8, a JSON list) or does
-    not match the digest it carries (an edited score, an emptied record) is one warning line and a miss, and the rescored entry replaces it; a killed write's temporary is
-    removed once it is old, a live write's (young) is kept."""
+    not match the digest it carries (an edited score, an emptied record) is one warning line and a miss, and the rescored entry replaces it; a killed write's temporary (no lock
+    held) is removed when its entry is written again, a live write's (locked) is kept."""
     suite = write_suite(tmp_path / "s.yaml", [{"task": "ladder_piqa", "limit": 2}])
     cache = tmp_path / "cache"
     runs = iter(range(100))
@@ -182,10 +182,12 @@ def test_corrupt_cache_entries_are_rescored_and_killed_writes_cleaned(tiny_check
     killed, live = cache / f".{record.name}.tmp-4242", cache / f".{samples.name}.tmp-4243"
     for leftover in (killed, live):
         leftover.write_bytes(b"half a write")
-    hours_ago = killed.stat().st_mtime - STALE_TEMPORARY_SECONDS - 60
-    os.utime(killed, (hours_ago, hours_ago))
-    assert run() == (["ladder_piqa"], [])
+    record.write_bytes(b"[1, 2]")  # a miss: the entry is written again
+    with FileLock(live, timeout=0, fallback_to_soft=False):  # as atomic_write holds its temporary
+        hits, warnings = run()
+    assert hits == [] and len(warnings) == 1
     assert not killed.exists() and live.exists()
+    assert run() == (["ladder_piqa"], [])
 
 
 def test_cache_key_covers_task_helpers_and_model_code(tmp_path, monkeypatch):

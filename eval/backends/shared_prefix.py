@@ -159,10 +159,7 @@ def _answer(logprobs: torch.Tensor, continuation: list[int]) -> tuple[float, boo
 
 def _right_padded(sequences: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids right-padded with token 0, and the mask of real tokens (1) and padding (0)."""
-    width = max(len(sequence) for sequence in sequences)
-    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
-    mask = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
-    for row, sequence in enumerate(sequences):
-        ids[row, : len(sequence)] = torch.tensor(sequence, device=device)
-        mask[row, : len(sequence)] = 1
-    return ids, mask
+    rows = [torch.tensor(sequence, dtype=torch.long) for sequence in sequences]
+    ids = nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    lengths = torch.tensor([len(row) for row in rows])
+    return ids.to(device), (torch.arange(ids.shape[1]) < lengths[:, None]).long().to(device)

@@ -44,9 +44,7 @@ def _wikitext_pages(path: Path) -> list[dict]:
     """Split a raw WikiText file into articles exactly as EleutherAI/wikitext_document_level does:
     a top-level heading ` = Title = ` starts a new page. Text mode turns the files' CRLF into LF."""
     pages, lines = [], []
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read()
-    for line in text.split("\n"):
+    for line in path.read_text(encoding="utf-8").split("\n"):
         heading = line.replace("= = =", "===").replace("= =", "==").strip()
         if heading.startswith("= ") and heading.endswith(" ="):
             page = "\n".join(lines)
