@@ -5,7 +5,9 @@ after a network error, reopens the stream there.
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import importlib
 import itertools
 import json
 import os
@@ -190,10 +192,9 @@ def transient(error: Exception) -> bool:
     """Whether an error reading a stream may pass on a retry: the network's, not a missing dataset's."""
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
         return False
-    try:
-        import httpx  # huggingface_hub's HTTP client: its connection errors are not OSErrors
-
-        network = (OSError, TimeoutError, httpx.TransportError)
-    except ImportError:
-        network = (OSError, TimeoutError)
-    return isinstance(error, network)
+    network = [OSError, TimeoutError]
+    # huggingface_hub's HTTP client (httpx before 2.x, httpx2 since): its connection errors are not OSErrors.
+    for client in ("httpx", "httpx2"):
+        with contextlib.suppress(ImportError):
+            network.append(importlib.import_module(client).TransportError)
+    return isinstance(error, tuple(network))

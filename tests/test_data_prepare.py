@@ -15,6 +15,7 @@ import time
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+import httpx2
 import numpy as np
 import psutil
 import pytest
@@ -128,7 +129,13 @@ def test_a_worker_dead_before_the_next_chunk_is_sent_ends_the_run_in_one_line(sm
             list(runner.run(jobs))
 
 
-def test_a_failing_stream_is_reopened_where_it_stopped(capsys):
+# A network error as the standard library raises it, and as huggingface_hub's HTTP client (httpx2
+# from huggingface_hub 2.x; not an OSError) does when the Hub streams a dataset.
+NETWORK_ERRORS = {"OSError": ConnectionError, "httpx2": httpx2.ReadError}
+
+
+@pytest.mark.parametrize("client", NETWORK_ERRORS)
+def test_a_failing_stream_is_reopened_where_it_stopped(client, capsys):
     import datasets
 
     failures = []
@@ -138,7 +145,7 @@ def test_a_failing_stream_is_reopened_where_it_stopped(capsys):
             for n in range(25):
                 if shard == 1 and n == 12 and len(failures) < 2:  # twice, in the middle of the second file
                     failures.append(n)
-                    raise ConnectionError("connection reset by peer")
+                    raise NETWORK_ERRORS[client]("connection reset by peer")
                 yield {"n": shard * 25 + n}
 
     def open_stream():
