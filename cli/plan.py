@@ -33,13 +33,12 @@ from ladder.plan.speed import (
     overlapped_reductions,
     predict,
 )
+from ladder.serving.engine import VLLM_GPU_MEMORY_UTILIZATION
 from ladder.tp.degrees import ENGINES, refusal
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 RECIPE_SUFFIXES = (".yaml", ".yml")
 LISTED_DEGREES = (1, 2, 4, 8, 16)
-# Share of a device's memory the weights and the KV cache may fill: vLLM's default gpu_memory_utilization.
-USABLE_MEMORY = 0.9
 # The decode setting's bounds: past any model's context and any server's batch a number is a typo.
 TOKENS, BATCH = int_in(1, 1 << 24), int_in(1, 1 << 20)
 
@@ -249,7 +248,7 @@ def memory_fit(shape: ModelShape, args: argparse.Namespace, dtype_bytes: int, de
     and the largest batch that do."""
     from ladder.plan.calibrate import machine_memory
 
-    usable = USABLE_MEMORY * (device.memory or machine_memory())
+    usable = VLLM_GPU_MEMORY_UTILIZATION * (device.memory or machine_memory())
     embedding = 0 if shape.tied_embeddings else dtype_bytes * shape.vocab_size * shape.hidden_size
 
     def per_device(tp: int, batch: int) -> float:
@@ -351,7 +350,7 @@ def render(result: dict) -> str:
 
 def memory_note(memory: dict, tp: int) -> str:
     needed, gib = memory["bytes_per_device"], 2**30
-    line = f"memory per device (weights + KV cache): {_span([value / gib for value in needed.values()])} GiB of {memory['usable_bytes'] / gib:.1f} GiB usable ({USABLE_MEMORY:.0%}, vLLM's gpu_memory_utilization): "
+    line = f"memory per device (weights + KV cache): {_span([value / gib for value in needed.values()])} GiB of {memory['usable_bytes'] / gib:.1f} GiB usable ({VLLM_GPU_MEMORY_UTILIZATION:.0%}, vLLM's gpu_memory_utilization): "
     if memory["fits"]:
         return line + "fits"
     options = [f"--{key.replace('_', '-')} {value}" for key, value in memory["fits_with"].items() if value]
