@@ -43,15 +43,6 @@ def read_manifest(manifest: str | Path = MANIFEST) -> list[DataFile]:
         ) from None
 
 
-def check_urls(files: list[DataFile], manifest: str | Path) -> None:
-    """Only HTTP(S): a `file://` URL would copy any file of this machine into the data folder."""
-    for item in files:
-        if urlsplit(item.url).scheme not in ("https", "http"):
-            raise UsageError(
-                f"manifest {manifest}: {item.path} has the URL {excerpt(item.url)}; only https:// and http:// are fetched"
-            )
-
-
 @dataclass
 class FetchReport:
     fetched: list[str]  # downloaded (or replaced) and verified
@@ -63,15 +54,6 @@ class FetchReport:
         if self.refused:
             parts.append(f"{len(self.refused)} refused (wrong checksum, not kept): {', '.join(self.refused)}")
         return f"data folder {destination}: " + ", ".join(parts)
-
-
-def _offline_message(files: list[DataFile], destination: Path, manifest: Path, error: Exception) -> str:
-    hosts = sorted({urlsplit(item.url).netloc for item in files})
-    return (
-        f"cannot download from {', '.join(hosts)} ({type(error).__name__}): fetch the {len(files)} files listed "
-        f"in {manifest} (URL and SHA-256 each) into {destination}, each at its `path`, or set LADDER_DATA "
-        "to a folder that has them"
-    )
 
 
 def fetch_data(
@@ -90,7 +72,11 @@ def fetch_data(
     report = FetchReport([], [], [])
     # Every place is checked before anything is deleted or downloaded: a manifest is untrusted input.
     targets = [path_inside(destination, item.path, f"manifest {manifest}") for item in files]
-    check_urls(files, manifest)
+    for item in files:  # only HTTP(S): a `file://` URL would copy any file of this machine into the data folder
+        if urlsplit(item.url).scheme not in ("https", "http"):
+            raise UsageError(
+                f"manifest {manifest}: {item.path} has the URL {excerpt(item.url)}; only https:// and http:// are fetched"
+            )
     for item, target in zip(files, targets, strict=True):
         try:
             if target.is_file() and sha256_file(target) == item.sha256:
@@ -114,7 +100,12 @@ def fetch_data(
                 "have moved (the data folder's README names each file's repository)"
             ) from None
         except requests.exceptions.RequestException as error:
-            raise UsageError(_offline_message(files, destination, Path(manifest), error)) from None
+            hosts = ", ".join(sorted({urlsplit(file.url).netloc for file in files}))
+            raise UsageError(
+                f"cannot download from {hosts} ({type(error).__name__}): fetch the {len(files)} files listed "
+                f"in {manifest} (URL and SHA-256 each) into {destination}, each at its `path`, or set LADDER_DATA "
+                "to a folder that has them"
+            ) from None
         except OSError as error:
             raise UsageError(f"cannot write {target}: {first_line(error)}") from None
         report.fetched.append(item.path)

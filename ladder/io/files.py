@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -46,21 +47,28 @@ def _lock(path: Path) -> FileLock | None:
     return lock
 
 
-def _born_locked(parent: Path, stem: str, directory: bool, command: str | None = None) -> tuple[Path, FileLock]:
-    """A new temporary `parent/.STEM.tmp-RANDOM` (a folder with its marker, or a file), locked before
-    it appears under that name (made and locked as `.new-`, which cleanup leaves alone while young)."""
+@contextlib.contextmanager
+def _staging(final: Path, directory: bool, command: str | None = None) -> Iterator[Path]:
+    """A new temporary `.FINAL.tmp-RANDOM` beside `final` (a folder with its marker, or a file), locked
+    before it appears under that name (made and locked as `.new-`, which cleanup leaves alone while
+    young) and while the block runs; on an exception it is removed (a full disk: one UsageError line)."""
     token = os.urandom(6).hex()
-    birth = parent / f".{stem}{_BIRTH_MARK}{token}"
+    birth = final.parent / f".{final.name}{_BIRTH_MARK}{token}"
     if directory:
         birth.mkdir()
         (birth / OUTPUT_MARKER).write_text(json.dumps({"command": command}) + "\n")
     else:
         birth.touch(exist_ok=False)
-    lock = FileLock(birth / OUTPUT_MARKER if directory else birth, timeout=0, fallback_to_soft=False)
-    lock.acquire()
-    staging = parent / f".{stem}{_STAGING_MARK}{token}"
-    os.rename(birth, staging)
-    return staging, lock
+    with FileLock(birth / OUTPUT_MARKER if directory else birth, timeout=0, fallback_to_soft=False):
+        temporary = final.parent / f".{final.name}{_STAGING_MARK}{token}"
+        os.rename(birth, temporary)
+        try:
+            yield temporary
+        except BaseException as error:
+            _remove(temporary)
+            if _disk_full(error):
+                raise UsageError(f"no space left on the device while writing {final}") from None
+            raise
 
 
 def _remove(entry: Path) -> None:
@@ -158,30 +166,24 @@ def lock_output(directory: str | Path, command: str) -> FileLock:
 def _install(staging: Path, final: Path, force: bool, command: str | None) -> None:
     """Move a complete staging folder into place; with `force` an earlier output of `command` is set
     aside until the new one is in place (after a kill, the next run's cleanup puts it back)."""
-    try:
+    with contextlib.suppress(FileExistsError):
         _rename_noreplace(staging, final)
         return
-    except FileExistsError:
-        pass
     kept = final.parent / f"{final.name}.conflict-{os.urandom(3).hex()}"
     try:
         check_force_target(final, command, force)
     except UsageError as error:
         os.rename(staging, kept)
         raise UsageError(f"{error} (it appeared while this run worked; this run's output is kept at {kept})") from None
-    old_lock = None
+    old_lock = contextlib.nullcontext()
     if final.is_dir():
         (final / OUTPUT_MARKER).touch()
         old_lock = FileLock(final / OUTPUT_MARKER, fallback_to_soft=False)
-        old_lock.acquire()  # waits for a run that still writes into it
-    try:
+    with old_lock:  # waits for a run that still writes into it
         retired = final.parent / f".{final.name}{_STAGING_MARK}{os.urandom(6).hex()}{_RETIRED_SUFFIX}"
         os.rename(final, retired)
         _rename_noreplace(staging, final)
         _remove(retired)
-    finally:
-        if old_lock is not None:
-            old_lock.release()
 
 
 def _disk_full(error: BaseException) -> bool:
@@ -201,19 +203,11 @@ def atomic_directory(final: str | Path, force: bool = False, command: str | None
     check_force_target(final, command, force)
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(final, refuse_live=True)
-    temporary, lock = _born_locked(final.parent, final.name, directory=True, command=command)
-    try:
+    with _staging(final, directory=True, command=command) as temporary:
         yield temporary
         _fsync_directory(temporary)
         _install(temporary, final, force, command)
         _fsync_directory(final.parent)
-    except BaseException as error:
-        _remove(temporary)
-        if _disk_full(error):
-            raise UsageError(f"no space left on the device while writing {final}") from None
-        raise
-    finally:
-        lock.release()
 
 
 def write_failure(error: BaseException, directory: str | Path) -> str | None:
@@ -237,26 +231,18 @@ def atomic_write(path: str | Path, data: bytes | str, replace: bool = True) -> N
     if not replace and os.path.lexists(path):
         raise UsageError(f"output {path} already exists; pass --force to replace it")
     _remove_stale_temporaries(path)
-    temporary, lock = _born_locked(path.parent, path.name, directory=False)
-    try:
+    with _staging(path, directory=False) as temporary:
         with open(temporary, "wb") as handle:
             handle.write(data.encode() if isinstance(data, str) else data)
             handle.flush()
             os.fsync(handle.fileno())
-        if replace:
-            os.replace(temporary, path)
-        else:
-            _rename_noreplace(temporary, path)
-    except FileExistsError:
-        temporary.unlink(missing_ok=True)
-        raise UsageError(f"output {path} appeared while this run wrote it (another run?); not replaced") from None
-    except BaseException as error:
-        temporary.unlink(missing_ok=True)
-        if _disk_full(error):
-            raise UsageError(f"no space left on the device while writing {path}") from None
-        raise
-    finally:
-        lock.release()
+        try:
+            if replace:
+                os.replace(temporary, path)
+            else:
+                _rename_noreplace(temporary, path)
+        except FileExistsError:
+            raise UsageError(f"output {path} appeared while this run wrote it (another run?); not replaced") from None
 
 
 def path_inside(root: str | Path, relative: str, what: str) -> Path:
@@ -287,22 +273,20 @@ def file_identity(path: str | Path) -> tuple[str, int, int, int, int]:
     return str(path), status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_ino
 
 
-_HASHES: dict[tuple, str] = {}
-
-
 def sha256_file(path: str | Path) -> str:
     """Hex SHA-256 of a file, remembered by `file_identity` for the life of the process."""
-    identity = file_identity(path)
-    if identity not in _HASHES:
-        with open(path, "rb") as handle:
-            _HASHES[identity] = hashlib.file_digest(handle, "sha256").hexdigest()
-    return _HASHES[identity]
+    return _sha256(file_identity(path))
+
+
+@functools.cache
+def _sha256(identity: tuple) -> str:
+    with open(identity[0], "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def ladder_data_dir() -> Path:
     """`$LADDER_DATA`, else `../shared/data` beside a repository checkout."""
-    configured = os.environ.get("LADDER_DATA")
-    if configured:
+    if configured := os.environ.get("LADDER_DATA"):
         return Path(configured).expanduser()
     checkout = Path(__file__).resolve().parents[2]
     beside = checkout.parent / "shared" / "data"
@@ -313,7 +297,6 @@ def ladder_data_dir() -> Path:
 
 def ladder_cache_dir() -> Path:
     """The cache root every run shares: `$LADDER_CACHE`, else ladder/ in the user's cache folder."""
-    configured = os.environ.get("LADDER_CACHE")
-    if configured:
+    if configured := os.environ.get("LADDER_CACHE"):
         return Path(configured).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "ladder"

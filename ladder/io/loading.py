@@ -190,11 +190,15 @@ def check_config_values(config: dict, where: str) -> None:
         raise UsageError(f"{where}: {error}") from None
 
 
-def from_pretrained_arguments(path: Path) -> tuple[str, dict]:
-    """transformers reads a GGUF file as (its folder, gguf_file=its name)."""
-    if path.suffix == ".gguf":
-        return str(path.parent), {"gguf_file": path.name}
-    return str(path), {}
+def _from_pretrained(auto_class, path: Path, what: str, **kwargs):
+    """`auto_class.from_pretrained(path)`, never with code the model ships; a GGUF file is read as (its
+    folder, gguf_file=its name). A failure is one UsageError line: "cannot `what` `path`: why"."""
+    gguf = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    try:
+        location = str(path.parent if gguf else path)
+        return auto_class.from_pretrained(location, trust_remote_code=False, **gguf, **kwargs)
+    except (OSError, ValueError, KeyError) as error:
+        raise UsageError(f"cannot {what} {path}: {first_line(error)}") from None
 
 
 def load_config(path: str | Path | None) -> PretrainedConfig:
@@ -205,11 +209,7 @@ def load_config(path: str | Path | None) -> PretrainedConfig:
 
     path = resolve_model_path(path)
     check_checkpoint(path)
-    location, extra = from_pretrained_arguments(path)
-    try:
-        return AutoConfig.from_pretrained(location, trust_remote_code=False, **extra)
-    except (OSError, ValueError, KeyError) as error:
-        raise UsageError(f"cannot read the config of {path}: {first_line(error)}") from None
+    return _from_pretrained(AutoConfig, path, "read the config of")
 
 
 def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
@@ -221,11 +221,7 @@ def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
     check_checkpoint(path)
     identity = (str(path.resolve()), checkpoint_identity(path))
     if identity not in _TOKENIZERS:
-        location, extra = from_pretrained_arguments(path)
-        try:
-            _TOKENIZERS[identity] = AutoTokenizer.from_pretrained(location, trust_remote_code=False, **extra)
-        except (OSError, ValueError, KeyError) as error:
-            raise UsageError(f"cannot load the tokenizer of {path}: {first_line(error)}") from None
+        _TOKENIZERS[identity] = _from_pretrained(AutoTokenizer, path, "load the tokenizer of")
     return copy.deepcopy(_TOKENIZERS[identity])
 
 
@@ -240,16 +236,11 @@ def load_model(
     import ladder.model.auto  # noqa: F401  (registers the ladder model with the Auto classes)
 
     path = resolve_model_path(path)
-    location, extra = from_pretrained_arguments(path)
-    with gguf_parsed_once() if extra else contextlib.nullcontext():
+    gguf = path.suffix == ".gguf"
+    with gguf_parsed_once() if gguf else contextlib.nullcontext():
         tokenizer = load_tokenizer(path)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                location, dtype=dtype, device_map=device_map, trust_remote_code=False, **extra
-            )
-        except (OSError, ValueError, KeyError) as error:
-            raise UsageError(f"cannot load model {path}: {first_line(error)}") from None
-    if extra:
+        model = _from_pretrained(AutoModelForCausalLM, path, "load model", dtype=dtype, device_map=device_map)
+    if gguf:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

@@ -4,6 +4,7 @@ weights (the Llama licence requires its copy to go along)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,16 +40,6 @@ class SourceFacts:
     family: str = "llama"  # its model family (ladder.model.config_rules.LADDER_MODEL_TYPES); a GGUF source is a Llama
 
 
-def _card_metadata(path: Path) -> dict:
-    readme = path / "README.md"
-    if not readme.is_file() or not readme.resolve().is_relative_to(input_root(path).resolve()):
-        return {}  # a link out of the folder (convert's copy of the card warns about it)
-    try:
-        return ModelCard.load(readme, ignore_metadata_errors=True).data.to_dict()
-    except (ValueError, OSError):
-        return {}
-
-
 def source_facts(path: Path) -> SourceFacts:
     """Base model (its Hub ID; a checkpoint this toolkit wrote passes on its card's, so a retrained
     model names the original) and licence (its card's, a GGUF file's `general.license`) of a model."""
@@ -64,7 +55,11 @@ def source_facts(path: Path) -> SourceFacts:
         return SourceFacts(
             model_name(path), EMBEDDED_HUB_ID if embedded else None, licence.contents() if licence else None
         )
-    metadata = _card_metadata(path)
+    readme, metadata = path / "README.md", {}
+    # Not through a link out of the folder (convert's copy of the card warns about it).
+    if readme.is_file() and readme.resolve().is_relative_to(input_root(path).resolve()):
+        with contextlib.suppress(ValueError, OSError):
+            metadata = ModelCard.load(readme, ignore_metadata_errors=True).data.to_dict()
     base_model = hub_model_id(path)
     if base_model is None and LADDER_TAG in (metadata.get("tags") or []):
         inherited = metadata.get("base_model")
@@ -83,8 +78,6 @@ def copy_licence_files(source: Path, destination: Path) -> list[str]:
     """Copy the licence and use-policy files at the top of a checkpoint folder into `destination`;
     returns their names. A symlink leaving the folder is skipped (a Hub snapshot's links into its
     repository's `blobs/` are the files, a link to a system file is not)."""
-    if not source.is_dir():
-        return []
     found = {p for pattern in LICENCE_FILE_PATTERNS for p in source.glob(pattern) if p.is_file()}
     names = []
     for path in sorted(p for p in found if resolves_inside(p, input_root(source))):
@@ -111,21 +104,18 @@ def render_card(
 
 
 def loading_section() -> str:
-    return "\n".join(
-        [
-            "## Loading",
-            "",
-            "```python",
-            "import ladder.model.auto  # registers the ladder model with transformers",
-            "from transformers import AutoModelForCausalLM",
-            "",
-            "model = AutoModelForCausalLM.from_pretrained(PATH)",
-            "```",
-            "",
-            "Without the `ladder` package, pass `trust_remote_code=True` to `AutoModelForCausalLM.from_pretrained` "
-            "and `AutoTokenizer.from_pretrained` (the modeling files are included).",
-        ]
-    )
+    return """\
+## Loading
+
+```python
+import ladder.model.auto  # registers the ladder model with transformers
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained(PATH)
+```
+
+Without the `ladder` package, pass `trust_remote_code=True` to `AutoModelForCausalLM.from_pretrained` \
+and `AutoTokenizer.from_pretrained` (the modeling files are included)."""
 
 
 def origin_line(source: SourceFacts) -> str:

@@ -106,10 +106,7 @@ def _refuse_system_folder(resolved: Path, what: str) -> None:
 
 
 def _refuse_overlap(resolved: Path, inputs: Iterable[str | Path | None], what: str) -> None:
-    for source in inputs:
-        if source is None:
-            continue
-        source = Path(source).expanduser().resolve()
+    for source in (Path(given).expanduser().resolve() for given in inputs if given is not None):
         if resolved == source:
             relation = "it is that input"
         elif resolved.is_relative_to(source):

@@ -56,12 +56,6 @@ class TensorSpec:
     def is_floating_point(self) -> bool:
         return self.dtype.startswith(("float", "bfloat"))
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        import torch
-
-        return getattr(torch, self.dtype)
-
 
 @dataclass(frozen=True)
 class Shard:
@@ -88,18 +82,6 @@ def read_shard(path: Path) -> Shard:
     return Shard(path, tuple(tensors))
 
 
-def read_weight_map(index: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"cannot read the weight map of {index}: {first_line(error)}") from None
-    for filename in files:
-        if not (index.parent / filename).is_file():
-            raise UsageError(f"shard {filename} named in {index.name} is missing from {index.parent}")
-    return weight_map
-
-
 @dataclass(frozen=True)
 class ShardedTensorIndex:
     """A safetensors checkpoint directory: every shard's checked header, the index checked against them."""
@@ -109,10 +91,16 @@ class ShardedTensorIndex:
 
     @classmethod
     def from_directory(cls, directory: Path) -> ShardedTensorIndex | None:
-        weight_map = {}
-        if (directory / INDEX_NAME).is_file():
-            weight_map = read_weight_map(directory / INDEX_NAME)
-            files = [directory / name for name in sorted(set(weight_map.values()))]
+        weight_map, index = {}, directory / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                names = sorted(set(weight_map.values()))
+                files = [directory / name for name in names]
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise UsageError(f"cannot read the weight map of {index}: {first_line(error)}") from None
+            if missing := [name for name, path in zip(names, files, strict=True) if not path.is_file()]:
+                raise UsageError(f"shard {missing[0]} named in {INDEX_NAME} is missing from {directory}")
         elif (directory / SINGLE_NAME).is_file():
             files = [directory / SINGLE_NAME]
         else:
@@ -146,24 +134,19 @@ class ShardedTensorIndex:
         return self._shard_by_name[name]
 
 
-class LazyTensorLoader:
-    """Reads tensors of a `ShardedTensorIndex`, or only some rows or columns (all that is read)."""
+class LazyTensorLoader(contextlib.ExitStack):
+    """Reads tensors of a `ShardedTensorIndex`, or only some rows or columns (all that is read); its
+    shards stay open until the block ends."""
 
     def __init__(self, index: ShardedTensorIndex):
+        super().__init__()
         self.index = index
         self._handles: dict[Path, object] = {}
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> LazyTensorLoader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
 
     def read(self, name: str, rows: range | None = None, columns: range | None = None) -> torch.Tensor:
         path = self.index.shard_of(name).path
         if path not in self._handles:
-            self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+            self._handles[path] = self.enter_context(safe_open(path, framework="pt"))
         part = self._handles[path].get_slice(name)
         if rows is not None:
             return part[rows.start : rows.stop]
@@ -194,10 +177,11 @@ def cut_into_shards(tensors: Sequence[TensorSpec], max_shard_size: int) -> list[
 def write_shards(directory: Path, shards: Sequence[OutputShard], read: Callable[[str], torch.Tensor]) -> None:
     """Each shard through `save_file`, each tensor `read(name)` cast to its spec's dtype; the index
     only for several shards, as transformers does."""
+    import torch
     from safetensors.torch import save_file
 
     for shard in shards:
-        tensors = {spec.name: read(spec.name).to(spec.torch_dtype).contiguous() for spec in shard.tensors}
+        tensors = {spec.name: read(spec.name).to(getattr(torch, spec.dtype)).contiguous() for spec in shard.tensors}
         save_file(tensors, directory / shard.filename, metadata={"format": "pt"})
         del tensors
     if len(shards) > 1:

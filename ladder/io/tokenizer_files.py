@@ -42,9 +42,8 @@ def check_tokenizer_files(directory: Path, vocab_size: int | None) -> None:
     except Exception as error:  # the Rust library raises plain Exception for every malformed part
         raise UsageError(f"tokenizer file {path} is malformed: {first_line(error)}") from None
     vocabulary = tokenizer.get_vocab(with_added_tokens=True)
-    largest = max(vocabulary.values(), default=-1)
+    token, largest = max(vocabulary.items(), key=lambda item: item[1], default=("", -1))
     if vocab_size is not None and largest >= vocab_size:
-        token = next(token for token, index in vocabulary.items() if index == largest)
         raise UsageError(
             f"tokenizer file {path} gives the token {token[:40]!r} the id {largest}, past the model's "
             f"{vocab_size} embedding rows (config.json vocab_size)"

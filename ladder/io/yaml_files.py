@@ -26,12 +26,15 @@ class BoundedLoader(yaml.SafeLoader):
         self._expanded: dict[int, int] = {}  # id(node) -> nodes it stands for, aliases expanded
 
     def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):  # its anchor's node, counted already (unless it is open)
-            node = super().compose_node(parent, index)
+        alias = self.check_event(yaml.AliasEvent)
+        node = super().compose_node(parent, index)
+        if alias:  # its anchor's node, counted already (unless it is open)
             self._size_of(node)
             return node
-        node = super().compose_node(parent, index)
-        self._expanded[id(node)] = size = 1 + sum(self._size_of(child) for child in _children(node))
+        children = node.value if isinstance(node, yaml.SequenceNode) else []
+        if isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        self._expanded[id(node)] = size = 1 + sum(self._size_of(child) for child in children)
         if size > MAX_EXPANDED_NODES:
             raise UnboundedYAML(
                 f"its aliases expand it past {MAX_EXPANDED_NODES:,} values (line {node.start_mark.line + 1}); "
@@ -43,14 +46,6 @@ class BoundedLoader(yaml.SafeLoader):
         if id(node) not in self._expanded:  # still being composed: an alias inside its own anchor
             raise UnboundedYAML(f"an alias refers to a value that contains it (line {node.start_mark.line + 1})")
         return self._expanded[id(node)]
-
-
-def _children(node) -> list:
-    if isinstance(node, yaml.SequenceNode):
-        return node.value
-    if isinstance(node, yaml.MappingNode):
-        return [part for pair in node.value for part in pair]
-    return []
 
 
 def parse_yaml(text: str) -> Any:

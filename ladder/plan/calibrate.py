@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,32 +28,22 @@ DEVICE_REPEATS = 25
 
 
 def fit_latency_bandwidth(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares (latency s, bandwidth bytes/s); a slope lost in noise is infinite bandwidth."""
-    n = len(sizes)
-    if n < 2 or len(set(sizes)) < 2:
-        raise ValueError("the fit needs at least two different sizes")
-    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
-    sxx = sum((x - mean_x) ** 2 for x in sizes)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds)) / sxx
-    latency = mean_y - slope * mean_x
+    """Least-squares (latency s, bandwidth bytes/s); a slope lost in noise is infinite bandwidth. Fewer
+    than two different sizes: `statistics.StatisticsError`, a ValueError."""
+    slope, latency = statistics.linear_regression(sizes, seconds)
     return max(latency, 0.0), (1 / slope if slope > 0 else float("inf"))
 
 
 def _median_seconds(function, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return statistics.median(timeit.repeat(function, number=1, repeat=repeats))
 
 
-def device_rates(threads: int = 1) -> dict[str, float]:
+def device_rates() -> dict[str, float]:
     """Achieved float32 rates over 128 MiB of weights (beyond the caches): memory bandwidth at one
-    token, the matmul rate at four (far below a large matmul's on a CPU); microseconds per operator."""
+    token, the matmul rate at four (far below a large matmul's on a CPU); microseconds per operator.
+    On the thread count the caller set (1 per rank)."""
     import torch
 
-    torch.set_num_threads(threads)
     torch.manual_seed(0)
     weights = [torch.randn(2048, 2048) for _ in range(8)]
 
@@ -66,7 +57,7 @@ def device_rates(threads: int = 1) -> dict[str, float]:
     # Medians of many short passes: a pass is ~10 ms, and single passes vary by 20% on a shared machine.
     bandwidth = 4 * elements / _median_seconds(lambda: one_pass(one), DEVICE_REPEATS)
     flops = 2 * 4 * elements / _median_seconds(lambda: one_pass(four), DEVICE_REPEATS)
-    return {"flops": flops, "bandwidth": bandwidth, "operator_us": measure_operator_us(threads)}
+    return {"flops": flops, "bandwidth": bandwidth, "operator_us": measure_operator_us()}
 
 
 def machine_memory() -> int:
@@ -88,27 +79,13 @@ def matmul_peak(size: int = 1024, seconds: float = 1.0) -> float:
     return best
 
 
-def device_from_rates(rates: dict[str, float], how: str) -> Device:
-    return Device(
-        name="cpu (measured)",
-        flops=rates["flops"],
-        bandwidth=rates["bandwidth"],
-        efficiency=1.0,
-        kernel_us=rates["operator_us"],
-        eager_kernel_us=rates["operator_us"],
-        memory=machine_memory(),
-        source=f"measured here by ladder plan --calibrate: {how}, float32, 1 thread per rank",
-    )
-
-
-def measure_operator_us(threads: int = 1) -> float:
+def measure_operator_us() -> float:
     """A tiny model's one-token decode step (its roofline time nil) over the operators it dispatches."""
     import torch
     from transformers import LlamaConfig
 
     from ..tp.shard import ModelShard, ShardShape
 
-    torch.set_num_threads(threads)
     config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -173,10 +150,10 @@ def _link_rank(out: Path) -> None:
             compute(loops)
             work.wait()
             beside[size].append(time.perf_counter() - start)
-    if rank == 0:
-        samples = {name: {str(size): values for size, values in series.items()}
+    if rank == 0:  # medians by LINK_SIZES
+        medians = {name: [statistics.median(series[size]) for size in LINK_SIZES]
                    for name, series in (("blocking", blocking), ("alone", alone), ("beside", beside))}  # fmt: skip
-        out.write_text(json.dumps(samples | {"device": rates}))
+        out.write_text(json.dumps(medians | {"device": rates}))
     dist.destroy_process_group()
 
 
@@ -188,14 +165,21 @@ def measure_link(name: str, prefix: list[str] | None = None) -> tuple[Device, Li
         result = subprocess.run(command, env=rank_environment(1), capture_output=True, text=True)
         if result.returncode != 0 or not out.is_file():
             raise RuntimeError(f"the link probe failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}")
-        samples = json.loads(out.read_text())
-    sizes = [int(size) for size in samples["blocking"]]
-    medians = [statistics.median(samples["blocking"][str(size)]) for size in sizes]
-    latency, bandwidth = fit_latency_bandwidth(sizes, medians)
-    hosts = [max(0.0, statistics.median(samples["beside"][str(size)]) - statistics.median(samples["alone"][str(size)]))
-             for size in sizes]  # fmt: skip
-    host_latency, host_bandwidth = fit_latency_bandwidth(sizes, hosts)
-    device = device_from_rates(samples["device"], f"2 ranks at once ({name})")
+        medians = json.loads(out.read_text())
+    latency, bandwidth = fit_latency_bandwidth(LINK_SIZES, medians["blocking"])
+    hosts = [max(0.0, beside - alone) for beside, alone in zip(medians["beside"], medians["alone"], strict=True)]
+    host_latency, host_bandwidth = fit_latency_bandwidth(LINK_SIZES, hosts)
+    rates = medians["device"]
+    device = Device(
+        name="cpu (measured)",
+        flops=rates["flops"],
+        bandwidth=rates["bandwidth"],
+        efficiency=1.0,
+        kernel_us=rates["operator_us"],
+        eager_kernel_us=rates["operator_us"],
+        memory=machine_memory(),
+        source=f"measured here by ladder plan --calibrate: 2 ranks at once ({name}), float32, 1 thread per rank",
+    )
     return device, Link(
         name=name,
         base_us=1e6 * latency,

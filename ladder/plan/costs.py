@@ -37,16 +37,11 @@ class ModelShape:
         biases = (heads + 2 * kv_heads) * d * (self.qkv_bias or self.o_bias) + h * self.o_bias
         return 2 * h * (heads + kv_heads) * d + h + biases + 2 * d * self.qk_norm, 3 * h * intermediate + h
 
-    def attended(self, context: int) -> int:
-        return min(context, self.sliding_window or context)
-
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
 
         def size(key: str, default: int | None = None) -> int:
-            value = config.get(key, default)
-            if value is None:
-                value = default
+            value = default if config.get(key) is None else config[key]
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise UsageError(f"config.json: {key} must be a positive integer, not {value!r}")
             return value
@@ -101,24 +96,16 @@ def parameter_counts(shape: ModelShape) -> ParameterCounts:
     )
 
 
-@dataclass(frozen=True)
-class RankShape:
-    """The largest share any one rank holds at tensor-parallel degree `tp` (the slowest rank sets the
-    pace). KV heads are split when there are at least `tp` of them, else replicated (gpt-fast's
-    choice for 405B's 8 KV heads at TP=16); query heads follow their KV heads."""
-
-    heads: int
-    kv_heads: int
-    intermediate: int
-
-    @classmethod
-    def of(cls, shape: ModelShape, tp: int) -> RankShape:
-        if shape.num_kv_heads >= tp:
-            kv_heads = math.ceil(shape.num_kv_heads / tp)
-            heads = kv_heads * (shape.num_heads // shape.num_kv_heads)
-        else:
-            kv_heads, heads = 1, math.ceil(shape.num_heads / tp)
-        return cls(heads=heads, kv_heads=kv_heads, intermediate=math.ceil(shape.intermediate_size / tp))
+def rank_share(shape: ModelShape, tp: int) -> tuple[int, int, int]:
+    """The largest share (heads, KV heads, MLP rows) any one rank holds at tensor-parallel degree `tp`
+    (the slowest rank sets the pace). KV heads are split when there are at least `tp` of them, else
+    replicated (gpt-fast's choice for 405B's 8 KV heads at TP=16); query heads follow their KV heads."""
+    if shape.num_kv_heads >= tp:
+        kv_heads = math.ceil(shape.num_kv_heads / tp)
+        heads = kv_heads * (shape.num_heads // shape.num_kv_heads)
+    else:
+        kv_heads, heads = 1, math.ceil(shape.num_heads / tp)
+    return heads, kv_heads, math.ceil(shape.intermediate_size / tp)
 
 
 @dataclass(frozen=True)
@@ -141,10 +128,6 @@ class ForwardCost:
     num_layers: int
 
     @property
-    def flops(self) -> float:
-        return self.num_layers * (self.attention.flops + self.mlp.flops) + self.head.flops
-
-    @property
     def bytes(self) -> float:
         return self.num_layers * (self.attention.bytes + self.mlp.bytes) + self.head.bytes
 
@@ -154,16 +137,16 @@ def forward_cost(
 ) -> ForwardCost:
     """One forward of `batch` sequences of `query_tokens` new tokens each over `context` cached
     positions; the LM head runs on every query position (as gpt-fast and ladder/tp/runtime.py do)."""
-    rank = RankShape.of(shape, tp)
+    heads, kv_heads, intermediate = rank_share(shape, tp)
     h, d, tokens = shape.hidden_size, shape.head_dim, batch * query_tokens
-    attention_weights, mlp_weights = shape.layer_weights(rank.heads, rank.kv_heads, rank.intermediate)
-    attended = shape.attended(context)
+    attention_weights, mlp_weights = shape.layer_weights(heads, kv_heads, intermediate)
+    attended = min(context, shape.sliding_window or context)
     head_weights = shape.vocab_size * h + h
     return ForwardCost(
         attention=ModuleCost(
-            flops=2 * tokens * attention_weights + 4 * tokens * rank.heads * d * attended,
+            flops=2 * tokens * attention_weights + 4 * tokens * heads * d * attended,
             weight_bytes=dtype_bytes * attention_weights,
-            kv_bytes=dtype_bytes * 2 * batch * rank.kv_heads * d * attended,
+            kv_bytes=dtype_bytes * 2 * batch * kv_heads * d * attended,
         ),
         mlp=ModuleCost(flops=2 * tokens * mlp_weights, weight_bytes=dtype_bytes * mlp_weights),
         head=ModuleCost(flops=2 * tokens * head_weights, weight_bytes=dtype_bytes * head_weights),

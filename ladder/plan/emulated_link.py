@@ -31,16 +31,6 @@ def check_rate(rate: str) -> str:
     return rate
 
 
-def check_tools() -> None:
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        raise UsageError(
-            f"--link needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2, or use --link {LOOPBACK}"
-        )
-    if os.geteuid() != 0:
-        raise UsageError(f"--link needs root to create a network namespace; run as root or use --link {LOOPBACK}")
-
-
 def _run(*command: str) -> None:
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -51,11 +41,9 @@ def _run(*command: str) -> None:
 def _remove_stale_namespaces() -> None:
     """Namespaces of killed runs (their process is gone)."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for line in listing.splitlines():
-        name = line.split()[0] if line.split() else ""
-        pid = name[len(_PREFIX) :]
-        if name.startswith(_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    for pid in re.findall(rf"^{_PREFIX}(\d+)(?=\s|$)", listing, re.MULTILINE):
+        if not os.path.exists(f"/proc/{pid}"):
+            subprocess.run(["ip", "netns", "del", f"{_PREFIX}{pid}"], capture_output=True)
 
 
 @contextlib.contextmanager
@@ -64,29 +52,19 @@ def emulated_link(rate: str) -> Iterator[list[str]]:
     if rate == LOOPBACK:
         yield []
         return
-    check_tools()
+    if missing := [tool for tool in ("ip", "tc") if shutil.which(tool) is None]:
+        raise UsageError(
+            f"--link needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2, or use --link {LOOPBACK}"
+        )
+    if os.geteuid() != 0:
+        raise UsageError(f"--link needs root to create a network namespace; run as root or use --link {LOOPBACK}")
     _remove_stale_namespaces()
     name = f"{_PREFIX}{os.getpid()}"
     _run("ip", "netns", "add", name)
     try:
         inside = ("ip", "netns", "exec", name)
         _run(*inside, "ip", "link", "set", "lo", "mtu", "1500", "up")
-        _run(
-            *inside,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            "lo",
-            "root",
-            "tbf",
-            "rate",
-            rate,
-            "burst",
-            _BURST,
-            "latency",
-            _QUEUE_LATENCY,
-        )
+        _run(*inside, *f"tc qdisc add dev lo root tbf rate {rate} burst {_BURST} latency {_QUEUE_LATENCY}".split())
         yield list(inside)
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -60,9 +60,9 @@ def published_repo(name: str) -> str | None:
 
 def published_config(model_id: str) -> dict | None:
     """The published config of a Hub repository in models.tsv (see `published_repo`), or None."""
-    repo = published_repo(model_id)
-    found = published_shapes()[repo.lower()] if repo else None
-    return None if found is None else {key: value for key, value in found.items() if key not in ("name", "source")}
+    if (repo := published_repo(model_id)) is None:
+        return None
+    return {key: value for key, value in published_shapes()[repo.lower()].items() if key not in ("name", "source")}
 
 
 def model_config(model: str) -> ModelConfig:
@@ -76,9 +76,12 @@ def model_config(model: str) -> ModelConfig:
         if not (path / "config.json").is_file():
             raise UsageError(f"{model} is a folder without config.json: it is not a Hugging Face checkpoint")
         return ModelConfig(_json_config(path / "config.json"), str(path), path)
-    match = HUB_MODEL_ID.fullmatch(model)
-    if not path.exists() and match and (cached := _cached_hub_config(match["repo"], match["revision"])):
-        return ModelConfig(_json_config(cached), model, cached.parent)
+    if (match := HUB_MODEL_ID.fullmatch(model)) and not path.exists():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(match["repo"], "config.json", revision=match["revision"])
+        if isinstance(cached, str):
+            return ModelConfig(_json_config(Path(cached)), model, Path(cached).parent)
     if not path.exists() and (repo := published_repo(model)) is not None:
         return ModelConfig(published_config(repo), f"{repo} (published shape, {PUBLISHED.name})")
     if not path.exists() and (match or "/" not in model):
@@ -97,13 +100,6 @@ def _json_config(path: Path) -> dict:
     config = read_json_object(path, "config")
     check_model_type(config.get("model_type"), str(path))
     return config
-
-
-def _cached_hub_config(repo: str, revision: str | None) -> Path | None:
-    from huggingface_hub import try_to_load_from_cache
-
-    found = try_to_load_from_cache(repo, "config.json", revision=revision)
-    return Path(found) if isinstance(found, str) else None
 
 
 def _gguf_config(path: Path) -> dict:

@@ -16,13 +16,13 @@ import csv
 import functools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..cli_types import float_in, int_in
 from ..errors import UsageError
 from ..units import parse_size
-from .costs import ForwardCost, ModelShape, ModuleCost, forward_cost
+from .costs import ModelShape, ModuleCost, forward_cost
 
 PROFILES = Path(__file__).resolve().parent
 # --hardware's default, and --train-devices (past any cluster a count is a typo).
@@ -165,15 +165,6 @@ def _calibration(path: str) -> dict:
     return data
 
 
-@dataclass
-class Timeline:
-    """One forward replayed: its duration, and which all-reduces ran behind compute."""
-
-    seconds: float = 0.0
-    hidden: list[int] = field(default_factory=list)  # indices (2 per layer: attention, MLP) of overlapped all-reduces
-    all_reduces: int = 0
-
-
 class _SerialLink:
     """NCCL: all-reduces on one communicator run one after another, in launch order."""
 
@@ -226,35 +217,43 @@ class _SharedLink:
         return self.done[index]
 
 
-class _Replay:
-    """The compute stream's clock and the link: an all-reduce costs the compute stream `host` seconds
-    and the link `wire` seconds, one at a time (NCCL) or sharing it (gloo)."""
+class Timeline:
+    """One forward replayed: its duration (the compute stream's clock), and which all-reduces ran behind
+    compute. An all-reduce costs the compute stream `host` seconds and the link `wire` seconds, one at a
+    time (NCCL) or sharing it (gloo); `wire` < 0: no communication at all (the bound)."""
 
     def __init__(self, wire: float, host: float, shared: bool):
-        self.host = host
-        self.link = _SharedLink(wire) if shared else _SerialLink(wire)
-        self.clock = 0.0
-        self.timeline = Timeline()
+        self.communicate, self.host = wire >= 0, host
+        self.link = _SharedLink(max(wire, 0.0)) if shared else _SerialLink(max(wire, 0.0))
+        self.seconds = 0.0
+        self.hidden: list[int] = []  # indices (2 per layer: attention, MLP) of overlapped all-reduces
+        self.all_reduces = 0
         self.launched_at: dict[int, int] = {}  # all-reduce index -> computes issued so far when launched
         self.computes = 0
 
     def compute(self, seconds: float) -> None:
-        self.clock += seconds
+        self.seconds += seconds
         self.computes += 1
 
-    def launch(self, index: int) -> int:
-        self.clock += self.host
-        self.link.start(index, self.clock)
+    def reduce(self, index: int, blocking: bool) -> int | None:
+        """Launch all-reduce `index`: pending (returned) unless `blocking`, which waits for it at once."""
+        if not self.communicate:
+            return None
+        self.seconds += self.host
+        self.link.start(index, self.seconds)
         self.launched_at[index] = self.computes
-        self.timeline.all_reduces += 1
+        self.all_reduces += 1
+        if blocking:
+            self.wait(index)
+            return None
         return index
 
     def wait(self, index: int | None) -> None:
         if index is None:
             return
         if self.computes > self.launched_at[index]:
-            self.timeline.hidden.append(index)
-        self.clock = max(self.clock, self.link.finish(index))
+            self.hidden.append(index)
+        self.seconds = max(self.seconds, self.link.finish(index))
 
 
 def replay(
@@ -269,39 +268,22 @@ def replay(
 ) -> Timeline:
     """Replay ladder/tp/shard.py's `ModelShard.forward` (one ladder flag per layer); `wire_s` < 0: no
     communication at all (the bound)."""
-    run = _Replay(max(wire_s, 0.0), host_s if wire_s >= 0 else 0.0, shared_link)
-    communicate = wire_s >= 0
+    run = Timeline(wire_s, host_s, shared_link)
     pending_attention = pending_mlp = None
-
-    def reduce(index: int, blocking: bool) -> int | None:
-        if not communicate:
-            return None
-        pending = run.launch(index)
-        if blocking:
-            run.wait(pending)
-            return None
-        return pending
-
     for layer, is_ladder in enumerate(ladder):
-        if is_ladder:
-            run.wait(pending_attention)
-            run.compute(attention_s)
-            pending_attention = reduce(2 * layer, blocking="attention" not in overlapped)
+        run.wait(pending_attention)
+        if not is_ladder:  # a standard layer starts from the whole residual: every all-reduce done
             run.wait(pending_mlp)
-            run.compute(mlp_s)
-            pending_mlp = reduce(2 * layer + 1, blocking="mlp" not in overlapped)
-        else:
-            run.wait(pending_attention)
-            run.wait(pending_mlp)
-            run.compute(attention_s)
-            pending_attention = reduce(2 * layer, blocking=True)
-            run.compute(mlp_s)
-            pending_mlp = reduce(2 * layer + 1, blocking=True)
+            pending_mlp = None
+        run.compute(attention_s)
+        pending_attention = run.reduce(2 * layer, blocking=not is_ladder or "attention" not in overlapped)
+        run.wait(pending_mlp)
+        run.compute(mlp_s)
+        pending_mlp = run.reduce(2 * layer + 1, blocking=not is_ladder or "mlp" not in overlapped)
     run.wait(pending_attention)
     run.wait(pending_mlp)
     run.compute(head_s)
-    run.timeline.seconds = run.clock
-    return run.timeline
+    return run
 
 
 @dataclass(frozen=True)
@@ -338,24 +320,16 @@ class Prediction:
         return self.standard_ms / self.bound_ms
 
 
-def _module_times(cost: ForwardCost, setting: Setting) -> tuple[float, float, float, float, float]:
-    kernels = KERNELS["compiled" if setting.cuda_graphs else "eager"]
-    device = setting.device
-
-    def seconds(name: str) -> float:
-        return device.module_seconds(getattr(cost, name), kernels[name], setting.cuda_graphs)
-
-    all_reduce = setting.link.all_reduce_seconds(cost.all_reduce_bytes, setting.tp)
-    host = setting.link.host_seconds(cost.all_reduce_bytes, setting.tp)
-    return seconds("attention"), seconds("mlp"), seconds("head"), all_reduce - host, host
-
-
 def step_times(shape: ModelShape, setting: Setting, ladder_layers: list[int], query_tokens: int) -> dict[str, Timeline]:
     context = setting.prompt + setting.new_tokens  # the static cache is attended whole (gpt-fast, ladder/tp/runtime.py)
     cost = forward_cost(shape, setting.batch, query_tokens, context, setting.tp, setting.dtype_bytes)
-    attention, mlp, head, wire, host = _module_times(cost, setting)
-    if setting.tp < 2:
-        wire = -1.0
+    kernels = KERNELS["compiled" if setting.cuda_graphs else "eager"]
+    attention, mlp, head = (
+        setting.device.module_seconds(getattr(cost, name), kernels[name], setting.cuda_graphs)
+        for name in ("attention", "mlp", "head")
+    )
+    host = setting.link.host_seconds(cost.all_reduce_bytes, setting.tp)
+    wire = setting.link.all_reduce_seconds(cost.all_reduce_bytes, setting.tp) - host if setting.tp > 1 else -1.0
     chosen = set(ladder_layers)
     flags = [index in chosen for index in range(shape.num_layers)]
     full_graph = setting.cuda_graphs and not setting.piecewise and query_tokens == 1  # vLLM: uniform decode
