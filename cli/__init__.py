@@ -19,17 +19,12 @@ STAGES = {
 }
 
 
-def usage() -> str:
-    lines = ["usage: ladder <command> [options]", "", "commands:"]
-    lines += [f"  {name:<8} {summary}" for name, (_, summary) in STAGES.items()]
-    lines += ["", "`ladder <command> --help` describes each command."]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
+        lines = ["usage: ladder <command> [options]", "", "commands:"]
+        lines += [f"  {name:<8} {summary}" for name, (_, summary) in STAGES.items()]
+        print("\n".join([*lines, "", "`ladder <command> --help` describes each command."]))
         return 0 if argv else 2
     if argv[0] == "--version":
         from ladder import __version__

@@ -13,7 +13,6 @@ import os
 import shlex
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from tabulate import tabulate
@@ -32,7 +31,56 @@ LABELS = ("original", "ladder", "retrained")  # the report's columns
 HEADLINE = ("ladder_wikitext", "word_perplexity")  # held-out text: none of it is in the training data
 
 
-def build_parser() -> argparse.ArgumentParser:
+@contextlib.contextmanager
+def _stage(number: int, name: str, what: str, seconds: dict[str, float]) -> Iterator[None]:
+    log.info(f"\n=== [{number}/{len(STAGES)}] {name}: {what}")
+    started = time.monotonic()
+    yield
+    seconds[name] = round(time.monotonic() - started, 1)
+    log.info(f"=== {name} took {seconds[name]:.0f} s")
+
+
+def _command(*words: object) -> None:
+    log.info("$ ladder " + " ".join(shlex.quote(str(word)) for word in words))
+
+
+class Demo:
+    """The demo's recipe, suite and folders, loaded and checked before any stage runs."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        # The stages import torch: the recipe (ladder.adapt.recipe.Recipe) and suite load here.
+        from ladder.adapt.recipe import load_recipe
+        from ladder.eval.suite import load_suite
+        from ladder.io.loading import resolve_model_path
+
+        self.args = args
+        self.recipe = load_recipe(args.recipe)
+        if self.recipe.model.ladder_layers is None:
+            raise UsageError(
+                f"recipe {args.recipe}: the demo converts model.path, so model.ladder_layers must name the layers"
+            )
+        self.original = self.recipe.model.path or "embedded"
+        suite_file = [Path(args.suite)] if Path(args.suite).is_file() else []
+        out = check_output(
+            args.out, "demo", [args.recipe, resolve_model_path(self.original), *suite_file], existing="add"
+        )
+        self.ladder_dir, self.adapt_dir, self.data_cache = out / "ladder", out / "adapt", out / "data"
+        self.report_dir, self.eval_cache = out / "report", out / "eval-cache"
+        self.adapt_overrides = [
+            f"model.path={self.ladder_dir}",
+            "model.ladder_layers=null",
+            f"output_dir={self.adapt_dir}",
+            f"data.cache_dir={self.data_cache}",
+            "resume=true",  # resume: a finished run returns its model, a killed one continues
+        ]
+        self.redo = set(STAGES) if "all" in args.redo else set(args.redo)
+        self.adapt_recipe = load_recipe(args.recipe, self.adapt_overrides)
+        self.suite = load_suite(args.suite)
+        self.seconds: dict[str, float] = {}
+        self.reused: list[str] = []
+
+
+def main(argv: list[str]) -> int:
     parser = ArgumentParser(
         prog="ladder demo",
         description="Convert, retrain and evaluate: the embedded SmolLM2-135M-Instruct with the upper layers the "
@@ -54,43 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STAGE",
         help=f"do these stages again instead of reusing their results: {', '.join(STAGES)} or all",
     )
-    return parser
-
-
-@contextlib.contextmanager
-def _stage(number: int, name: str, what: str, seconds: dict[str, float]) -> Iterator[None]:
-    log.info(f"\n=== [{number}/{len(STAGES)}] {name}: {what}")
-    started = time.monotonic()
-    yield
-    seconds[name] = round(time.monotonic() - started, 1)
-    log.info(f"=== {name} took {seconds[name]:.0f} s")
-
-
-def _command(*words: object) -> None:
-    log.info("$ ladder " + " ".join(shlex.quote(str(word)) for word in words))
-
-
-@dataclass
-class Demo:
-    args: argparse.Namespace
-    recipe: object  # ladder.adapt.recipe.Recipe (the stages import torch: loaded in `main`)
-    adapt_recipe: object
-    adapt_overrides: list[str]
-    redo: set[str]
-    original: str
-    suite: object  # ladder.eval.suite.Suite, loaded before any stage runs
-    ladder_dir: Path
-    adapt_dir: Path
-    data_cache: Path
-    report_dir: Path
-    eval_cache: Path
-    seconds: dict[str, float] = field(default_factory=dict)
-    reused: list[str] = field(default_factory=list)
-
-
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    demo = plan_demo(args)
+    demo = Demo(parser.parse_args(argv))
     check_reuse(demo)
     started = time.monotonic()
     convert_stage(demo)
@@ -100,46 +112,6 @@ def main(argv: list[str]) -> int:
     demo.seconds["total"] = round(time.monotonic() - started, 1)
     write_summary(demo)
     return 0
-
-
-def plan_demo(args: argparse.Namespace) -> Demo:
-    from ladder.adapt.recipe import load_recipe
-    from ladder.eval.suite import load_suite
-
-    recipe = load_recipe(args.recipe)
-    if recipe.model.ladder_layers is None:
-        raise UsageError(
-            f"recipe {args.recipe}: the demo converts model.path, so model.ladder_layers must name the layers"
-        )
-    from ladder.io.loading import resolve_model_path
-
-    original = recipe.model.path or "embedded"
-    suite_file = [Path(args.suite)] if Path(args.suite).is_file() else []
-    out = check_output(args.out, "demo", [args.recipe, resolve_model_path(original), *suite_file], existing="add")
-    ladder_dir, adapt_dir, data_cache = out / "ladder", out / "adapt", out / "data"
-    adapt_overrides = [
-        f"model.path={ladder_dir}",
-        "model.ladder_layers=null",
-        f"output_dir={adapt_dir}",
-        f"data.cache_dir={data_cache}",
-        "resume=true",  # resume: a finished run returns its model, a killed one continues
-    ]
-    redo = set(STAGES) if "all" in args.redo else set(args.redo)
-    adapt_recipe = load_recipe(args.recipe, adapt_overrides)
-    return Demo(
-        args,
-        recipe,
-        adapt_recipe,
-        adapt_overrides,
-        redo,
-        original=original,
-        suite=load_suite(args.suite),
-        ladder_dir=ladder_dir,
-        adapt_dir=adapt_dir,
-        data_cache=data_cache,
-        report_dir=out / "report",
-        eval_cache=out / "eval-cache",
-    )
 
 
 def check_reuse(demo: Demo) -> None:
@@ -156,8 +128,7 @@ def check_reuse(demo: Demo) -> None:
             f"{demo.args.recipe}'s model.path and model.ladder_layers); --redo convert converts again"
         )
     if not reuse_conversion:
-        demo.redo.add("convert")
-        demo.redo.add("adapt")
+        demo.redo |= {"convert", "adapt"}
     # Each folder a stage replaces or deletes is an earlier output of the command that writes it.
     check_output(demo.ladder_dir, "convert", [demo.original], force=True)
     check_output(demo.adapt_dir, "adapt", existing="add", what="output_dir")
@@ -232,9 +203,7 @@ def eval_stage(demo: Demo) -> None:
             remove_output(eval_cache, "eval")
         make_output_folder(eval_cache, "eval")  # eval's cache, which a later --redo eval may delete
         models = [
-            f"{LABELS[0]}={demo.original}",
-            f"{LABELS[1]}={demo.ladder_dir}",
-            f"{LABELS[2]}={demo.adapt_dir / 'model'}",
+            f"{label}={path}" for label, path in zip(LABELS, (demo.original, demo.ladder_dir, demo.adapt_dir / "model"))
         ]
         _command("eval", *models, "--suite", demo.args.suite, "--out", report_dir, "--force", "--cache", eval_cache)
         evaluation = evaluate_models(models, demo.suite, out=report_dir, force=True, cache_dir=eval_cache)
@@ -242,22 +211,15 @@ def eval_stage(demo: Demo) -> None:
 
 
 def write_summary(demo: Demo) -> None:
+    """The stages' times and the headline scores: printed, and added to the eval report."""
     report_dir = demo.report_dir
     report = json.loads((report_dir / "report.json").read_text())
-    summary = _summary(report["rows"], demo.adapt_dir, demo.seconds, demo.reused)
-    print("\n" + summary)
-    report["pipeline"] = {"seconds": demo.seconds, "reused": demo.reused}
-    atomic_write(report_dir / "report.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    atomic_write(
-        report_dir / "report.md", (report_dir / "report.md").read_text().rstrip("\n") + "\n\n" + summary + "\n"
-    )
-
-
-def _summary(rows: list[dict], adapt_dir: Path, seconds: dict[str, float], reused: list[str]) -> str:
-    stages = [[f"{name}{' (reused)' if name in reused else ''}", f"{value:.0f}"] for name, value in seconds.items()]
+    stages = [
+        [f"{name}{' (reused)' if name in demo.reused else ''}", f"{value:.0f}"] for name, value in demo.seconds.items()
+    ]
     table = tabulate(stages, ["stage", "seconds"], tablefmt="pipe", colalign=("left", "right"), disable_numparse=True)
     lines = ["## Pipeline", "", table]
-    headline = next((r for r in rows if (r["task"], r["metric"]) == HEADLINE), None)
+    headline = next((r for r in report["rows"] if (r["task"], r["metric"]) == HEADLINE), None)
     if headline:
         original, ladder, retrained = (headline["scores"][label]["value"] for label in LABELS)
         recovered = (ladder - retrained) / (ladder - original) if ladder != original else float("nan")
@@ -266,17 +228,20 @@ def _summary(rows: list[dict], adapt_dir: Path, seconds: dict[str, float], reuse
             f"Held-out WikiText-2 word perplexity: original {original:.2f}, ladder {ladder:.2f}, "
             f"retrained {retrained:.2f}: retraining won back {recovered:.0%} of what the rewiring cost.",
         ]
-    held_out = _adapt_perplexities(adapt_dir / "metrics.jsonl")
+    metrics = demo.adapt_dir / "metrics.jsonl"
+    records = (
+        [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    )
+    held_out = [record["eval_perplexity"] for record in records if "eval_perplexity" in record]
     if held_out:
         lines += [
             f"Held-out book perplexity during retraining (adapt's own evaluation): "
             f"{' -> '.join(f'{value:.2f}' for value in held_out)}."
         ]
-    return "\n".join(lines)
-
-
-def _adapt_perplexities(metrics: Path) -> list[float]:
-    if not metrics.is_file():
-        return []
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [record["eval_perplexity"] for record in records if "eval_perplexity" in record]
+    summary = "\n".join(lines)
+    print("\n" + summary)
+    report["pipeline"] = {"seconds": demo.seconds, "reused": demo.reused}
+    atomic_write(report_dir / "report.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    atomic_write(
+        report_dir / "report.md", (report_dir / "report.md").read_text().rstrip("\n") + "\n\n" + summary + "\n"
+    )

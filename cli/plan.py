@@ -121,13 +121,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def read_model(args: argparse.Namespace) -> tuple[ModelConfig, list[int]]:
-    """The model MODEL names and its ladder layers: a checkpoint's own, or a recipe's (which then
-    prices the retraining too, unless --recipe names another)."""
+    """The model MODEL names and its ladder layers: a checkpoint's own, or a recipe's. Unless --recipe
+    names another, MODEL's recipe, or the recipe.yaml `ladder adapt` left in its folder, prices the retraining."""
+    from ladder.adapt.recipe import RECIPE_FILE, load_recipe, model_path
+
     if Path(args.model).suffix not in RECIPE_SUFFIXES:
         model = model_config(args.model)
+        found = model.folder / RECIPE_FILE if model.folder is not None else None
+        if found is not None and found.is_file() and not found.is_symlink():
+            args.recipe = args.recipe or str(found)
         return model, own_ladder_layers(model.config)
-    from ladder.adapt.recipe import load_recipe, model_path
-
     recipe = load_recipe(args.model, args.overrides)
     args.recipe = args.recipe or args.model
     model = model_config(model_path(recipe.model.path) or EMBEDDED)
@@ -139,12 +142,16 @@ def read_model(args: argparse.Namespace) -> tuple[ModelConfig, list[int]]:
     return model, layers
 
 
-def recorded_damage(folder: Path | None) -> dict[tuple[int, ...], str]:
+def recorded_damage(folder: Path) -> dict[tuple[int, ...], str]:
     """Layer set -> its measured damage: a conversion's own, and each layer-search candidate's."""
     found: dict[tuple[int, ...], str] = {}
-    if folder is None:
-        return found
-    records = [_json_or_empty(folder / "conversion.json"), _json_or_empty(folder / "layer_search.json")]
+    records = []
+    for name in ("conversion.json", "layer_search.json"):
+        try:
+            record = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            record = {}
+        records.append(record if isinstance(record, dict) else {})
     for record in records:
         search = record.get("layer_search") or (record if "candidates" in record else {})
         for candidate in search.get("candidates") or []:
@@ -157,14 +164,6 @@ def recorded_damage(folder: Path | None) -> dict[tuple[int, ...], str]:
             f"KL {damage.get('mean_kl', float('nan')):.4f}, top-1 {damage.get('top1_agreement', float('nan')):.1%}"
         )
     return found
-
-
-def _json_or_empty(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def layer_choices(specs: list[str] | None, num_layers: int, own: list[int] | None = None) -> dict[str, list[int]]:
@@ -217,13 +216,12 @@ def plan(args: argparse.Namespace, model: ModelConfig, own_layers: list[int]) ->
     graphs = not (args.eager or device.on_cpu)
     full_graph = graphs and not args.piecewise  # how a decode step runs (vLLM: a uniform batch, one graph)
     choices = layer_choices(args.layers, shape.num_layers, own_layers)
-    damage = recorded_damage(model.folder)
-    recipe = args.recipe or adapted_recipe(model.folder)
-    if (args.train_devices is not None or args.overrides) and recipe is None:
+    damage = recorded_damage(model.folder) if model.folder is not None else {}
+    if (args.train_devices is not None or args.overrides) and args.recipe is None:
         raise UsageError(
             "--train-devices and key=value overrides go with --recipe (or a MODEL folder with its recipe.yaml)"
         )
-    retraining = retraining_costs(args, recipe, shape, device, choices) if recipe else {}
+    retraining = retraining_costs(args, shape, device, choices) if args.recipe else {}
     memory = memory_fit(shape, args, DTYPE_BYTES[dtype], device, degrees)
     rows = []
     for batch in args.batch_size:
@@ -238,7 +236,7 @@ def plan(args: argparse.Namespace, model: ModelConfig, own_layers: list[int]) ->
         overlapped={engine: list(overlapped_reductions(engine, device, full_graph)) for engine in ENGINES},
         piecewise=args.piecewise, device=asdict(device),
         interconnect=asdict(link), dtype=dtype, cuda_graphs=graphs, prompt=args.prompt, new_tokens=args.new,
-        memory=memory, fits=memory["fits"], rows=rows, recipe=recipe,
+        memory=memory, fits=memory["fits"], rows=rows, recipe=args.recipe,
         tp_degrees=[dict(tp=tp, refused=refused) for tp, refused in degrees.items()],
     )  # fmt: skip
 
@@ -275,21 +273,12 @@ def tp_degrees(shape: ModelShape, tp: int) -> dict[int, dict[str, str | None]]:
     }
 
 
-def adapted_recipe(folder: Path | None) -> str | None:
-    from ladder.adapt.recipe import RECIPE_FILE
-
-    found = folder / RECIPE_FILE if folder is not None else None
-    return str(found) if found is not None and found.is_file() and not found.is_symlink() else None
-
-
-def retraining_costs(
-    args: argparse.Namespace, recipe_path: str, shape: ModelShape, device: Device, choices: dict
-) -> dict[str, dict]:
+def retraining_costs(args: argparse.Namespace, shape: ModelShape, device: Device, choices: dict) -> dict[str, dict]:
     """Choice -> the recipe's retraining cost with its layers, as `ladder adapt RECIPE --plan` prices it."""
     from ladder.adapt.recipe import load_recipe
     from ladder.adapt.training_cost import recipe_cost
 
-    recipe = load_recipe(recipe_path, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides)
     devices = args.train_devices or 1
     costs = {}
     for label, layers in choices.items():
@@ -362,16 +351,14 @@ def _span(values: list[float]) -> str:
 
 
 def _overlap(overlapped: list[str], engine: str) -> str:
+    text = {
+        2: "a ladder layer's attention and MLP all-reduces both run behind compute",
+        1: "a ladder layer's attention all-reduce runs behind its MLP, its MLP all-reduce blocks",
+        0: "every all-reduce blocks (nothing overlaps)",
+    }[len(overlapped)]
     if len(overlapped) == 2 and engine == "vllm":
-        return (
-            "a ladder layer's attention and MLP all-reduces both run behind compute in decode, one full CUDA graph "
-            "per step (prefill: the attention's only)"
-        )
-    if len(overlapped) == 2:
-        return "a ladder layer's attention and MLP all-reduces both run behind compute"
-    if overlapped == ["attention"]:
-        return "a ladder layer's attention all-reduce runs behind its MLP, its MLP all-reduce blocks"
-    return "every all-reduce blocks (nothing overlaps)"
+        text += " in decode, one full CUDA graph per step (prefill: the attention's only)"
+    return text
 
 
 def _degree(entry: dict) -> str:
@@ -398,32 +385,28 @@ def retraining_note(costs: list[dict], device: str) -> str:
     return note
 
 
-def run_calibration(out: str, link_rate: str) -> None:
-    from ladder.io.files import atomic_write
-    from ladder.io.outputs import check_output
-    from ladder.plan.calibrate import calibrate
-    from ladder.plan.emulated_link import check_rate
-
-    # The output rule before minutes of measuring; a profile there is replaced, as a new measurement should.
-    out = check_output(out, "plan", kind="file", force=True)
-    profile = calibrate(check_rate(link_rate))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out, json.dumps(profile, indent=2) + "\n")
-    device, link = profile["device"], profile["links"][0]
-    print(
-        f"this machine (2 ranks at once, 1 thread each, float32): memory {device['bandwidth'] / 1e9:.1f} GB/s, "
-        f"matmul {device['flops'] / 1e9:.0f} GFLOP/s, {device['eager_kernel_us']:.1f} us per operator; gloo "
-        f"all-reduce on {link['name']}: {link['base_us']:.0f} us + bytes / {link['bus_bandwidth'] / 1e9:.3g} GB/s "
-        f"(of which {link['host_us']:.0f} us + {link['host_ns_per_byte']:.1f} ns/byte on the CPU); "
-        f"load average {profile['machine']['load_average']:.2f}\n"
-        f"written to {out}: use it as --hardware {out} (its link comes with it)"
-    )
-
-
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.calibrate:
-        run_calibration(args.out or f"runs/plan/calibration-{args.link}.json", args.link)
+        from ladder.io.files import atomic_write
+        from ladder.io.outputs import check_output
+        from ladder.plan.calibrate import calibrate
+        from ladder.plan.emulated_link import check_rate
+
+        # The output rule before minutes of measuring; a profile there is replaced, as a new measurement should.
+        out = check_output(args.out or f"runs/plan/calibration-{args.link}.json", "plan", kind="file", force=True)
+        profile = calibrate(check_rate(args.link))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, json.dumps(profile, indent=2) + "\n")
+        device, link = profile["device"], profile["links"][0]
+        print(
+            f"this machine (2 ranks at once, 1 thread each, float32): memory {device['bandwidth'] / 1e9:.1f} GB/s, "
+            f"matmul {device['flops'] / 1e9:.0f} GFLOP/s, {device['eager_kernel_us']:.1f} us per operator; gloo "
+            f"all-reduce on {link['name']}: {link['base_us']:.0f} us + bytes / {link['bus_bandwidth'] / 1e9:.3g} GB/s "
+            f"(of which {link['host_us']:.0f} us + {link['host_ns_per_byte']:.1f} ns/byte on the CPU); "
+            f"load average {profile['machine']['load_average']:.2f}\n"
+            f"written to {out}: use it as --hardware {out} (its link comes with it)"
+        )
         return 0
     model, own_layers = read_model(args)
     result = plan(args, model, own_layers)

@@ -16,7 +16,7 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
-from ladder.errors import UsageError
+from ladder.errors import UsageError, first_line
 
 # Far above what a chat template needs for one chat (a few kB of markup around its messages); the
 # worker's own Python with transformers' template code takes about 200 MB of address space.
@@ -56,13 +56,11 @@ class TemplateWorker:
                 json.dumps({"template": template, "messages": messages, "options": options}).encode()
             )
             if not self.replies.poll(self.seconds):
+                self.close()
                 raise self._limit(f"ran past {self.seconds:g} s on one chat (its time limit)")
             reply = json.loads(self.replies.recv_bytes())
         except (EOFError, OSError):
             reply = {"limit": "memory"}  # the worker died: only a limit ends it
-        except TemplateLimitExceeded:
-            self.close()
-            raise
         if "limit" in reply:
             self.close()
             raise self._limit(f"went past {self.memory >> 20:,} MB of memory (its memory limit)")
@@ -114,6 +112,5 @@ def serve(memory: int) -> None:
         except MemoryError:
             reply = json.dumps({"limit": "memory"})
         except Exception as error:  # the template's own failure (raise_exception, a type error, ...)
-            lines = str(error).strip().splitlines()
-            reply = json.dumps({"error": lines[0] if lines else type(error).__name__})
+            reply = json.dumps({"error": first_line(error)})
         replies.send_bytes(reply.encode())

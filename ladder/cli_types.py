@@ -5,56 +5,43 @@ Floats are finite and, like counts that feed arithmetic, within a stated range.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Callable
 
 from .errors import excerpt
 
 
-def _number(text: str, kind: type, what: str) -> int | float:
+def _number(text: str, kind: type, what: str, low: float, high: float | None = None) -> int | float:
+    """`text` as a `kind` of at least `low` (else it is not `what`), or within low..high."""
     try:
         value = kind(text)
     except (TypeError, ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"{excerpt(text)} is not {what}") from None
     if kind is float and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{excerpt(text)} is not {what} (it must be finite)")
+    if high is None and value < low:
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not {what}")
+    if high is not None and not low <= value <= high:
+        bounds = f"{low:g}..{high:g}" if kind is float else f"{low}..{high}"
+        raise argparse.ArgumentTypeError(f"{excerpt(text)} is outside {bounds}")
     return value
 
 
 def positive_int(text: str) -> int:
-    value = _number(text, int, "a positive integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a positive integer")
-    return value
+    return _number(text, int, "a positive integer", 1)
 
 
 def non_negative_int(text: str) -> int:
-    value = _number(text, int, "a non-negative integer")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{excerpt(text)} is not a non-negative integer")
-    return value
+    return _number(text, int, "a non-negative integer", 0)
 
 
 def float_in(low: float, high: float) -> Callable[[str], float]:
-
-    def parse(text: str) -> float:
-        value = _number(text, float, "a finite number")
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{excerpt(text)} is outside {low:g}..{high:g}")
-        return value
-
-    return parse
+    return functools.partial(_number, kind=float, what="a finite number", low=low, high=high)
 
 
 def int_in(low: int, high: int) -> Callable[[str], int]:
-
-    def parse(text: str) -> int:
-        value = _number(text, int, "an integer")
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{excerpt(text)} is outside {low}..{high}")
-        return value
-
-    return parse
+    return functools.partial(_number, kind=int, what="an integer", low=low, high=high)
 
 
 def comma_list(item: Callable[[str], int | float]) -> Callable[[str], list]:

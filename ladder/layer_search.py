@@ -151,9 +151,8 @@ def measure_candidates(
         streams = [(embeds, embeds)]  # streams[i]: what enters layer i
         for layer in original.model.layers:
             streams.append(layer(*streams[-1], **layer_kwargs))
-        reference = F.log_softmax(
-            original.lm_head(original.model.norm(streams[-1][1]))[:, :-1].float(), dim=-1
-        ).flatten(0, 1)
+        logits = forward_from(original, streams[-1], num_layers, layer_kwargs)
+        reference = F.log_softmax(logits[:, :-1].float(), dim=-1).flatten(0, 1)
         original_loss_sum += F.nll_loss(reference, labels, reduction="sum").item()
         tokens += labels.numel()
         passes += num_layers * len(input_ids)
@@ -179,11 +178,8 @@ def choose_ladder_layers(
     higher layers (the paper's shape)."""
     started = time.perf_counter()
     num_layers, count = model.config.num_hidden_layers, auto.count
-    was_training = model.training
-    if auto.contiguous:
-        candidates = [list(range(start, start + count)) for start in range(num_layers - count + 1)]
-    else:
-        candidates = [[layer] for layer in range(num_layers)]
+    width = count if auto.contiguous else 1  # auto:N:any measures each layer alone, then the N least damaged
+    candidates = [list(range(start, start + width)) for start in range(num_layers - width + 1)]
     measured, original_loss, passes = measure_candidates(model, calibration, candidates, batch)
     if auto.contiguous:
         best = min(reversed(measured), key=lambda candidate: candidate.kl)
@@ -194,7 +190,6 @@ def choose_ladder_layers(
         )
         best, passes = chosen_set[0], passes + set_passes
         measured.append(best)
-    model.train(was_training)
     return LayerSearch(
         spec=str(auto),
         chosen=best.layers,

@@ -22,48 +22,34 @@ HARMLESS = {
 }
 
 
-class _Stream(logging.StreamHandler):
-    """Writes to whatever sys.stdout or sys.stderr is at the time of the record (a test's capture)."""
+class _Streams(logging.Handler):
+    """Information to stdout, warnings and errors to stderr: whatever sys.stdout and sys.stderr are at
+    the time of the record (a test's capture)."""
 
-    def __init__(self, stream_name: str, level_below: int | None = None):
-        super().__init__()
-        self.stream_name = stream_name  # not `name`: logging.Handler's own, the handler's registered name
-        if level_below is not None:
-            self.addFilter(lambda record: record.levelno < level_below)
-
-    @property
-    def stream(self):
-        return getattr(sys, self.stream_name)
-
-    @stream.setter
-    def stream(self, _value) -> None:
-        pass
-
-
-class _Mute(logging.Filter):
-    def __init__(self, starts: tuple[str, ...]):
-        super().__init__()
-        self.starts = starts
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        # accelerate's adapter prefixes "[RANK n] " where several processes run
-        return not _RANK.sub("", str(record.msg), count=1).startswith(self.starts)
+    def emit(self, record: logging.LogRecord) -> None:
+        stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+        try:
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:
+            self.handleError(record)
 
 
 _RANK = re.compile(r"^\[RANK \d+\] ")
 
 
+def _not_harmless(record: logging.LogRecord) -> bool:
+    # accelerate's adapter prefixes "[RANK n] " where several processes run
+    return not _RANK.sub("", str(record.msg), count=1).startswith(HARMLESS.get(record.name, ()))
+
+
 def configure(verbosity: int = 0) -> None:
     """Verbosity -1 (`-q`), 0 (default), 1 or more (`-v`); safe to call again."""
-    if not any(isinstance(handler, _Stream) for handler in log.handlers):
-        out = _Stream("stdout", level_below=logging.WARNING)
-        err = _Stream("stderr")
-        err.setLevel(logging.WARNING)
-        log.addHandler(out)
-        log.addHandler(err)
+    if not any(isinstance(handler, _Streams) for handler in log.handlers):
+        log.addHandler(_Streams())
         log.propagate = False
-        for name, starts in HARMLESS.items():
-            logging.getLogger(name).addFilter(_Mute(starts))
+        for name in HARMLESS:  # a logger's filters see only the records logged on it
+            logging.getLogger(name).addFilter(_not_harmless)
     log.setLevel(logging.WARNING if verbosity < 0 else logging.DEBUG if verbosity > 0 else logging.INFO)
     library_level = logging.ERROR if verbosity < 0 else logging.INFO if verbosity > 0 else logging.WARNING
     for library in LIBRARIES:
