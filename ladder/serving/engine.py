@@ -73,12 +73,10 @@ def use_spawn_where_cuda_may_be() -> None:
 
 def vllm_error_message(error: BaseException) -> str:
     """One line from a vLLM configuration error; pydantic's ValidationError puts it in its entries."""
-    entries = getattr(error, "errors", None)
-    if callable(entries):
-        try:
-            return "; ".join(entry["msg"].removeprefix("Value error, ") for entry in entries())
-        except (TypeError, KeyError):
-            pass
+    from pydantic import ValidationError
+
+    if isinstance(error, ValidationError):
+        return "; ".join(entry["msg"].removeprefix("Value error, ") for entry in error.errors())
     return first_line(error)
 
 
@@ -96,14 +94,3 @@ def vllm_version_problem(version: str | None = None) -> str | None:
         f"the ladder plugin supports vLLM {supported}, not {version}: "
         f"pip install 'vllm=={SUPPORTED_VLLM[-1]}.0' (or `make serve-env`)"
     )
-
-
-__all__ = [
-    "SUPPORTED_VLLM",
-    "cpu_binding",
-    "cpu_kv_cache_space",
-    "gpu_memory_utilization",
-    "use_spawn_where_cuda_may_be",
-    "vllm_error_message",
-    "vllm_version_problem",
-]

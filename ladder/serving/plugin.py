@@ -6,6 +6,7 @@ server's shutdown fixes (ladder/serving/server.py). The models subclass vLLM's i
 between minor versions: they are registered only with the versions tested (`SUPPORTED_VLLM`).
 """
 
+import atexit
 import logging
 import os
 
@@ -36,4 +37,4 @@ def register() -> None:
 
     if os.environ.get(SERVE_ENV_FLAG):
         quiet_engine_shutdown()
-        drop_exit_leak_reports()
+        atexit.register(drop_exit_leak_reports)  # registered early, so it runs after the other exit handlers

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import importlib.util
 import ipaddress
 import logging
@@ -41,13 +40,12 @@ SERVE_ENV_FLAG = "LADDER_SERVE"
 def quiet_engine_shutdown() -> None:
     """Work around vLLM's shutdown race (vllm-project/vllm#48745): on SIGTERM the output handler reads
     the stopped engine's EngineDeadError and the server exits with status 1 and a traceback. Once
-    shutdown has started, that error waits for the handler's cancellation instead."""
+    shutdown has started, that error waits for the handler's cancellation instead. Applied once per
+    process: vLLM loads its plugins once (vllm.plugins.load_general_plugins)."""
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.core_client import AsyncMPClient
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    if getattr(AsyncLLM.shutdown, "quiet_engine_shutdown", False):
-        return
     shutdown, get_output_async = AsyncLLM.shutdown, AsyncMPClient.get_output_async
 
     def quiet_shutdown(self: AsyncLLM, *args, **kwargs) -> None:
@@ -63,22 +61,17 @@ def quiet_engine_shutdown() -> None:
                 await asyncio.Event().wait()  # cancelled by the shutdown in progress
             raise
 
-    quiet_shutdown.quiet_engine_shutdown = True
     AsyncLLM.shutdown, AsyncMPClient.get_output_async = quiet_shutdown, outputs
 
 
 def drop_exit_leak_reports() -> None:
-    """Drop nanobind's leak report (about 30 lines of "nanobind: leaked ..." per vLLM process: triton
-    objects alive at interpreter exit, which is no leak) from this process's stderr after exit."""
-
-    def route_stderr() -> None:
-        sys.stderr.flush()
-        report = r"^(nanobind: | - leaked | - \.\.\. skipped remainder|See https://nanobind\.readthedocs\.io/)"
-        grep = subprocess.Popen(["grep", "--line-buffered", "-v", "-E", report], stdin=subprocess.PIPE, stdout=2)
-        os.dup2(grep.stdin.fileno(), 2)
-        grep.stdin.close()
-
-    atexit.register(route_stderr)  # registered early, so it runs after the other exit handlers
+    """An exit handler: drop nanobind's leak report (about 30 lines of "nanobind: leaked ..." per vLLM
+    process: triton objects alive at interpreter exit, which is no leak) from this process's stderr."""
+    sys.stderr.flush()
+    report = r"^(nanobind: | - leaked | - \.\.\. skipped remainder|See https://nanobind\.readthedocs\.io/)"
+    grep = subprocess.Popen(["grep", "--line-buffered", "-v", "-E", report], stdin=subprocess.PIPE, stdout=2)
+    os.dup2(grep.stdin.fileno(), 2)
+    grep.stdin.close()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,10 +138,8 @@ def parse_vllm_serve(arguments: list[str]) -> argparse.Namespace:
 
 def is_loopback(host: str | None) -> bool:
     """Whether a listening address is loopback ("" is every interface; a host name may be any)."""
-    if host == "localhost":
-        return True
     try:
-        return bool(host) and ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -173,9 +164,8 @@ def check_access(serve: argparse.Namespace, environ: Mapping[str, str]) -> None:
         if importlib.util.find_spec("smg_grpc_servicer") is None:
             raise UsageError("--grpc: vLLM's gRPC server is not installed here: pip install 'vllm[grpc]'")
         return
-    if serve.uds:  # a Unix socket: vLLM ignores the host and the port
-        return
-    if api_keys(serve, environ) or is_loopback(serve.host):
+    # On a Unix socket (--uds) vLLM ignores the host and the port.
+    if serve.uds or api_keys(serve, environ) or is_loopback(serve.host):
         return
     host = serve.host or '"" (every interface)'
     raise UsageError(
@@ -304,17 +294,17 @@ def main(argv: list[str]) -> int:
     sizing = size_memory(model, serve, os.environ)
     arguments += sizing
     kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE") if current_platform.is_cpu() else None
-    memory = " ".join(sizing) or (f"VLLM_CPU_KVCACHE_SPACE={kv_cache}" if kv_cache else "")
+    environment = [f"VLLM_CPU_KVCACHE_SPACE={kv_cache}"] if kv_cache else []
     if args.check_only:
-        print(f"vLLM can serve {model} at TP={tp} as {serve.served_model_name[0]} ({memory or 'memory as given'})")
+        memory = " ".join(sizing or environment) or "memory as given"
+        print(f"vLLM can serve {model} at TP={tp} as {serve.served_model_name[0]} ({memory})")
         return 0
     if logging_level is None:
         del os.environ["VLLM_LOGGING_LEVEL"]
     else:
         os.environ["VLLM_LOGGING_LEVEL"] = logging_level
     command = [str(Path(sys.executable).parent / "vllm"), "serve", *arguments]
-    environment = f"VLLM_CPU_KVCACHE_SPACE={kv_cache} " if kv_cache else ""
-    print(environment + " ".join(command), file=sys.stderr, flush=True)
+    print(" ".join([*environment, *command]), file=sys.stderr, flush=True)
     os.environ[SERVE_ENV_FLAG] = "1"
     os.execv(command[0], command)
     return 0  # not reached

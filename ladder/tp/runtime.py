@@ -5,7 +5,7 @@ Launch one process per rank with torchrun (gloo on CPU, NCCL on GPU, one GPU per
 
     torchrun --nproc_per_node 2 my_script.py
 
-    rank, tp_size, device = init_distributed()
+    rank, tp_size, device = init_distributed(cuda=torch.cuda.is_available())
     shard = load_shard(checkpoint_dir, rank, tp_size, device=device)  # reads only this rank's slices
     install_communication(shard)  # all-reduce over the group
     shard.setup_cache(batch, prompt_length + new_tokens)
@@ -34,11 +34,10 @@ from ladder.tp.shard import ModelShard, Ready, ShardShape, local_sum
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def init_distributed(cuda: bool | None = None) -> tuple[int, int, torch.device]:
+def init_distributed(cuda: bool) -> tuple[int, int, torch.device]:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and return
-    (rank, world size, device): NCCL and one GPU per rank when `cuda` (default: if there is a GPU),
-    else gloo on CPU. Without torchrun it is rank 0 of 1 and starts no process group."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    (rank, world size, device): NCCL and one GPU per rank when `cuda`, else gloo on CPU. Without
+    torchrun it is rank 0 of 1 and starts no process group."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if cuda else "cpu")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -138,16 +137,11 @@ def load_shard(
 # --- Communication -------------------------------------------------------------------------------
 
 
-class AllReduce:
-    """Sums branch outputs over the group in place: blocking for standard layers; for ladder layers
+def all_reduce(partial: torch.Tensor, async_op: bool) -> InFlight | Ready:
+    """Sums a branch output over the ranks in place: blocking for standard layers; for ladder layers
     launched with `async_op=True`, its handle waited on where the layer loop needs the sum."""
-
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        self.group = group
-
-    def __call__(self, partial: torch.Tensor, async_op: bool) -> InFlight | Ready:
-        work = dist.all_reduce(partial, group=self.group, async_op=async_op)
-        return InFlight(partial, partial, work) if async_op else Ready(partial)
+    work = dist.all_reduce(partial, async_op=async_op)
+    return InFlight(partial, partial, work) if async_op else Ready(partial)
 
 
 GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
@@ -171,7 +165,7 @@ def prioritize_gloo_threads() -> int:
 COMMUNICATION = ("all-reduce", "none")
 
 
-def install_communication(shard: ModelShard, mode: str = "all-reduce", group: dist.ProcessGroup | None = None) -> None:
+def install_communication(shard: ModelShard, mode: str = "all-reduce") -> None:
     """Install how the shard sums its partial outputs across ranks.
 
     "all-reduce": the real thing (a no-op at TP=1). "none": the NO-COMMUNICATION BOUND: every rank
@@ -180,8 +174,8 @@ def install_communication(shard: ModelShard, mode: str = "all-reduce", group: di
     """
     if mode not in COMMUNICATION:
         raise ValueError(f"communication {mode!r} is not one of {COMMUNICATION}")
-    distributed = dist.is_initialized() and dist.get_world_size(group) > 1
-    shard.reduce = AllReduce(group) if mode == "all-reduce" and distributed else local_sum
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    shard.reduce = all_reduce if mode == "all-reduce" and distributed else local_sum
 
 
 # --- Generation ----------------------------------------------------------------------------------
@@ -209,9 +203,7 @@ def decode(
     return torch.cat(produced, dim=1) if produced else tokens[:, :0]
 
 
-def generate(
-    shard: ModelShard, prompt_ids: torch.Tensor, max_new_tokens: int, step: DecodeStep | None = None
-) -> torch.Tensor:
+def generate(shard: ModelShard, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     """Greedy generation with the static cache (no early stop at EOS); the new tokens (batch, max_new_tokens)."""
     length = prompt_ids.shape[1]
     if max_new_tokens < 1 or length + max_new_tokens > shard.max_length:
@@ -219,7 +211,7 @@ def generate(
             f"{length} prompt + {max_new_tokens} new tokens do not fit the cache of {shard.max_length}; call setup_cache"
         )
     first = prefill(shard, prompt_ids)
-    return torch.cat([first, decode(shard, first, length, max_new_tokens - 1, step)], dim=1)
+    return torch.cat([first, decode(shard, first, length, max_new_tokens - 1)], dim=1)
 
 
 # --- GPU speed options ---------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -67,9 +67,7 @@ class ShardShape:
     heads: range  # this rank's query heads
     kv_heads: range
     intermediate: range  # this rank's MLP channels
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
+    biased: frozenset[str]  # the projections with a bias, by their transformers names (q_proj, ...)
     qk_norm: bool  # Qwen3: RMSNorm over each query and key head (head_dim wide) before RoPE
     sliding_window: int | None  # how many positions a sliding layer sees, itself included
     sliding_layers: frozenset[int]
@@ -82,9 +80,6 @@ class ShardShape:
                 f"the TP runtime runs {', '.join(LADDER_MODEL_TYPES)} models with hidden_act silu, "
                 f"not {config.model_type} with {config.hidden_act}"
             )
-        biased = biased_projections(
-            family, getattr(config, "attention_bias", False), getattr(config, "mlp_bias", False)
-        )
         window = getattr(config, "sliding_window", None)
         kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
         if problem := tp_runtime_refusal(heads, kv_heads, tp_size):
@@ -100,9 +95,9 @@ class ShardShape:
             heads=range(kv_range.start * group, kv_range.stop * group),
             kv_heads=kv_range,
             intermediate=shard_range(config.intermediate_size, tp_size, rank),
-            qkv_bias="q_proj" in biased,
-            o_bias="o_proj" in biased,
-            mlp_bias="gate_proj" in biased,
+            biased=biased_projections(
+                family, getattr(config, "attention_bias", False), getattr(config, "mlp_bias", False)
+            ),
             qk_norm=family == "qwen3",
             sliding_window=window,
             sliding_layers=frozenset(
@@ -119,13 +114,10 @@ class Pending(Protocol):
     def wait(self) -> torch.Tensor: ...
 
 
-class Ready:
+class Ready(NamedTuple):
     """A sum that is already complete (TP=1, a blocking all-reduce, or no communication at all)."""
 
-    __slots__ = ("value",)
-
-    def __init__(self, value: torch.Tensor):
-        self.value = value
+    value: torch.Tensor
 
     def wait(self) -> torch.Tensor:
         return self.value
@@ -158,18 +150,10 @@ class AttentionBranch(nn.Module):
         kv_width = len(shape.kv_heads) * shape.head_dim
         self.split = (q_width, kv_width, kv_width)
         self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
-        self.wqkv = nn.Linear(shape.hidden_size, sum(self.split), bias=shape.qkv_bias)
-        self.wo = nn.Linear(q_width, shape.hidden_size, bias=shape.o_bias)
+        self.wqkv = nn.Linear(shape.hidden_size, sum(self.split), bias="q_proj" in shape.biased)
+        self.wo = nn.Linear(q_width, shape.hidden_size, bias="o_proj" in shape.biased)
         head_norm = (lambda: LlamaRMSNorm(shape.head_dim, eps=shape.rms_norm_eps)) if shape.qk_norm else nn.Identity
         self.q_norm, self.k_norm = head_norm(), head_norm()  # whole on every rank: they act within a head
-        self.register_buffer("k_cache", None, persistent=False)  # allocated by setup_cache
-        self.register_buffer("v_cache", None, persistent=False)
-
-    def setup_cache(self, batch: int, max_length: int, dtype: torch.dtype, device: torch.device) -> None:
-        size = (batch, len(self.shape.kv_heads), max_length, self.shape.head_dim)
-        # Buffers, so that torch.compile / CUDA graphs see fixed addresses.
-        self.register_buffer("k_cache", torch.zeros(size, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(size, dtype=dtype, device=device), persistent=False)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, input_pos: torch.Tensor
@@ -194,8 +178,8 @@ class MLPBranch(nn.Module):
     def __init__(self, shape: ShardShape):
         super().__init__()
         self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
-        self.w13 = nn.Linear(shape.hidden_size, 2 * len(shape.intermediate), bias=shape.mlp_bias)
-        self.w2 = nn.Linear(len(shape.intermediate), shape.hidden_size, bias=shape.mlp_bias)
+        self.w13 = nn.Linear(shape.hidden_size, 2 * len(shape.intermediate), bias="gate_proj" in shape.biased)
+        self.w2 = nn.Linear(len(shape.intermediate), shape.hidden_size, bias="down_proj" in shape.biased)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(self.norm(x)).chunk(2, dim=-1)
@@ -206,11 +190,11 @@ class Block(nn.Module):
     """A decoder layer as two branches; `is_ladder` says how their outputs join the residual,
     `sliding` whether its attention sees only the last `sliding_window` positions."""
 
-    def __init__(self, shape: ShardShape, is_ladder: bool = False, sliding: bool = False):
+    def __init__(self, shape: ShardShape, sliding: bool):
         super().__init__()
         self.attention = AttentionBranch(shape)
         self.mlp = MLPBranch(shape)
-        self.is_ladder, self.sliding = is_ladder, sliding
+        self.is_ladder, self.sliding = False, sliding
 
 
 class ModelShard(nn.Module):
@@ -221,11 +205,9 @@ class ModelShard(nn.Module):
         super().__init__()
         self.config = config
         self.shape = shape
-        ladder_layers = set(resolve_ladder_layers(getattr(config, "ladder_layers", None), shape.num_layers))
         self.embed = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(
-            Block(shape, index in ladder_layers, index in shape.sliding_layers) for index in range(shape.num_layers)
-        )
+        self.layers = nn.ModuleList(Block(shape, index in shape.sliding_layers) for index in range(shape.num_layers))
+        self.set_ladder_layers(resolve_ladder_layers(getattr(config, "ladder_layers", None), shape.num_layers))
         self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.reduce: Reduce = local_sum
@@ -245,8 +227,10 @@ class ModelShard(nn.Module):
         """Allocate the KV caches, the causal and sliding-window masks and the cos/sin tables for
         `max_length` positions."""
         weight = self.lm_head.weight
-        for block in self.layers:
-            block.attention.setup_cache(batch, max_length, weight.dtype, weight.device)
+        size = (batch, len(self.shape.kv_heads), max_length, self.shape.head_dim)
+        for block in self.layers:  # buffers, so that torch.compile / CUDA graphs see fixed addresses
+            block.attention.register_buffer("k_cache", weight.new_zeros(size), persistent=False)
+            block.attention.register_buffer("v_cache", weight.new_zeros(size), persistent=False)
         positions = torch.arange(max_length, device=weight.device)
         rope = LlamaRotaryEmbedding(self.config).to(weight.device)
         cos, sin = rope(weight, positions[None])
