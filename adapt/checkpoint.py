@@ -41,8 +41,6 @@ class TrainState:
 def checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints, oldest first (an interrupted save's temporary is a hidden name): the latest
     is `max(checkpoints(directory), default=None)`."""
-    if not directory.is_dir():
-        return []
     return sorted(p for p in directory.glob("step-*") if (p / STATE_FILE).is_file())
 
 

@@ -7,7 +7,6 @@ Several processes (DDP or FSDP, on GPUs or on CPU over gloo):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shlex
@@ -53,53 +52,38 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def parse_arguments(parser: ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """Flags and overrides in any order; an unknown flag is named alone (not with the overrides after it)."""
-    args, unknown = parser.parse_known_intermixed_args(argv)
-    if unknown:
-        flags = [item for item in unknown if item.startswith("-")]
-        parser.error(f"unrecognized arguments: {' '.join(flags or unknown)}")
-    return args
-
-
 def main(argv: list[str]) -> int:
     if not argv:
         raise UsageError("a recipe is needed: ladder adapt RECIPE.yaml [key=value ...] (see recipes/)")
-    args = parse_arguments(build_parser(), argv)
+    # Flags and overrides in any order; an unknown flag is named alone (not with the overrides after it).
+    args, unknown = build_parser().parse_known_intermixed_args(argv)
+    if unknown:
+        flags = [item for item in unknown if item.startswith("-")]
+        raise UsageError(f"unrecognized arguments: {' '.join(flags or unknown)}")
     recipe = load_recipe(args.recipe, args.overrides)
     if args.print_recipe:
         print(dump_recipe(recipe), end="")
         return 0
-    if args.prepare_data:
-        return prepare_data(recipe)
-    if args.plan:
-        return print_plan(recipe, args)
+    if args.prepare_data:  # tokenize and cache the recipe's data, loading no weights
+        from .train import prepare
+
+        splits = prepare(recipe)
+        log.info(
+            f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks of {recipe.data.seq_len} tokens "
+            f"cached under {recipe.data.cache_folder()}; {splits.train.masked_share():.1%} of the training tokens "
+            "are masked from the loss (not assistant turns)"
+        )
+        return 0
+    if args.plan:  # what the recipe's training costs (training_cost.py), as text or one JSON object
+        from .training_cost import format_cost, recipe_cost
+
+        device = device_profile(args.hardware or DEFAULT_HARDWARE, "--hardware")
+        cost = recipe_cost(recipe, device, args.train_devices or 1, args.utilisation)
+        print(json.dumps(dataclasses.asdict(cost), indent=1) if args.json else format_cost(cost, recipe))
+        return 0
     if any(value is not None for value in (args.hardware, args.train_devices, args.utilisation)) or args.json:
         raise UsageError("--hardware, --train-devices, --utilisation and --json go with --plan")
     return train(recipe, args.recipe, args.overrides)
-
-
-def print_plan(recipe: Recipe, args: argparse.Namespace) -> int:
-    """What the recipe's training costs (training_cost.py), as text or one JSON object."""
-    from .training_cost import format_cost, recipe_cost
-
-    device = device_profile(args.hardware or DEFAULT_HARDWARE, "--hardware")
-    cost = recipe_cost(recipe, device, args.train_devices or 1, args.utilisation)
-    print(json.dumps(dataclasses.asdict(cost), indent=1) if args.json else format_cost(cost, recipe))
-    return 0
-
-
-def prepare_data(recipe: Recipe) -> int:
-    """Tokenize and cache the recipe's data, loading no weights."""
-    from .train import prepare
-
-    splits = prepare(recipe)
-    log.info(
-        f"{len(splits.train)} training and {len(splits.eval)} evaluation blocks of {recipe.data.seq_len} tokens "
-        f"cached under {recipe.data.cache_folder()}; {splits.train.masked_share():.1%} of the training tokens are "
-        "masked from the loss (not assistant turns)"
-    )
-    return 0
 
 
 def train(recipe: Recipe, recipe_file: str, overrides: list[str]) -> int:

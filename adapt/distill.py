@@ -52,7 +52,7 @@ class Distiller:
     def capture(self) -> Iterator[StudentCapture]:
         """Hooks on the student's layers for the duration of one forward (not during a recomputation in
         the backward, which would overwrite the captures)."""
-        captured, handles = StudentCapture(), []
+        captured, layers = StudentCapture(), self.student_layers
 
         def keep_prefix(module, args, kwargs):
             captured.prefix = (args[0].detach(), args[1].detach())
@@ -63,15 +63,12 @@ class Distiller:
         def keep_stream(index, module, args, output):
             captured.streams[index] = output[1]
 
-        try:
+        with contextlib.ExitStack() as hooks:  # each hook's handle removes it on the way out
             if self.shared_prefix:
-                handles.append(self.student_layers[self.first].register_forward_pre_hook(keep_prefix, with_kwargs=True))
+                hooks.enter_context(layers[self.first].register_forward_pre_hook(keep_prefix, with_kwargs=True))
             for index in self.ladder_layers:
-                handles.append(self.student_layers[index].register_forward_hook(functools.partial(keep_stream, index)))
+                hooks.enter_context(layers[index].register_forward_hook(functools.partial(keep_stream, index)))
             yield captured
-        finally:
-            for handle in handles:
-                handle.remove()
 
     @torch.no_grad()
     def teacher_forward(

@@ -3,11 +3,9 @@ experiment trackers."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,7 +32,18 @@ def make_accelerator(recipe: Recipe, run_dir: Path) -> Accelerator:
     for name in recipe.logging.log_with:
         if name not in {str(t) for t in get_available_trackers()}:
             raise UsageError(f"logging.log_with: {name} needs its package (pip install {name.replace('_', '-')})")
-    warn_single_cpu_launch()
+    # `accelerate launch --cpu --num_processes N` starts one process (accelerate issue #2741): say so.
+    if (
+        os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+        and "MASTER_ADDR" in os.environ
+        and "WORLD_SIZE" not in os.environ
+        and "PMI_SIZE" not in os.environ
+    ):
+        log.warning(
+            "ladder adapt: warning: `accelerate launch --cpu` started a single process; for several CPU "
+            "processes use `accelerate launch --multi_gpu --num_processes N` (adapt trains on CPU over "
+            "gloo when no GPU is present)"
+        )
     # The processes start with the long setup timeout: the main process may tokenize, search layers
     # or load for a long while as the others wait at a barrier. Training shortens it (`set_timeout`).
     process_group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=recipe.timeout.setup))
@@ -94,16 +103,6 @@ def set_timeout(seconds: float) -> None:
         distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
-@contextlib.contextmanager
-def long_waits(recipe: Recipe) -> Iterator[None]:
-    """The setup timeout while the processes may wait long on each other, then the collective one."""
-    set_timeout(recipe.timeout.setup)
-    try:
-        yield
-    finally:
-        set_timeout(recipe.timeout.collective)
-
-
 def start_trackers(accelerator: Accelerator, recipe: Recipe, run_dir: Path, resumed_at: int) -> None:
     """Open the trackers so that a resumed run continues its history: TensorBoard purges what the
     interrupted run logged after the checkpoint, wandb reopens the same run (its id kept in the run folder)."""
@@ -132,21 +131,6 @@ def enable_fsdp_on_cpu(process_group: InitProcessGroupKwargs) -> None:
     state = PartialState(cpu=True, **process_group.to_kwargs())
     if state.distributed_type == DistributedType.MULTI_CPU:
         PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
-
-
-def warn_single_cpu_launch() -> None:
-    """`accelerate launch --cpu --num_processes N` starts one process (accelerate issue #2741): say so."""
-    if (
-        os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
-        and "MASTER_ADDR" in os.environ
-        and "WORLD_SIZE" not in os.environ
-        and "PMI_SIZE" not in os.environ
-    ):
-        log.warning(
-            "ladder adapt: warning: `accelerate launch --cpu` started a single process; for several CPU "
-            "processes use `accelerate launch --multi_gpu --num_processes N` (adapt trains on CPU over "
-            "gloo when no GPU is present)"
-        )
 
 
 def raised_by_a_collective(error: BaseException) -> bool:

@@ -201,11 +201,8 @@ def losses_in_lm_head(
         results.append(compute(hidden, module.weight))
         return (hidden[..., :0, :],)
 
-    handle = head.register_forward_pre_hook(replace_input)
-    try:
+    with head.register_forward_pre_hook(replace_input):  # the handle removes the hook on the way out
         yield results
-    finally:
-        handle.remove()
 
 
 def token_losses(

@@ -94,22 +94,15 @@ def prepare_teacher(
     dtype = torch.bfloat16 if recipe.precision == "bf16" else torch.float32
     teacher = ladder.to_ladder(teacher, list(getattr(teacher.config, "ladder_layers", None) or []))
     teacher.set_attn_implementation(recipe.model.attn_implementation)  # the student's masks fit it
-    if from_main:
-        receive_from_main(teacher.to(dtype=dtype), device)
+    if from_main and any(parameter.is_meta for parameter in teacher.parameters()):
+        teacher.to(dtype=dtype).to_empty(device=device)  # its buffers too: they are received below
+        teacher.tie_weights()  # to_empty gave tied parameters a tensor each
     else:
         teacher.to(device=device, dtype=dtype)
+    if from_main:  # every process holds the teacher as the main process does, broadcast a tensor at a time
+        for tensor in itertools.chain(teacher.parameters(), teacher.buffers()):
+            torch.distributed.broadcast(tensor.data, src=0)
     return teacher.eval().requires_grad_(False)
-
-
-def receive_from_main(module: torch.nn.Module, device: torch.device) -> None:
-    """`module` on `device` in every process as the main process holds it, broadcast a tensor at a time."""
-    if any(parameter.is_meta for parameter in module.parameters()):
-        module.to_empty(device=device)  # its buffers too: they are received below
-        module.tie_weights()  # to_empty gave tied parameters a tensor each
-    else:
-        module.to(device)
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        torch.distributed.broadcast(tensor.data, src=0)
 
 
 def reset_peak_host_memory() -> None:

@@ -7,8 +7,6 @@ One convention for every decay, transformers' `cosine_warmup_with_min_lr`: the w
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from transformers import get_scheduler
 
@@ -47,16 +45,15 @@ def build_schedule(
             num_training_steps=total_steps,
             scheduler_specific_kwargs={"min_lr_rate": schedule.min_lr_ratio},
         )
+
     # transformers' linear and constant schedules warm up from lr 0 (a step that trains nothing) and its
     # linear decay has no floor: the cosine's warmup and floor, by hand.
-    factor = functools.partial(_lr_factor, schedule.decay, schedule.min_lr_ratio, warmup, total_steps)
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule.decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup + 1) / max(1, total_steps - warmup))
+        return schedule.min_lr_ratio + (1 - schedule.min_lr_ratio) * (1 - progress)
+
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def _lr_factor(decay: str, min_lr_ratio: float, warmup: int, total_steps: int, step: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    if decay == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup + 1) / max(1, total_steps - warmup))
-    return min_lr_ratio + (1 - min_lr_ratio) * (1 - progress)

@@ -12,13 +12,9 @@ from ladder.errors import UsageError, excerpt
 from ladder.io.yaml_files import UnboundedYAML, parse_yaml
 
 
-def parse_overrides(overrides: list[str] | dict | None) -> list[tuple[str, Any]]:
-    if not overrides:
-        return []
-    if isinstance(overrides, dict):
-        return list(overrides.items())
+def parse_overrides(overrides: list[str] | None) -> list[tuple[str, Any]]:
     pairs = []
-    for item in overrides:
+    for item in overrides or []:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"override {excerpt(item)} is not key=value (e.g. optimizer.lr=1e-4)")

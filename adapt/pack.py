@@ -19,7 +19,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,7 +208,7 @@ class ChunkRunner:
             pending = deque()
             for tag, chunk in jobs:
                 pending.append((tag, self.pool.submit(tokenize_in_worker, chunk) if chunk is not None else None))
-                while len(pending) > 2 * self.workers or (pending and ready(pending[0][1])):
+                while len(pending) > 2 * self.workers or (pending and (pending[0][1] is None or pending[0][1].done())):
                     tag_done, future = pending.popleft()
                     yield tag_done, future.result() if future is not None else None
             for tag, future in pending:
@@ -218,10 +218,6 @@ class ChunkRunner:
                 "a tokenizer worker process ended abruptly (killed, or out of memory: see `dmesg`); the shards "
                 "written so far are kept, and the same command continues from them"
             ) from None
-
-
-def ready(future: Future | None) -> bool:
-    return future is None or future.done()
 
 
 @dataclass

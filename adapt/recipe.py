@@ -259,7 +259,7 @@ class Recipe(Spec):
 RESUME_FREE_KEYS = {"resume", "logging", "timeout"}
 
 
-def load_recipe(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Recipe:
+def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
     """Read a recipe YAML (or start from defaults with None), apply `key=value` overrides, validate."""
     raw: dict = {}
     if path is not None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,13 +59,9 @@ def sample_device(text: str | None) -> str:
     gpus = torch.cuda.device_count()
     if text is None:
         return "cuda" if gpus else "cpu"
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
+    if not (device := re.fullmatch(r"(cpu|cuda)(?::(0|[1-9]\d*))?", text)):  # as torch.device spells them
         raise UsageError(f"--device {text!r}: choose cpu, cuda or cuda:N")
-    if device.type == "cuda" and (device.index or 0) >= gpus:
+    if device[1] == "cuda" and int(device[2] or 0) >= gpus:
         raise UsageError(
             f"--device {text}: " + (f"only {gpus} GPU(s) are visible" if gpus else "no CUDA GPU is visible")
         )
@@ -79,9 +75,9 @@ def sample_documents(
     length: int,
     batch_size: int,
     seed: int,
-    progress: Callable[[int], None] | None = None,
+    progress: tqdm | None = None,
 ) -> list[list[int]]:
-    """`documents` token lists of 1 + `length` tokens sampled from `model`."""
+    """`documents` token lists of 1 + `length` tokens sampled from `model`; `progress` counts the sampled tokens."""
     import torch
 
     device = next(model.parameters()).device
@@ -104,7 +100,7 @@ def sample_documents(
             )
         sampled += ids.tolist()
         if progress is not None:
-            progress(len(sampled))
+            progress.update(rows * length)
     return sampled
 
 
@@ -122,15 +118,7 @@ def main(argv: list[str]) -> int:
     # tokens sampled, their rate and the time left, as adapt's bar shows them; -q hides it
     bar = tqdm(total=documents * args.length, unit="tok", unit_scale=True, disable=not log.isEnabledFor(logging.INFO))
     with bar:
-        sampled = sample_documents(
-            model,
-            tokenizer,
-            documents,
-            args.length,
-            args.batch_size,
-            args.seed,
-            lambda done: bar.update(done * args.length - bar.n),
-        )
+        sampled = sample_documents(model, tokenizer, documents, args.length, args.batch_size, args.seed, bar)
     lines = [json.dumps({"text": tokenizer.decode(ids)}) + "\n" for ids in sampled]
     out.parent.mkdir(parents=True, exist_ok=True)  # as every output folder of ladder's commands
     atomic_write(out, "".join(lines), replace=args.force)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import resource
 import time
 from dataclasses import dataclass
 
@@ -165,28 +164,3 @@ class TrainingStep:
         totals = accelerator.reduce(totals, reduction="sum")
         self.model.train()
         return float(totals[0] / totals[1])
-
-
-def step_metrics(
-    result: StepResult,
-    seconds: float,
-    tokens: int,
-    accelerator: Accelerator,
-    flops_per_token: float,
-    peak_flops: float | None,
-) -> dict[str, float]:
-    """What a step's log line adds: tokens/s per device (all, and those trained on), MFU against
-    `peak_flops`, the peak memory (the allocator's, or the RSS on CPU) and the share spent getting data."""
-    devices = accelerator.num_processes
-    if accelerator.device.type == "cuda":
-        memory = torch.cuda.max_memory_allocated(accelerator.device)
-    else:
-        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    per_device = tokens / seconds / devices
-    return {
-        "tokens_per_s_per_device": per_device,
-        **({"mfu": per_device * flops_per_token / peak_flops} if peak_flops else {}),
-        "labelled_tokens_per_s_per_device": result.labelled / seconds / devices,
-        "peak_memory_bytes": memory,
-        "data_wait_share": result.data_seconds / seconds,
-    }

@@ -13,6 +13,7 @@ import bisect
 import functools
 import itertools
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -134,19 +135,16 @@ def token_edge(encoding, side: int) -> Callable[[int], int]:
     return lambda token: encoding.token_to_chars(token)[side]
 
 
-def document_of(item: object, chunk: Chunk, where: str, worker: Worker) -> Document:
+def document_of(record: object, chunk: Chunk, where: str, worker: Worker) -> Document:
+    """One item as a document: a text as it is; a JSON record's `text_field`, or its `chat_field` rendered as a chat."""
     if chunk.kind == "text":
-        return Document(item)
+        return Document(record)
+    source, where = chunk.source, f"{chunk.key}: {where}"
     if chunk.kind == "json":
         try:
-            item = json.loads(item)
+            record = json.loads(record)
         except json.JSONDecodeError as error:
-            raise UsageError(f"{chunk.key}: {where} is not JSON ({error.msg})") from None
-    return record_document(item, chunk.source, worker, f"{chunk.key}: {where}")
-
-
-def record_document(record: object, source: SourceSpec, worker: Worker, where: str) -> Document:
-    """One JSON record as a document: its `text_field`, or its `chat_field` rendered as a chat."""
+            raise UsageError(f"{where} is not JSON ({error.msg})") from None
     if not isinstance(record, dict):
         raise UsageError(f"{where}: expected a JSON object, got {type(record).__name__}")
     chat = source.format == "chat" or (source.format == "auto" and source.chat_field in record)
@@ -188,8 +186,8 @@ class ChatRenderer:
         self.template, self.special_tokens, self.owner = template, special_tokens, owner
         # Rendered in a process the operating system bounds (`ladder.chat_template`): the template is the model's code.
         self.worker = TemplateWorker(owner)
-        self.render(PROBE)  # a template that fails on every chat says so here, not inside learn()
-        self.keeps_whitespace, self.footer = self.learn()
+        # a template that fails on every chat says so here, not inside learn()
+        self.keeps_whitespace, self.footer = self.learn(self.render(PROBE))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The chat as the template renders it; a template that raises is one line naming it."""
@@ -202,11 +200,11 @@ class ChatRenderer:
         except (TemplateError, TypeError, ValueError, RecursionError, OverflowError) as error:
             raise UsageError(f"the chat template of {self.owner} failed on this chat: {first_line(error)}") from None
 
-    def learn(self) -> tuple[bool | None, str | None]:
+    def learn(self, text: str) -> tuple[bool | None, str | None]:
         """Whether the template keeps the whitespace around a turn's content, and what it puts after an
-        assistant turn; (None, None) when one rendering cannot locate turns (checked on a probe chat)."""
+        assistant turn; (None, None) when one rendering cannot locate turns (checked on the probe chat,
+        rendered as `text`)."""
         try:
-            text = self.render(PROBE)
             reference = prefix_spans(self, PROBE, text, "the chat template")
         except UsageError:
             return None, None
@@ -271,15 +269,10 @@ def marked_messages(messages: list[dict]) -> list[dict]:
 
 def marker_positions(marked: str) -> list[tuple[int, int]] | None:
     """(start, end) in the unmarked text of each OPEN ... CLOSE pair, in order; None unless they pair up."""
-    positions, removed, at = [], 0, 0
-    while (start := marked.find(OPEN, at)) >= 0:
-        end = marked.find(CLOSE, start)
-        if end < 0 or OPEN in marked[start + 1 : end]:
-            return None
-        positions.append((start - removed, end - removed - 1))
-        removed += 2
-        at = end + 1
-    return positions if CLOSE not in marked[at:] and marked.count(CLOSE) == len(positions) else None
+    pairs = list(re.finditer(f"{OPEN}[^{OPEN}{CLOSE}]*{CLOSE}", marked))
+    if marked.count(OPEN) != len(pairs) or marked.count(CLOSE) != len(pairs):
+        return None
+    return [(pair.start() - 2 * n, pair.end() - 2 * n - 2) for n, pair in enumerate(pairs)]
 
 
 def prefix_spans(renderer: ChatRenderer, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:

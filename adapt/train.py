@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ from .checkpoint import (
 )
 from .data import BlockOrder, Splits, prepare_data
 from .distill import Distiller
-from .launch import fsdp_precision, long_waits, make_accelerator, raised_by_a_collective, set_timeout, start_trackers
+from .launch import fsdp_precision, make_accelerator, raised_by_a_collective, set_timeout, start_trackers
 from .layer_choice import LAYER_SEARCH_FILE, resolve_ladder_layers
 from .memory import allocate_optimizer_state, keep_fewer_activations
 from .models import (
@@ -71,7 +72,7 @@ from .preflight import (
     step_budget,
 )
 from .recipe import RECIPE_FILE, Recipe, dump_recipe
-from .step import StepResult, TrainingStep, step_metrics
+from .step import StepResult, TrainingStep
 from .training_cost import checkpointing_policy, flops_per_token, peak_flops, setup_of
 
 # The ladder logger (ladder/log.py) through accelerate's adapter: it speaks on the main process only.
@@ -293,7 +294,11 @@ class AdaptRun:
         result = self.training_step.gradients(self.state.step)
         clip = self.recipe.grad_clip if self.recipe.grad_clip > 0 else float("inf")
         grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), clip))
-        self.check_finite(result.loss, grad_norm)
+        if not (math.isfinite(result.loss) and math.isfinite(grad_norm)):  # the NaN guard, before the update
+            raise TrainingDiverged(
+                f"training stopped at step {self.state.step + 1}: loss {result.loss}, gradient norm {grad_norm}; "
+                f"{self.kept(written_before=True)} (try a lower optimizer.lr, or grad_clip)"
+            )
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -302,14 +307,6 @@ class AdaptRun:
         self.state.data_position += self.order.per_step
         self.log_step(result, lr, grad_norm, time.perf_counter() - started)
 
-    def check_finite(self, loss: float, grad_norm: float) -> None:
-        """The NaN guard: a loss or gradient norm that is not finite ends the run before the update."""
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise TrainingDiverged(
-                f"training stopped at step {self.state.step + 1}: loss {loss}, gradient norm {grad_norm}; "
-                f"{self.kept(written_before=True)} (try a lower optimizer.lr, or grad_clip)"
-            )
-
     def kept(self, written_before: bool = False) -> str:
         checkpoint = max(checkpoints(self.checkpoint_dir), default=None)
         if checkpoint is None:
@@ -317,8 +314,15 @@ class AdaptRun:
         return f"the last checkpoint{', written before that,' if written_before else ''} is kept: {checkpoint}"
 
     def log_step(self, result: StepResult, lr: float, grad_norm: float, seconds: float) -> None:
-        """The step's metrics line (metrics.jsonl and the trackers) and the progress bar."""
-        tokens = self.budget.tokens_per_step
+        """The step's metrics line (metrics.jsonl and the trackers) and the progress bar: besides the loss,
+        tokens/s per device (all, and those trained on), MFU against `peak_flops`, the peak memory (the
+        allocator's, or the RSS on CPU) and the share of the step spent getting data."""
+        tokens, devices = self.budget.tokens_per_step, self.accelerator.num_processes
+        if self.accelerator.device.type == "cuda":
+            memory = torch.cuda.max_memory_allocated(self.accelerator.device)
+        else:
+            memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        per_device = tokens / seconds / devices
         self.log(
             {
                 "step": self.state.step,
@@ -328,7 +332,11 @@ class AdaptRun:
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "tokens_per_s": tokens / seconds,
-                **step_metrics(result, seconds, tokens, self.accelerator, self.flops_per_token, self.peak_flops),
+                "tokens_per_s_per_device": per_device,
+                **({"mfu": per_device * self.flops_per_token / self.peak_flops} if self.peak_flops else {}),
+                "labelled_tokens_per_s_per_device": result.labelled / seconds / devices,
+                "peak_memory_bytes": memory,
+                "data_wait_share": result.data_seconds / seconds,
             }
         )
         self.progress.update(tokens)
@@ -383,8 +391,11 @@ class AdaptRun:
     def save_checkpoint(self) -> None:
         """An atomic `checkpoints/step-NNNNNN`; older ones beyond `keep_checkpoints` are removed."""
         final = self.checkpoint_dir / f"step-{self.state.step:06d}"
-        with long_waits(self.recipe):  # the main process may write for long while the others wait
+        set_timeout(self.recipe.timeout.setup)  # the main process may write for long while the others wait
+        try:
             save_checkpoint(self.accelerator, final, self.state, self.recipe, self.recipe.keep_checkpoints)
+        finally:
+            set_timeout(self.recipe.timeout.collective)
 
     def save_final(self) -> Path:
         """The trained model as a plain checkpoint (LoRA merged, in the recipe's precision) with its

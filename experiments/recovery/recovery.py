@@ -32,7 +32,7 @@ from ladder.adapt.data import load_blocks
 from ladder.adapt.losses import block_losses
 from ladder.adapt.recipe import SourceSpec, load_recipe, model_path
 from ladder.adapt.train import train
-from ladder.io.loading import load_model, load_tokenizer
+from ladder.io.loading import load_model
 from ladder.layer_search import calibration_from_blocks, choose_ladder_layers
 from ladder.layers import AutoLayers, format_layers, overlapped_all_reduces, parse_layer_choice, resolve_layer_choice
 
@@ -51,19 +51,14 @@ HELDOUT = ("books", "wikitext")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def heldout_sets(recipe, tokenizer) -> dict[str, np.ndarray]:
-    cache, seq_len = recipe.data.cache_folder(), recipe.data.seq_len
-    return {
-        "books": np.asarray(load_blocks(recipe.data.eval, tokenizer, seq_len, cache, "eval").ids),
-        "wikitext": np.asarray(load_blocks([WIKITEXT], tokenizer, seq_len, cache, "eval").ids),
-    }
-
-
 @torch.no_grad()
-def heldout_losses(model: torch.nn.Module, sets: dict[str, np.ndarray], batch: int) -> dict:
+def heldout_losses(model: torch.nn.Module, tokenizer, recipe) -> dict:
+    """The mean next-token loss and the tokens of each held-out set: the recipe's books, WikiText-2."""
+    cache, seq_len, batch = recipe.data.cache_folder(), recipe.data.seq_len, recipe.batch.micro_batch
     model.to(DEVICE).eval()
     result = {}
-    for name, blocks in sets.items():
+    for name, sources in zip(HELDOUT, (recipe.data.eval, [WIKITEXT])):
+        blocks = np.asarray(load_blocks(sources, tokenizer, seq_len, cache, "eval").ids)
         losses = [
             block_losses(model, torch.from_numpy(blocks[i : i + batch].astype(np.int64)).to(DEVICE))
             for i in range(0, len(blocks), batch)
@@ -82,8 +77,7 @@ def resolve_shape(shape: str, recipe, out: Path) -> dict:
     path = out / f"shape-{shape_name(shape)}.json"
     if path.exists():
         return json.loads(path.read_text())
-    tokenizer = load_tokenizer(model_path(recipe.model.path))
-    model, _ = load_model(model_path(recipe.model.path))
+    model, tokenizer = load_model(model_path(recipe.model.path))
     searched: dict = {}  # the search's record, for an auto shape
 
     def search(auto: AutoLayers) -> list[int]:
@@ -106,12 +100,8 @@ def run_zero_shot(name: str, layers: list[int] | None, recipe) -> dict:
     if layers is not None:
         model = ladder.to_ladder(model, layers)
     started = time.perf_counter()
-    result = {
-        "condition": name,
-        "layers": layers,
-        **heldout_losses(model, heldout_sets(recipe, tokenizer), recipe.batch.micro_batch),
-    }
-    return {**result, "eval_seconds": round(time.perf_counter() - started, 1)}
+    losses = heldout_losses(model, tokenizer, recipe)
+    return {"condition": name, "layers": layers, **losses, "eval_seconds": round(time.perf_counter() - started, 1)}
 
 
 def run_trained(name: str, layers: list[int], extra: list[str], overrides: list[str], recipe, out: Path) -> dict:
@@ -135,7 +125,7 @@ def run_trained(name: str, layers: list[int], extra: list[str], overrides: list[
         "step_seconds": statistics.median(
             run_recipe.batch.micro_batch * run_recipe.data.seq_len / s["tokens_per_s"] for s in steps[1:] or steps
         ),
-        **heldout_losses(model, heldout_sets(recipe, tokenizer), recipe.batch.micro_batch),
+        **heldout_losses(model, tokenizer, recipe),
     }
 
 
