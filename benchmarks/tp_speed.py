@@ -41,6 +41,7 @@ from ladder.cli_types import non_negative_int, positive_int
 from ladder.errors import ArgumentParser, UsageError
 from ladder.io.loading import DTYPES
 from ladder.launch import rank_environment, torchrun
+from ladder.layers import parse_layer_choice
 from ladder.plan.emulated_link import LOOPBACK, check_rate, emulated_link
 from ladder.tp import runtime
 from ladder.tp.shard import ModelShard, ShardShape
@@ -135,7 +136,7 @@ def synthetic_shard(
     torch.set_default_dtype(dtype)  # built in its dtype on its device: a 70B shard never exists in fp32
     try:
         with torch.device(device):
-            return ModelShard(config, ShardShape.of(config, rank, tp_size)).eval()
+            return ModelShard(config, rank, tp_size).eval()
     finally:
         torch.set_default_dtype(default_dtype)
 
@@ -178,7 +179,7 @@ def run_rank(args: argparse.Namespace, config, variants: list[Variant], result_p
     for batch in args.batch:
         shard.setup_cache(batch, args.prompt_length + args.new_tokens)
         generator = torch.Generator().manual_seed(batch)  # the same prompts on every rank
-        prompt = torch.randint(0, shard.shape.vocab_size, (batch, args.prompt_length), generator=generator).to(device)
+        prompt = torch.randint(0, shard.config.vocab_size, (batch, args.prompt_length), generator=generator).to(device)
         steps = {}
         if args.cuda_graphs:  # one graph per variant (the wiring is baked in), captured before any prefill
             for variant in variants:
@@ -286,8 +287,7 @@ def workload(args: argparse.Namespace) -> tuple[object, list[Variant], str]:
         ladder_layers = getattr(config, "ladder_layers", None) or "none"
         described = f"checkpoint {args.model} ({config.model_type}, its own ladder layers: {ladder_layers})"
     try:
-        for rank in range(args.tp):
-            ShardShape.of(config, rank, args.tp)
+        ShardShape.of(config, 0, args.tp)  # its checks are the same for every rank
     except ValueError as error:
         raise UsageError(f"{args.model}: {error}") from None
     layers = config.num_hidden_layers
@@ -295,7 +295,7 @@ def workload(args: argparse.Namespace) -> tuple[object, list[Variant], str]:
         f": {layers} layers, hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
         f"{config.num_attention_heads} heads / {config.num_key_value_heads} KV, vocab {config.vocab_size}"
     )
-    upper_half = list(range(layers - layers // 2, layers))
+    upper_half = parse_layer_choice(None, layers)
     variants = [
         Variant(STANDARD, [], "all-reduce"),
         Variant(f"ladder (all {layers})", list(range(layers)), "all-reduce"),

@@ -34,7 +34,7 @@ from ladder.plan.speed import (
     predict,
 )
 from ladder.serving.engine import VLLM_GPU_MEMORY_UTILIZATION
-from ladder.tp.degrees import ENGINES, refusal
+from ladder.tp.degrees import ENGINES
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 RECIPE_SUFFIXES = (".yaml", ".yml")
@@ -198,11 +198,11 @@ def plan(args: argparse.Namespace, model: ModelConfig, own_layers: list[int]) ->
     degrees = tp_degrees(shape, args.tp)
     if problem := degrees[args.tp][args.engine]:
         runs = [engine for engine, refused in degrees[args.tp].items() if refused is None]
-        other = f"; {ENGINES[runs[0]]} runs it (--engine {runs[0]})" if runs else ""
+        other = f"; {ENGINES[runs[0]][0]} runs it (--engine {runs[0]})" if runs else ""
         fits = ", ".join(str(tp) for tp, refused in degrees.items() if refused[args.engine] is None)
         raise UsageError(
-            f"--tp {args.tp}: {ENGINES[args.engine]} refuses this model: {problem}{other}; "
-            f"{ENGINES[args.engine]} runs it at TP={fits}"
+            f"--tp {args.tp}: {ENGINES[args.engine][0]} refuses this model: {problem}{other}; "
+            f"{ENGINES[args.engine][0]} runs it at TP={fits}"
         )
     device = device_profile(args.hardware)
     if args.interconnect is None and device.on_cpu and not args.hardware.endswith(".json"):
@@ -268,7 +268,7 @@ def tp_degrees(shape: ModelShape, tp: int) -> dict[int, dict[str, str | None]]:
     heads, kv_heads = shape.num_heads, shape.num_kv_heads
     divisors = {d for d in range(1, 17) if heads % d == 0 or kv_heads % d == 0}
     return {
-        degree: {engine: refusal(engine, heads, kv_heads, degree) for engine in ENGINES}
+        degree: {engine: refusal(heads, kv_heads, degree) for engine, (_, refusal) in ENGINES.items()}
         for degree in sorted({tp, *LISTED_DEGREES, *divisors})
     }
 
@@ -308,8 +308,8 @@ def render(result: dict) -> str:
         f"over {result['interconnect']['name']}, {result['dtype']}, prompt {result['prompt']} + {result['new_tokens']} "
         f"new tokens, {'CUDA graphs' if result['cuda_graphs'] else 'eager launches'} (predicted, not measured)",
         memory_note(result["memory"], result["tp"]),
-        f"engine: {ENGINES[engine]} (--engine {engine}): {_overlap(result['overlapped'][engine], engine)}; "
-        + "; ".join(f"{ENGINES[e]}: {_overlap(o, e)}" for e, o in result["overlapped"].items() if e != engine),
+        f"engine: {ENGINES[engine][0]} (--engine {engine}): {_overlap(result['overlapped'][engine], engine)}; "
+        + "; ".join(f"{ENGINES[e][0]}: {_overlap(o, e)}" for e, o in result["overlapped"].items() if e != engine),
         "TP degrees each engine runs (ladder/tp/degrees.py):",
         *(_degree(entry) for entry in result["tp_degrees"]),
         "",

@@ -97,17 +97,12 @@ LayerChoice = list[int] | AutoLayers
 LayerSpec = str | int | list[int] | AutoLayers | None
 
 
-def upper_half(num_hidden_layers: int) -> int:
-    """The default layer count: the upper half, as in the paper's 16 of 32."""
-    return num_hidden_layers // 2
-
-
 def parse_layer_choice(spec: LayerSpec, num_hidden_layers: int, key: str = "ladder layers") -> LayerChoice:
     """A layer spec (as `parse_ladder_layers`, or `auto:N[:any]`; None: the upper half) parsed once."""
     if isinstance(spec, AutoLayers):
         spec = str(spec)  # checked against this model's layer count like any other spec
-    if spec is None:
-        spec = upper_half(num_hidden_layers)
+    if spec is None:  # the upper half, as in the paper's 16 of 32
+        spec = num_hidden_layers // 2
     auto = parse_auto_layers(spec, num_hidden_layers, key)
     return auto if auto is not None else parse_ladder_layers(spec, num_hidden_layers, key)
 

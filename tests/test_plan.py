@@ -27,7 +27,7 @@ def runtime_hidden_all_reduces(ladder_layers: list[int]) -> list[int]:
     """The TP runtime's own record: which all-reduces (2 per layer: attention, MLP) it waits on only after
     another branch has computed since their launch. Its `reduce` hook and its branches are observed."""
     config = tiny_config()
-    shard = ModelShard(config, ShardShape.of(config)).eval()
+    shard = ModelShard(config).eval()
     shard.set_ladder_layers(ladder_layers)
     events = []
 
@@ -73,7 +73,7 @@ def test_overlap_rule_matches_the_runtimes_waited_all_reduces(ladder_layers):
     timeline = replay(flags, attention_s=1.0, mlp_s=2.0, head_s=0.5, wire_s=0.5, host_s=0.0)
     assert sorted(timeline.hidden) == runtime_hidden_all_reduces(ladder_layers)
     assert len(timeline.hidden) == overlapped_all_reduces(ladder_layers)
-    assert timeline.all_reduces == 2 * NUM_LAYERS
+    assert len(timeline.launched_at) == 2 * NUM_LAYERS
 
 
 def test_replay_times_standard_ladder_and_bound():
@@ -146,7 +146,7 @@ def test_eager_operator_counts_are_the_runtimes():
             return func(*args, **(kwargs or {}))
 
     config = tiny_config()
-    shard = ModelShard(config, ShardShape.of(config)).eval()
+    shard = ModelShard(config).eval()
     shard.setup_cache(1, 8)
     ids, position = random_ids(1, 1, vocab_size=config.vocab_size), torch.tensor([2])
     with torch.inference_mode(), Count():

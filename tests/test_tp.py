@@ -19,7 +19,7 @@ from ladder import to_ladder
 from ladder.errors import UsageError
 from ladder.plan.emulated_link import check_rate
 from ladder.tp.runtime import generate, init_distributed, install_communication, load_shard, read_config
-from ladder.tp.shard import ModelShard, ShardShape
+from ladder.tp.shard import ModelShard
 from tiny import random_ids, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,7 +149,7 @@ def test_a_shard_reads_the_upper_n_form_of_ladder_layers():
     was iterated as is: a TypeError before any layer was built."""
     config = tiny_llama(num_hidden_layers=4).config
     config.ladder_layers = 2
-    assert ModelShard(config, ShardShape.of(config)).ladder_layers == [2, 3]
+    assert ModelShard(config).ladder_layers == [2, 3]
 
 
 # --- The benchmark's command line ----------------------------------------------------------------

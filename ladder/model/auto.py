@@ -8,25 +8,20 @@ touching a model class through `ladder` (`ladder.LadderLlamaForCausalLM`) import
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .config_rules import family_of
-from .configuration_ladder import LadderLlamaConfig, LadderMistralConfig, LadderQwen2Config, LadderQwen3Config
-from .modeling_ladder import (
-    LadderLlamaForCausalLM,
-    LadderLlamaModel,
-    LadderMistralForCausalLM,
-    LadderMistralModel,
-    LadderQwen2ForCausalLM,
-    LadderQwen2Model,
-    LadderQwen3ForCausalLM,
-    LadderQwen3Model,
-)
+from . import configuration_ladder, modeling_ladder
+from .config_rules import CLASS_NAMES, family_of, ladder_architecture
+from .configuration_ladder import LadderLlamaConfig  # noqa: F401  (ladder.LadderLlamaConfig, ladder/__init__.py)
+from .modeling_ladder import LadderLlamaForCausalLM, LadderLlamaModel  # noqa: F401  (likewise)
 
-# Family -> its ladder config, backbone and causal LM (ladder.model.config_rules.LADDER_MODEL_TYPES names the families).
+# Family -> its ladder config, backbone and causal LM, by the family's class-name stem
+# (ladder.model.config_rules: LADDER_MODEL_TYPES names the families, CLASS_NAMES their stems).
 LADDER_CLASSES = {
-    "llama": (LadderLlamaConfig, LadderLlamaModel, LadderLlamaForCausalLM),
-    "mistral": (LadderMistralConfig, LadderMistralModel, LadderMistralForCausalLM),
-    "qwen2": (LadderQwen2Config, LadderQwen2Model, LadderQwen2ForCausalLM),
-    "qwen3": (LadderQwen3Config, LadderQwen3Model, LadderQwen3ForCausalLM),
+    family: (
+        getattr(configuration_ladder, f"Ladder{stem}Config"),
+        getattr(modeling_ladder, f"Ladder{stem}Model"),
+        getattr(modeling_ladder, ladder_architecture(family)),
+    )
+    for family, stem in CLASS_NAMES.items()
 }
 
 for config_class, model_class, causal_lm_class in LADDER_CLASSES.values():

@@ -3,15 +3,10 @@ Plain Python with no imports: it travels inside checkpoints beside configuration
 the command line uses it without loading transformers."""
 
 # The families a ladder model is made from (a config's model_type) and the model_type of each one's
-# ladder form (Llama's as the published ladder checkpoints have it). The one home of this table.
-LADDER_MODEL_TYPES = {
-    "llama": "llamaLadder",
-    "mistral": "mistralLadder",
-    "qwen2": "qwen2Ladder",
-    "qwen3": "qwen3Ladder",
-}
+# ladder form, `llamaLadder` as the published ladder checkpoints have it. The one home of this table.
+LADDER_MODEL_TYPES = {family: f"{family}Ladder" for family in ("llama", "mistral", "qwen2", "qwen3")}
 # Each family's class-name stem in transformers and vLLM: Qwen3ForCausalLM, LadderQwen3ForCausalLM.
-CLASS_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+CLASS_NAMES = {family: family.capitalize() for family in LADDER_MODEL_TYPES}
 
 
 def family_of(model_type: object) -> str | None:

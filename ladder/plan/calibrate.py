@@ -84,13 +84,13 @@ def measure_operator_us() -> float:
     import torch
     from transformers import LlamaConfig
 
-    from ..tp.shard import ModelShard, ShardShape
+    from ..tp.shard import ModelShard
 
     config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
-    shard = ModelShard(config, ShardShape.of(config)).eval()
+    shard = ModelShard(config).eval()
     shard.setup_cache(1, 32)
     ids, position = torch.zeros(1, 1, dtype=torch.long), torch.tensor([3])
     with torch.inference_mode():

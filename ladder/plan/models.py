@@ -16,6 +16,7 @@ from ..errors import UsageError, first_line
 from ..io.loading import EMBEDDED, HUB_MODEL_ID, embedded_model_path, load_config
 from ..io.tokenizer_files import read_json_object
 from ..layers import check_model_type
+from ..model.config_rules import resolve_ladder_layers
 
 PUBLISHED = Path(__file__).resolve().parent / "models.tsv"
 # What the offline hint fetches: the config alone (never Meta's consolidated original/ weights).
@@ -113,8 +114,6 @@ def _gguf_config(path: Path) -> dict:
 
 
 def own_ladder_layers(config: dict) -> list[int]:
-    from ..model.config_rules import resolve_ladder_layers
-
     layers = config.get("num_hidden_layers")
     try:
         return resolve_ladder_layers(config.get("ladder_layers"), layers) if isinstance(layers, int) else []

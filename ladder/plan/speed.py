@@ -227,8 +227,7 @@ class Timeline:
         self.link = _SharedLink(max(wire, 0.0)) if shared else _SerialLink(max(wire, 0.0))
         self.seconds = 0.0
         self.hidden: list[int] = []  # indices (2 per layer: attention, MLP) of overlapped all-reduces
-        self.all_reduces = 0
-        self.launched_at: dict[int, int] = {}  # all-reduce index -> computes issued so far when launched
+        self.launched_at: dict[int, int] = {}  # each all-reduce launched (index) -> computes issued so far then
         self.computes = 0
 
     def compute(self, seconds: float) -> None:
@@ -242,7 +241,6 @@ class Timeline:
         self.seconds += self.host
         self.link.start(index, self.seconds)
         self.launched_at[index] = self.computes
-        self.all_reduces += 1
         if blocking:
             self.wait(index)
             return None
@@ -350,7 +348,7 @@ def predict(shape: ModelShape, setting: Setting, ladder_layers: list[int]) -> Pr
         ladder_ms=1e3 * decode["ladder"].seconds,
         bound_ms=1e3 * decode["bound"].seconds,
         hidden=len(decode["ladder"].hidden),
-        all_reduces=decode["ladder"].all_reduces,
+        all_reduces=len(decode["ladder"].launched_at),
         standard_prefill_ms=1e3 * prefill["standard"].seconds,
         ladder_prefill_ms=1e3 * prefill["ladder"].seconds,
     )

@@ -14,8 +14,6 @@ place for the rules, which the TP runtime (shard.py), `ladder serve` (ladder/ser
 
 from __future__ import annotations
 
-ENGINES = {"vllm": "vLLM", "tp-runtime": "the TP runtime"}
-
 
 def tp_runtime_refusal(heads: int, kv_heads: int, tp: int) -> str | None:
     """Why the TP runtime cannot run a model with these head counts at TP=`tp`; None when it can."""
@@ -37,6 +35,6 @@ def vllm_refusal(heads: int, kv_heads: int, tp: int) -> str | None:
     return None
 
 
-def refusal(engine: str, heads: int, kv_heads: int, tp: int) -> str | None:
-    """Why `engine` (a key of ENGINES) refuses TP=`tp` for these head counts; None when it runs it."""
-    return {"vllm": vllm_refusal, "tp-runtime": tp_runtime_refusal}[engine](heads, kv_heads, tp)
+# Engine (`--engine`) -> its name in messages, and why it refuses TP=`tp` for these head counts
+# (heads, kv_heads, tp; None when it runs it).
+ENGINES = {"vllm": ("vLLM", vllm_refusal), "tp-runtime": ("the TP runtime", tp_runtime_refusal)}

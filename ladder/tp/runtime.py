@@ -29,7 +29,7 @@ from ladder.errors import UsageError
 from ladder.io.loading import load_config
 from ladder.io.tensors import LazyTensorLoader, ShardedTensorIndex
 from ladder.serving.ops import InFlight
-from ladder.tp.shard import ModelShard, Ready, ShardShape, local_sum
+from ladder.tp.shard import ModelShard, Ready, local_sum
 
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -90,12 +90,11 @@ def load_shard(
     path = Path(path)
     config = read_config(path)
     try:
-        shape = ShardShape.of(config, rank, tp_size)
+        with torch.device("meta"):
+            shard = ModelShard(config, rank, tp_size)
     except ValueError as error:
         raise UsageError(f"{path}: {error}") from None
-    with torch.device("meta"):
-        shard = ModelShard(config, shape)
-    width = shape.head_dim
+    shape, width = shard.shape, shard.shape.head_dim
     q_rows, kv_rows = (range(heads.start * width, heads.stop * width) for heads in (shape.heads, shape.kv_heads))
     # This rank's part: rows of the column-parallel sources, columns of the row-parallel ones, the rest whole.
     rows = {"attention.wqkv": (q_rows, kv_rows, kv_rows), "mlp.w13": (shape.intermediate,) * 2}

@@ -60,8 +60,6 @@ class ShardShape:
     """
 
     hidden_size: int
-    vocab_size: int
-    num_layers: int
     head_dim: int
     rms_norm_eps: float
     heads: range  # this rank's query heads
@@ -88,8 +86,6 @@ class ShardShape:
         kv_range = shard_range(kv_heads, tp_size, rank)
         return cls(
             hidden_size=config.hidden_size,
-            vocab_size=config.vocab_size,
-            num_layers=config.num_hidden_layers,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             rms_norm_eps=config.rms_norm_eps,
             heads=range(kv_range.start * group, kv_range.stop * group),
@@ -198,18 +194,19 @@ class Block(nn.Module):
 
 
 class ModelShard(nn.Module):
-    """Embedding and LM head (replicated on every rank), the sharded blocks, the final norm and the
-    RoPE tables. `setup_cache` must run before the first forward."""
+    """Rank `rank`'s shard at TP=`tp_size` (its ShardShape): embedding and LM head (replicated on every
+    rank), the sharded blocks, the final norm and the RoPE tables. `setup_cache` must run before the
+    first forward."""
 
-    def __init__(self, config: PretrainedConfig, shape: ShardShape):
+    def __init__(self, config: PretrainedConfig, rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.config = config
-        self.shape = shape
-        self.embed = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(Block(shape, index in shape.sliding_layers) for index in range(shape.num_layers))
-        self.set_ladder_layers(resolve_ladder_layers(getattr(config, "ladder_layers", None), shape.num_layers))
+        self.shape = shape = ShardShape.of(config, rank, tp_size)
+        self.embed = nn.Embedding(config.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(Block(shape, i in shape.sliding_layers) for i in range(config.num_hidden_layers))
+        self.set_ladder_layers(resolve_ladder_layers(getattr(config, "ladder_layers", None), config.num_hidden_layers))
         self.norm = LlamaRMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = nn.Linear(shape.hidden_size, config.vocab_size, bias=False)
         self.reduce: Reduce = local_sum
         self.max_length = 0
 
