@@ -38,17 +38,11 @@ FILE_HASHES = "file-hashes.json"
 def fingerprint(path: Path, hashes: FileHashes) -> str:
     """SHA-256 over a GGUF file, or a checkpoint folder's top-level files but its docs and provenance
     records (converting the same weights again hits the cache)."""
-    files = (
-        [path]
-        if path.is_file()
-        else sorted(
-            p
-            for p in path.iterdir()
-            if p.is_file() and not p.name.startswith(".") and p.suffix != ".md" and p.name not in PROVENANCE_FILES
-        )
-    )
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     digest = hashlib.sha256()
     for file in files:
+        if file != path and (file.name.startswith(".") or file.suffix == ".md" or file.name in PROVENANCE_FILES):
+            continue
         digest.update(f"{file.name}\0{hashes.digest(file)}\n".encode())
     return digest.hexdigest()
 
@@ -126,14 +120,12 @@ class FileHashes:
 
 def task_identity(suite_task: SuiteTask, prepared: dict, hashes: FileHashes) -> dict:
     """What defines a suite task's scores apart from the model."""
-    configs = {}
-    for name, config in prepared["configs"].items():
-        metadata = config.get("metadata", {})
-        # Where the YAML and the data folder sit does not change a score; their content does.
-        configs[name] = {
-            **config,
-            "metadata": {k: v for k, v in metadata.items() if k not in ("config_source", "data_dir")},
-        }
+    # Where the YAML and the data folder sit does not change a score; their content does.
+    placed = ("config_source", "data_dir")
+    configs = {
+        name: {**config, "metadata": {k: v for k, v in config.get("metadata", {}).items() if k not in placed}}
+        for name, config in prepared["configs"].items()
+    }
     data = {relative: hashes.digest(Path(path)) for relative, path in sorted(prepared["data_files"].items())}
     return {"suite_task": suite_task.model_dump(), "configs": configs, "sources": prepared["sources"], "data": data}
 
@@ -143,11 +135,7 @@ def cache_key(model: dict, task: dict, runtime: Runtime, batch_size: int | str) 
     identity = {
         "model": model,
         "task": task,
-        "versions": {
-            "lm_eval": lm_eval.__version__,
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-        },
+        "versions": {module.__name__: module.__version__ for module in (lm_eval, transformers, torch)},
         "dtype": runtime.dtype,
         "device": "auto" if runtime.parallelize else runtime.device.partition(":")[0],
         "batch_size": batch_size,

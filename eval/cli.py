@@ -28,6 +28,8 @@ from .runtime import DEFAULT_BATCH_SIZE, check_processes, resolve_runtime, visib
 from .suite import load_suite, suite_names, tasks_suite
 
 DEFAULT_RUNS = Path("runs/eval")
+# The options that override every suite task's setting of the same name (SuiteTask's fields).
+SUITE_OPTIONS = ("num_fewshot", "apply_chat_template", "fewshot_as_multiturn", "system_instruction", "gen_kwargs")
 
 
 def _limit(text: str) -> int | float:
@@ -220,8 +222,7 @@ def main(argv: list[str]) -> int:
     suite = (
         (tasks_suite(args.tasks) if args.tasks else load_suite(args.suite or "smoke"))
         .with_limit(args.limit)
-        .with_num_fewshot(args.num_fewshot)
-        .with_chat(args.apply_chat_template, args.fewshot_as_multiturn, args.system_instruction, args.gen_kwargs)
+        .with_options(**{key: getattr(args, key) for key in SUITE_OPTIONS})
     )
     if args.data is not None and not args.data.is_dir():
         raise UsageError(f"data folder {args.data} does not exist")

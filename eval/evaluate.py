@@ -16,7 +16,7 @@ from ladder.errors import UsageError, first_line
 from ladder.io.files import atomic_directory, atomic_write
 from ladder.io.outputs import check_output
 
-from .runtime import Runtime
+from .runtime import Runtime, resolve_runtime
 from .suite import Suite
 
 
@@ -48,7 +48,6 @@ def evaluate_models(
     from . import report
     from .backends import get_backend
     from .models import check_chat_templates, file_name, lm_eval_json, resolve_models
-    from .runtime import resolve_runtime
 
     refs = resolve_models(models)
     check_outputs(refs, out, cache_dir, data_dir, force)  # atomic_directory checks a replaced folder again at the end

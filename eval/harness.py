@@ -51,14 +51,13 @@ def run_suite(
 ) -> list[ModelResults]:
     """Score every model on every suite task; a model whose tasks are all cached is not loaded.
     `samples_dir`: each model's per-item samples go to samples_dir/<label>/<task>.jsonl.
-    On the processes other than 0 of a multi-process run, returns an empty list."""
+    On the processes other than 0 of a multi-process run (given no cache_dir), returns an empty list."""
     main = runtime.rank == 0
     log = lambda message: _write(message, logging.INFO) if main else None  # process 0 speaks for all
     backend = get_backend(runtime.backend)
-    cache = cache_dir if main else None  # process 0 alone reads and writes the cache
-    hashes = FileHashes(cache / FILE_HASHES if cache is not None else None)  # weights' and data files'
+    hashes = FileHashes(cache_dir / FILE_HASHES if cache_dir is not None else None)  # weights' and data files'
     identities, scoring_code = {}, ""
-    if cache is not None:
+    if cache_dir is not None:
         identities = {task.task: task_identity(task, prepared[task.task], hashes) for task in suite.tasks}
         scoring_code = scoring_digest()  # hashed once per run
     # The run's batch size, but 1 for rolling windows: a window is already max_length tokens, and
@@ -80,7 +79,7 @@ def run_suite(
                 log(f"hashing {ref.path}")
                 results.fingerprint = fingerprint(ref.path, hashes)
                 hashes.save()
-            if cache is not None:  # the weights, the code that runs them and the code that scores them
+            if cache_dir is not None:  # the weights, the code that runs them and the code that scores them
                 code = code_digest([model_class(ref.path), *backend.code_classes()])
                 model = {"weights": results.fingerprint, "code": code, "scoring_code": scoring_code}
                 keys = {
@@ -88,12 +87,11 @@ def run_suite(
                     for task, identity in identities.items()
                 }
             warn = lambda message: _write(message, logging.WARNING)
-            found = {task: hit for task, key in keys.items() if (hit := read_cache(cache / f"{key}.json", warn))}
-            results.cached = list(found)
-            cached = share(runtime, list(found))
-            progress.total -= sum(items[task] for task in cached)  # the time left counts what is scored
+            found = {task: hit for task, key in keys.items() if (hit := read_cache(cache_dir / f"{key}.json", warn))}
+            results.cached = share(runtime, list(found))
+            progress.total -= sum(items[task] for task in results.cached)  # the time left counts what is scored
             progress.refresh()
-            missing = [task for task in suite.tasks if task.task not in cached]
+            missing = [task for task in suite.tasks if task.task not in results.cached]
             expected = progress.n  # the bar moves by items as they are scored, and by a task's items in all
             if missing:  # the model loaded once, and not at all when every task is cached
                 where = f"{runtime.dtype} on {runtime.describe()['device']}, {runtime.processes} process(es)"
@@ -116,8 +114,8 @@ def run_suite(
                         found[task.task] = scored
                         expected += items[task.task]
                         progress.update(expected - progress.n)
-                        if cache is not None:  # as each task is scored: a failure later keeps it
-                            write_cache(cache / f"{keys[task.task]}.json", *scored)
+                        if cache_dir is not None:  # as each task is scored: a failure later keeps it
+                            write_cache(cache_dir / f"{keys[task.task]}.json", *scored)
                 del lm
                 gc.collect()
             if main:

@@ -29,7 +29,7 @@ from .models import file_name
 from .report import BOOTSTRAP_DRAWS
 from .runtime import Runtime
 from .suite import TASKS_DIR, Suite, SuiteTask
-from .tasks.utils import data_paths
+from .tasks.utils import data_file
 
 
 def _functions(value) -> Iterator[Callable]:
@@ -93,9 +93,9 @@ def task_configs(suite: Suite, manager: TaskManager) -> dict[str, dict]:
                 if file.is_file():
                     sources.add(hashlib.sha256(file.read_bytes()).hexdigest())
             if callable(task.config.custom_dataset):
-                metadata = task.config.metadata or {}
-                paths = data_paths(task.config.dataset_kwargs, metadata.get("data_dir"))
-                data_files.update({relative: str(path) for relative, path in paths.items()})
+                data_dir = (task.config.metadata or {}).get("data_dir")
+                files = (task.config.dataset_kwargs or {}).get("data_files") or {}
+                data_files.update({relative: str(data_file(relative, data_dir)) for relative in sorted(files.values())})
         configs[suite_task.task] = {
             "sources": sorted(sources),  # SHA-256 of each module file its functions come from
             "data_files": data_files,  # the files it reads: path in the data folder -> file

@@ -103,7 +103,7 @@ def _items(record: dict, task: str, key: str) -> dict | None:
 
 def _aggregation(record: dict, task: str, metric: str):
     name = record.get("aggregations", {}).get(task, {}).get(metric, "")
-    return name, (AGGREGATION_REGISTRY.get(name) if name in AGGREGATION_REGISTRY.keys() else None)
+    return name, AGGREGATION_REGISTRY.get(name, None)
 
 
 def _score(record: dict, task: str, key: str) -> Estimate:
@@ -198,23 +198,6 @@ def markdown_table(labels: list[str], rows: list[Row]) -> str:
     return tabulate(cells, header, tablefmt="pipe", colalign=align, disable_numparse=True)
 
 
-def report_dict(models: list[ModelResults], rows: list[Row], header: dict) -> dict:
-    return {
-        **header,
-        "reference": models[0].model.label,
-        "models": [{"label": m.model.label, **m.provenance()} for m in models],
-        "stderr": STDERR_NOTE,
-        "rows": [
-            asdict(row)
-            | {
-                "scores": {m.model.label: asdict(s) for m, s in zip(models, row.scores)},
-                "differences": {m.model.label: asdict(d) for m, d in zip(models[1:], row.differences)},
-            }
-            for row in rows
-        ],
-    }
-
-
 def _bar_label(row: Row, series: int, compare: bool) -> str:
     like = row.scores[0].value
     if not compare:
@@ -270,6 +253,20 @@ def write_report(models: list[ModelResults], header: dict, directory: Path) -> s
     ]
     lines += ["", table, "", STDERR_NOTE, ""]
     (directory / "report.md").write_text("\n".join(lines))
-    (directory / "report.json").write_text(json.dumps(report_dict(models, rows, header), indent=2) + "\n")
+    summary = {
+        **header,
+        "reference": models[0].model.label,
+        "models": [{"label": m.model.label, **m.provenance()} for m in models],
+        "stderr": STDERR_NOTE,
+        "rows": [
+            asdict(row)
+            | {
+                "scores": {m.model.label: asdict(s) for m, s in zip(models, row.scores)},
+                "differences": {m.model.label: asdict(d) for m, d in zip(models[1:], row.differences)},
+            }
+            for row in rows
+        ],
+    }
+    (directory / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
     figure(models, rows).savefig(directory / "report.png", dpi=110)
     return table

@@ -8,7 +8,6 @@ import re
 from dataclasses import dataclass
 
 from ladder.errors import UsageError
-from ladder.io.loading import DTYPES
 from ladder.serving.engine import use_spawn_where_cuda_may_be
 
 # `--device` values; `cuda:N` names one GPU.
@@ -70,10 +69,6 @@ def resolve_runtime(
     launch` each process takes the device accelerate gives it. The backend's `check` says the rest."""
     if not DEVICE_PATTERN.fullmatch(device):
         raise UsageError(f"--device {device!r}: choose auto, cpu, cuda or cuda:N")
-    if dtype != "auto" and dtype not in DTYPES:
-        raise UsageError(f"--dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
-    if not (batch_size == "auto" or (isinstance(batch_size, int) and batch_size >= 1)):
-        raise UsageError(f"--batch-size {batch_size!r}: a positive integer or auto")
     if backend == "vllm":
         use_spawn_where_cuda_may_be()  # before anything imports vLLM (its backend's check does)
     accelerator = None

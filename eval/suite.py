@@ -88,13 +88,6 @@ class Suite:
     offline: bool
     tasks: tuple[SuiteTask, ...]
 
-    def _with(self, where: str, **given) -> Suite:
-        given = {key: value for key, value in given.items() if value is not None}
-        if not given:
-            return self
-        tasks = tuple(_task({**t.model_dump(), **given}, f"suite {self.name} ({t.task}) {where}") for t in self.tasks)
-        return replace(self, tasks=tasks)
-
     def with_limit(self, limit: int | float | None) -> Suite:
         """Every task capped at `limit` items, or that share below 1; a task's own smaller limit stays."""
         if limit is None:
@@ -103,25 +96,16 @@ class Suite:
         capped = (min(limit, getattr(t, key) or limit) for t in self.tasks)
         return replace(self, tasks=tuple(t.model_copy(update={key: value}) for t, value in zip(self.tasks, capped)))
 
-    def with_num_fewshot(self, num_fewshot: int | None) -> Suite:
-        return self._with("with --num-fewshot", num_fewshot=num_fewshot)
-
-    def with_chat(
-        self,
-        apply_chat_template: bool | str | None = None,
-        fewshot_as_multiturn: bool | None = None,
-        system_instruction: str | None = None,
-        gen_kwargs: dict | None = None,
-    ) -> Suite:
-        if apply_chat_template is False and fewshot_as_multiturn is None:
-            fewshot_as_multiturn = False  # plain prompts have no turns
-        return self._with(
-            "with the command-line chat options",
-            apply_chat_template=apply_chat_template,
-            fewshot_as_multiturn=fewshot_as_multiturn,
-            system_instruction=system_instruction,
-            gen_kwargs=gen_kwargs,
-        )
+    def with_options(self, **given) -> Suite:
+        """Every task with the command line's lm-eval settings (SuiteTask's names; None: the suite's own)."""
+        if given.get("apply_chat_template") is False and given.get("fewshot_as_multiturn") is None:
+            given["fewshot_as_multiturn"] = False  # plain prompts have no turns
+        given = {key: value for key, value in given.items() if value is not None}
+        if not given:
+            return self
+        where = "with the command-line options"
+        tasks = tuple(_task({**t.model_dump(), **given}, f"suite {self.name} ({t.task}) {where}") for t in self.tasks)
+        return replace(self, tasks=tasks)
 
 
 def suite_names() -> list[str]:

@@ -100,11 +100,16 @@ def test_chat_options_from_the_suite_and_the_command_line():
     assert gsm8k.apply_chat_template is True and gsm8k.fewshot_as_multiturn
     assert not any(t.apply_chat_template for t in paper.tasks if t is not gsm8k)  # log-likelihood tasks: plain
     # A base model: plain prompts everywhere, and with them no few-shot turns.
-    plain = paper.with_chat(apply_chat_template=False)
+    plain = paper.with_options(apply_chat_template=False)
     assert not any(t.apply_chat_template or t.fewshot_as_multiturn for t in plain.tasks)
     options = (
         parse_suite({"tasks": ["a"]}, "s")
-        .with_chat("chatml", True, "Be brief.", {"max_gen_toks": 16, "until": ["\n"]})
+        .with_options(
+            apply_chat_template="chatml",
+            fewshot_as_multiturn=True,
+            system_instruction="Be brief.",
+            gen_kwargs={"max_gen_toks": 16, "until": ["\n"]},
+        )
         .tasks[0]
         .chat_options()
     )

@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ladder.errors import UsageError
-
 BACKENDS = {
     "hf": "ladder.eval.backends.hf",  # transformers in this process, with the shared-prefix scorer
     "vllm": "ladder.eval.backends.vllm",  # one vLLM engine per model (in .venv-serve)
@@ -18,6 +16,5 @@ BACKENDS = {
 
 
 def get_backend(name: str) -> ModuleType:
-    if name not in BACKENDS:
-        raise UsageError(f"--backend {name!r}: choose {' or '.join(BACKENDS)}")
+    """A name of BACKENDS (`--backend`'s choices)."""
     return importlib.import_module(BACKENDS[name])

@@ -32,7 +32,7 @@ class LoadedHFLM(HFLM):
     def __init__(self, model, tokenizer, runtime: Runtime):
         # softmax_dtype: lm-eval's own path (rolling windows) takes its log-softmax in float32 too.
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=runtime.batch_size, softmax_dtype="float32")
-        if runtime.accelerator is not None and runtime.processes > 1:
+        if runtime.processes > 1:
             # The attributes HFLM's all_gather, gather_object and barrier use.
             self.accelerator = runtime.accelerator
             self._rank = runtime.accelerator.process_index

@@ -19,6 +19,7 @@ from ladder.model.modeling_ladder import CACHE_ARGUMENT
 HEAD_ROWS_PER_SLICE = 16384
 Request = tuple[Sequence[int], Sequence[int]]  # (context tokens, continuation tokens)
 Group = tuple[tuple[int, ...], list[int]]  # (context tokens, indices of the requests that share it)
+Whole = tuple[tuple[int, ...], int]  # (context tokens, index of a request scored with its context)
 
 
 def score_continuations(
@@ -48,7 +49,7 @@ def score_continuations(
         continuations.append(list(continuation))
 
     shared: list[Group] = []
-    whole_requests: list[tuple[tuple[int, ...], int]] = []
+    whole_requests: list[Whole] = []
     for context, members in groups.items():
         positions = sum(len(context) + len(continuations[index]) for index in members)
         if 3 * (len(members) - 1) * len(context) >= positions:
@@ -118,11 +119,7 @@ def _score_shared(
 
 @torch.no_grad()
 def _score_whole(
-    backbone: nn.Module,
-    head: nn.Module,
-    requests: list[tuple[tuple[int, ...], int]],
-    continuations: list[list[int]],
-    results: list,
+    backbone: nn.Module, head: nn.Module, requests: list[Whole], continuations: list[list[int]], results: list
 ) -> None:
     device = backbone.get_input_embeddings().weight.device
     ids, _ = _right_padded([list(context) + continuations[index][:-1] for context, index in requests], device)

@@ -6,6 +6,7 @@ GPUs), and starts N new engines for every batch it sends.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import traceback
@@ -52,20 +53,13 @@ class EngineProcess:
         return value
 
     def stop(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # a broken pipe: the engine is gone
             self.connection.send(None)
-        except (BrokenPipeError, OSError):
-            pass
         self.process.join(timeout=120)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join()
         self.connection.close()
-
-
-def _stop_all(engines: list[EngineProcess]) -> None:
-    for engine in engines:
-        engine.stop()
 
 
 class DataParallelVLLM(VLLM):
@@ -75,7 +69,8 @@ class DataParallelVLLM(VLLM):
     def __init__(self, environments: list[dict[str, str]], **vllm_arguments):
         # The other engines first, so that all of them start at once; this process's last.
         self.engines = [EngineProcess(vllm_arguments, environment) for environment in environments[1:]]
-        weakref.finalize(self, _stop_all, list(self.engines))
+        for engine in self.engines:
+            weakref.finalize(self, engine.stop)
         # Engine 0's devices (or cores) only while it starts its processes, which inherit them: the
         # next model's check counts the devices this process was given, not engine 0's share.
         with patch_environment(**environments[0]):

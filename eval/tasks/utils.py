@@ -1,7 +1,7 @@
 """Datasets and doc processing for the offline lm-eval tasks in this folder.
 
 Each task YAML names a loader here as its `custom_dataset` and lists every file it reads in
-`dataset_kwargs.data_files`, so that `ladder eval`'s cache key can hash their content (`data_paths`).
+`dataset_kwargs.data_files`, so that `ladder eval`'s cache key can hash their content.
 The data folder is `metadata["data_dir"]` when given (`ladder eval --data`), else `ladder_data_dir()`.
 Prompt formatting reuses the stock tasks' own functions, so formats cannot drift apart.
 """
@@ -28,11 +28,6 @@ def data_file(relative: str, data_dir: str | None = None) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} is missing: point --data or $LADDER_DATA at the shared data folder")
     return path
-
-
-def data_paths(dataset_kwargs: dict | None, data_dir: str | None = None) -> dict[str, Path]:
-    files = (dataset_kwargs or {}).get("data_files") or {}
-    return {relative: data_file(relative, data_dir) for relative in sorted(files.values())}
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -73,8 +68,7 @@ def load_piqa(data_files: dict, data_dir: str | None = None, **_metadata) -> dat
     labels = [int(line) for line in labels_path.read_text().split()]
     if len(labels) != len(records):
         raise ValueError(f"{labels_path} has {len(labels)} labels for {len(records)} PIQA items")
-    for record, label in zip(records, labels):
-        record["label"] = label
+    records = [{**record, "label": label} for record, label in zip(records, labels)]
     return datasets.DatasetDict({"validation": datasets.Dataset.from_list(records)})
 
 
