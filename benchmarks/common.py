@@ -13,9 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
-from ladder.cli_types import int_in, positive_int, positive_ints
+from ladder.cli_types import comma_list, int_in, positive_int
+from ladder.convert.checks import expected_shapes
 from ladder.errors import run_command
 from ladder.io.files import atomic_write
 from ladder.io.tensors import TensorSpec, cut_into_shards, write_shards
@@ -67,15 +68,15 @@ def machine() -> dict:
     )
 
 
-def run_benchmark(name: str, measure: Callable[[list[str]], int | None], argv: list[str] | None = None) -> int:
+def run_benchmark(name: str, measure: Callable[[list[str]], int | None]) -> int:
     """A benchmark run as every command ends (ladder.errors.run_command), under its own name."""
-    return run_command(name, measure, sys.argv[1:] if argv is None else argv, label=name)
+    return run_command(name, measure, sys.argv[1:], label=name)
 
 
 def add_decode_options(parser, name: str, prompt: int, tokens: int, rounds: int) -> None:
     """The options the decode benchmarks share (tp_speed, vllm_speed, plan_check), with their defaults."""
     add = parser.add_argument
-    add("--batch", type=positive_ints, default="1,4", help="batch sizes, comma-separated (default 1,4)")
+    add("--batch", type=comma_list(positive_int), default="1,4", help="batch sizes, comma-separated (default 1,4)")
     add("--prompt-length", type=positive_int, default=prompt, help="prompt tokens per sequence (default %(default)s)")
     add(
         "--new-tokens",
@@ -99,21 +100,17 @@ def table(rows: list[dict], columns: list[tuple[str, str, Callable[[dict], str]]
     return [header, "-" * len(header)] + [" ".join(f"{cell(row):{spec}}" for _, spec, cell in columns) for row in rows]
 
 
-def write_synthetic_checkpoint(directory: Path, config: LlamaConfig, max_shard_size: int, seed: int = 0) -> None:
+def write_synthetic_checkpoint(directory: Path, config: LlamaConfig, max_shard_size: int) -> None:
     """A checkpoint directory of `config`'s shapes with random float32 weights, written the way
     `save_pretrained` lays it out, one shard in memory at a time."""
-    with torch.device("meta"):
-        names_and_shapes = [
-            (name, tuple(tensor.shape))
-            for name, tensor in LlamaForCausalLM(config).state_dict().items()
-            if not (config.tie_word_embeddings and name == "lm_head.weight")
-        ]
-    specs = [TensorSpec(name, torch.float32, shape) for name, shape in names_and_shapes]
+    shapes = expected_shapes(config.to_dict())  # as LlamaForCausalLM's state_dict() lists them
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    specs = [TensorSpec(name, torch.float32, shape) for name, shape in shapes.items()]
     staging = directory.with_name(directory.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(seed)
-    shapes = {spec.name: spec.shape for spec in specs}
+    generator = torch.Generator().manual_seed(0)
     write_shards(
         staging,
         cut_into_shards(specs, max_shard_size),

@@ -43,7 +43,7 @@ PUBLISHED = [
     ("70B TP=8 no P2P batch 1", "llama-3.1-70b", 8, "pcie", 1, (1.60, 1.60)),
     ("405B TP=16 two nodes batch 1", "llama-3.1-405b", 16, "ib", 1, (1.31, 1.39)),
 ]
-PUBLISHED_BOUND = ("70B TP=8 NVLink batch 1, no-communication bound", 110.6 / 77.4)
+PUBLISHED_BOUND = ("70B TP=8 NVLink batch 1, no-communication bound", 110.6 / 77.4)  # PUBLISHED[0]'s setting
 
 
 @dataclass
@@ -128,10 +128,8 @@ def check_published() -> list[Row]:
         prediction = predict(shape, setting, list(range(shape.num_layers)))
         nearest = min(max(prediction.speedup, low), high)  # inside a published range counts as exact
         rows.append(Row("paper", name, prediction.speedup, nearest, PUBLISHED_TOLERANCE, prediction.bound_speedup))
-    name, published_bound = PUBLISHED_BOUND
-    shape = ModelShape.from_config(PUBLISHED_SHAPES["llama-3.1-70b"])
-    prediction = predict(shape, Setting(device_profile("h100"), link_profile("nvlink"), tp=8, batch=1), [])
-    rows.append(Row("paper", name, prediction.bound_speedup, published_bound, PUBLISHED_TOLERANCE))
+    name, published_bound = PUBLISHED_BOUND  # the first row's setting (a bound does not depend on the ladder layers)
+    rows.append(Row("paper", name, rows[0].bound, published_bound, PUBLISHED_TOLERANCE))
     return rows
 
 

@@ -46,8 +46,7 @@ def requests_of(suite_name: str) -> dict[str, list]:
     for suite_task in suite.tasks:
         for name, task in task_manager(suite).load([suite_task.task])["tasks"].items():
             task.build_all_requests(samples=list(range(0, len(task.eval_docs), suite_task.every))[: suite_task.limit])
-            chosen = [instance for instance in task.instances if instance.request_type == "loglikelihood"]
-            if chosen:
+            if chosen := [instance for instance in task.instances if instance.request_type == "loglikelihood"]:
                 requests[name] = chosen
     return requests
 
@@ -70,7 +69,7 @@ def score_requests(args: argparse.Namespace) -> int:
     print(f"{'task':<22} {'requests':>8} {'HFLM s':>8} {'ours s':>8} {'speed-up':>8} {'max |dlogp|':>11}  greedy")
     for lm in sides.values():  # first calls pay one-time costs (thread pools, allocations): untimed
         lm.loglikelihood(next(iter(tasks.values()))[:16], disable_tqdm=True)
-    totals, differing = dict.fromkeys(sides, 0.0), []
+    medians, differing = [], []  # per task: (HFLM, ours)
     for name, instances in tasks.items():
         times, answers = {side: [] for side in sides}, {}
         for _ in range(args.rounds):
@@ -78,9 +77,8 @@ def score_requests(args: argparse.Namespace) -> int:
                 started = time.perf_counter()
                 answers[side] = lm.loglikelihood(instances, disable_tqdm=True)
                 times[side].append(time.perf_counter() - started)
-        stock, ours = (statistics.median(seconds) for seconds in times.values())
-        totals["lm-eval HFLM"] += stock
-        totals["ladder eval"] += ours
+        medians.append([statistics.median(seconds) for seconds in times.values()])
+        stock, ours = medians[-1]
         reference, shared = answers.values()
         difference = max(abs(a[0] - b[0]) for a, b in zip(reference, shared))
         greedy = "same" if all(a[1] == b[1] for a, b in zip(reference, shared)) else "DIFFERENT"
@@ -88,7 +86,7 @@ def score_requests(args: argparse.Namespace) -> int:
             differing.append(name)
         row = f"{stock:>8.1f} {ours:>8.1f} {stock / ours:>7.2f}x {difference:>11.2e}  {greedy}"
         print(f"{name:<22} {len(instances):>8} {row}")
-    stock, ours = totals.values()
+    stock, ours = map(sum, zip(*medians))
     print(f"{'all':<22} {'':>8} {stock:>8.1f} {ours:>8.1f} {stock / ours:>7.2f}x")
     if differing:
         print(f"scoring_speed: ladder eval's scores differ from HFLM's on {', '.join(differing)}", file=sys.stderr)

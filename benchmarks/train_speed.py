@@ -27,21 +27,21 @@ RECIPE = REPOSITORY / "recipes" / "smollm2-135m-ladder-cpu.yaml"
 
 
 def recipe_for(steps: int, overrides: list[str], out: Path):
+    """The recipe of a run of `steps` steps into `out`, and its tokens per step."""
     from ladder.adapt.recipe import load_recipe
 
     base = load_recipe(RECIPE, overrides)
-    tokens = steps * base.batch.micro_batch * base.batch.grad_accum * base.data.seq_len
-    settings = [f"budget={tokens}", f"output_dir={out}", f"checkpoint_every={steps + 1}"]
-    return load_recipe(RECIPE, [*overrides, *settings, "data.eval_blocks=0", "logging.progress=false"])
+    tokens = base.batch.micro_batch * base.batch.grad_accum * base.data.seq_len
+    settings = [f"budget={steps * tokens}", f"output_dir={out}", f"checkpoint_every={steps + 1}"]
+    return load_recipe(RECIPE, [*overrides, *settings, "data.eval_blocks=0", "logging.progress=false"]), tokens
 
 
 def run_adapt(steps: int, overrides: list[str], out: Path) -> list[float]:
     from ladder.adapt.train import train
 
-    recipe = recipe_for(steps, overrides, out)
+    recipe, tokens = recipe_for(steps, overrides, out)
     train(recipe)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    tokens = recipe.batch.micro_batch * recipe.batch.grad_accum * recipe.data.seq_len
     return [tokens / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
 
 
@@ -56,7 +56,7 @@ def run_trainer(steps: int, overrides: list[str], out: Path) -> list[float]:
     from ladder.io.loading import load_model
     from ladder.layers import parse_ladder_layers
 
-    recipe = recipe_for(steps, overrides, out)
+    recipe, _ = recipe_for(steps, overrides, out)
     model, tokenizer = load_model(model_path(recipe.model.path))
     layers = parse_ladder_layers(recipe.model.ladder_layers, model.config.num_hidden_layers)
     model, _ = make_trainable(ladder.to_ladder(model, layers).train(), recipe.trainable, layers)  # adapt's own
@@ -64,17 +64,15 @@ def run_trainer(steps: int, overrides: list[str], out: Path) -> list[float]:
     rows = [torch.from_numpy(blocks[i].astype("int64")) for i in range(steps * recipe.batch.micro_batch)]
     dataset = [{"input_ids": ids, "labels": ids} for ids in rows]
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.seconds: list[float] = []
+    seconds: list[float] = []
 
+    class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             self.started = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.seconds.append(time.perf_counter() - self.started)
+            seconds.append(time.perf_counter() - self.started)
 
-    timer = StepTimer()
     arguments = TrainingArguments(
         output_dir=str(out),
         max_steps=steps,
@@ -91,12 +89,11 @@ def run_trainer(steps: int, overrides: list[str], out: Path) -> list[float]:
         save_strategy="no",
         report_to=[],
         logging_strategy="no",
-        dataloader_num_workers=0,
         disable_tqdm=True,
         seed=recipe.seed,
     )
-    Trainer(model=model, args=arguments, train_dataset=dataset, callbacks=[timer]).train()
-    return timer.seconds
+    Trainer(model=model, args=arguments, train_dataset=dataset, callbacks=[StepTimer()]).train()
+    return seconds
 
 
 def child(kind: str, steps: int, overrides: list[str]) -> None:
@@ -121,8 +118,7 @@ def measure(argv: list[str]) -> int:
     if args.child:
         child(args.child, args.steps, args.overrides)
         return 0
-    recipe = recipe_for(args.steps, args.overrides, Path("unused"))
-    tokens = recipe.batch.micro_batch * recipe.batch.grad_accum * recipe.data.seq_len
+    recipe, tokens = recipe_for(args.steps, args.overrides, Path("unused"))
     kinds = ("adapt", "trainer", "adapt-compile") if args.compile else ("adapt", "trainer")
     results = {kind: {"seconds": [], "peak_rss_mib": 0.0} for kind in kinds}
     for _ in range(args.rounds):

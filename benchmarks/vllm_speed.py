@@ -76,30 +76,27 @@ class ReductionTimer:
     timed: the compute stream waits only for what is left of it at the join, which the decode time
     includes. Under CUDA-graph capture no event is recorded (a replay runs no Python)."""
 
-    def __init__(self, hidden_stream=lambda: None):
+    def __init__(self, hidden_stream):
         self.hidden_stream = hidden_stream
         self.seconds = 0.0
         self.events: list = []
 
-    def call(self, reduce, tensor, *args):
+    def call(self, reduce, tensor):
         import torch
 
-        if tensor.is_cuda:
-            hidden = self.hidden_stream()
-            if torch.cuda.is_current_stream_capturing() or (
-                hidden is not None and torch.cuda.current_stream() == hidden
-            ):
-                return reduce(tensor, *args)
+        if tensor.is_cuda:  # a CUDA stream never equals None (no hidden stream)
+            if torch.cuda.is_current_stream_capturing() or torch.cuda.current_stream() == self.hidden_stream():
+                return reduce(tensor)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             try:
-                return reduce(tensor, *args)
+                return reduce(tensor)
             finally:
                 end.record()
                 self.events.append((start, end))
         started = time.perf_counter()
         try:
-            return reduce(tensor, *args)
+            return reduce(tensor)
         finally:
             self.seconds += time.perf_counter() - started
 
@@ -125,9 +122,7 @@ def all_reduce_timer():
 
         from benchmarks.vllm_speed import ReductionTimer
 
-        group = parallel_state.GroupCoordinator
-        if hasattr(group, "ladder_timer"):
-            return
+        group = parallel_state.GroupCoordinator  # installed once per worker process
         timer = group.ladder_timer = ReductionTimer(aux_stream)
         untimed = group._all_reduce_out_place
 

@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING
 
 from ladder.errors import UsageError
 from ladder.io.loading import gguf_parsed_once, resolve_model_path
+from ladder.io.outputs import check_output
 from ladder.layers import AutoLayers, LayerSpec, parse_layer_choice
 
 from .execute import write_conversion
 from .layout import (
     WEIGHT_MODES,
     ConversionSummary,
+    default_output_dir,
     lay_out,
     open_source,
-    output_dir,
     read_source,
     search_layers,
 )
@@ -57,12 +58,14 @@ def convert_checkpoint(
         choice = parse_layer_choice(ladder_layers, num_layers, "--layers")
         if calibration is not None and not isinstance(choice, AutoLayers):
             raise UsageError("--calibration goes with --layers auto:N (it is the text the layer search measures on)")
-        out = output_dir(source_path, out, choice, force)
+        count = choice.count if isinstance(choice, AutoLayers) else len(choice)
+        out = Path(out) if out is not None else default_output_dir(source_path, count)
+        check_output(out, "convert", [source_path], force=force)
         opened = headers or open_source(source_path, dtype, progress)
         search = search_layers(opened, choice, calibration, progress) if isinstance(choice, AutoLayers) else None
         layers = search.chosen if search is not None else choice
         conversion = lay_out(opened, out, layers, search, dtype, max_shard_size, weights, verify)
-        return write_conversion(conversion, force, weights, progress, started)
+        return write_conversion(conversion, force, progress, started)
 
 
 def conversion_differences(out: str | Path, source: str | Path | None, ladder_layers: LayerSpec = None) -> list[str]:

@@ -23,7 +23,7 @@ from ladder.errors import UsageError
 from ladder.io.files import atomic_directory
 from ladder.io.loading import load_config
 from ladder.io.model_card import SourceFacts, loading_section, origin_line, render_card, source_facts
-from ladder.io.tensors import SINGLE_NAME, ShardedTensorIndex, TensorSpec, write_index, write_shards
+from ladder.io.tensors import SINGLE_NAME, OutputShard, ShardedTensorIndex, write_index, write_shards
 from ladder.layers import format_layers
 
 from .layout import Conversion, ConversionSummary, Source, say
@@ -38,14 +38,12 @@ if TYPE_CHECKING:
 MODELING_FILES = ("configuration_ladder.py", "modeling_ladder.py", "config_rules.py")
 
 
-def write_conversion(
-    conversion: Conversion, force: bool, weights: str, progress: bool, started: float
-) -> ConversionSummary:
+def write_conversion(conversion: Conversion, force: bool, progress: bool, started: float) -> ConversionSummary:
     """Write `conversion` into `conversion.out`, completing and returning its summary; `started` (a
     `time.perf_counter()`) times the whole conversion. `force` replaces only an earlier conversion."""
     summary, source = conversion.summary, conversion.source
     with atomic_directory(conversion.out, force, command="convert") as staging:
-        _write_weights(conversion, staging, weights, progress)
+        _write_weights(conversion, staging, progress)
         _write_config(staging, conversion.config)
         # Tokenizer, generation config, licence (a GGUF file's saved); the model card as README.source.md.
         for path in source.other_files:
@@ -56,7 +54,7 @@ def write_conversion(
             source.tokenizer.save_pretrained(staging)
             source.model.generation_config.save_pretrained(staging)
         if summary.verify_skipped is None:
-            summary.damage = _verify(source, staging, conversion.kept, progress)
+            summary.damage = _verify(source, staging, conversion.layout, progress)
         summary.seconds = round(time.perf_counter() - started, 2)
         (staging / "README.md").write_text(_model_card(summary, source_facts(source.path), source.card is not None))
         created = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -68,13 +66,13 @@ def write_conversion(
     return summary
 
 
-def _write_weights(conversion: Conversion, staging: Path, weights: str, progress: bool) -> None:
-    source = conversion.source
-    if not conversion.copy_as_is:
+def _write_weights(conversion: Conversion, staging: Path, progress: bool) -> None:
+    source, summary = conversion.source, conversion.summary
+    if summary.weights == "rewritten":  # not the source's files as they are
         write_shards(staging, conversion.layout, _tensor_reader(source))
         return
-    sizes = {path: path.stat().st_size for path in source.weight_files}
-    place = os.link if weights == "link" else shutil.copyfile
+    sizes = {shard.path: shard.path.stat().st_size for shard in source.shards}
+    place = os.link if summary.weights == "hard-linked" else shutil.copyfile
     with tqdm(
         desc="weights", total=sum(sizes.values()), unit="B", unit_scale=True, disable=None if progress else True
     ) as bar:
@@ -107,7 +105,7 @@ def _tensor_reader(source: Source | Path) -> Callable[[str], torch.Tensor]:
     return read
 
 
-def _verify(source: Source, converted: Path, kept: list[TensorSpec], progress: bool) -> Damage:
+def _verify(source: Source, converted: Path, layout: list[OutputShard], progress: bool) -> Damage:
     """The conversion damage: the written checkpoint against the original in float32, both rounded
     to the written dtype, one module at a time (`measure_damage_layerwise`). Nothing is written
     where the written model is broken (a `UsageError` where the source's outputs are not finite, a
@@ -123,9 +121,7 @@ def _verify(source: Source, converted: Path, kept: list[TensorSpec], progress: b
     with torch.device("meta"):
         ladder_model = AutoModelForCausalLM.from_config(config).eval()
         original = AutoModelForCausalLM.from_config(source_config).eval()
-    dtypes = {spec.name: getattr(torch, spec.dtype) for spec in kept}
-    if "lm_head.weight" not in dtypes:  # tied, or dropped as tied
-        dtypes["lm_head.weight"] = dtypes["model.embed_tokens.weight"]
+    dtypes = {spec.name: getattr(torch, spec.dtype) for shard in layout for spec in shard.tensors}
     try:
         tokenizer = AutoTokenizer.from_pretrained(converted, trust_remote_code=False)
     except (OSError, ValueError, TypeError):

@@ -39,8 +39,7 @@ def inspect_llama_gguf(path: Path) -> int:
     if architecture != "llama":
         raise UsageError(f"GGUF file {path} holds a {architecture!r} model; only the 'llama' architecture converts")
     types = sorted({tensor.tensor_type for tensor in reader.tensors}, key=lambda t: t.name)
-    unsupported = [t.name for t in types if not _can_dequantize(t)]
-    if unsupported:
+    if unsupported := [t.name for t in types if not _can_dequantize(t)]:
         raise UsageError(
             f"GGUF file {path} uses quantization type {', '.join(unsupported)}, which gguf {version('gguf')} "
             f"cannot dequantize; export it as F16, BF16, Q8_0 or Q4_K_M instead"

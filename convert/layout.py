@@ -8,6 +8,7 @@ written as save_pretrained would write it (a test checks both).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -21,7 +22,6 @@ import psutil  # a dependency of accelerate
 from ladder.errors import UsageError
 from ladder.io.files import resolves_inside
 from ladder.io.loading import DTYPE_NAMES, input_root, load_model, model_name, read_config_dict
-from ladder.io.outputs import check_output
 from ladder.io.tensors import (
     INDEX_NAME,
     OutputShard,
@@ -32,11 +32,11 @@ from ladder.io.tensors import (
     shard_filenames,
 )
 from ladder.io.tokenizer_files import check_tokenizer_files
-from ladder.layers import CONFIG_BOOKKEEPING, AutoLayers, LayerChoice, check_model_type
+from ladder.layers import CONFIG_BOOKKEEPING, AutoLayers, check_model_type
 from ladder.log import log
 from ladder.model.config_rules import LADDER_MODEL_TYPES, ladder_architecture, with_legacy_rope
 
-from .checks import check_config, check_weights, config_size
+from .checks import LAYER_TENSOR, check_config, check_weights, config_size
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -66,7 +66,6 @@ class Source:
     format: str  # "safetensors" or "gguf"
     config: dict  # as config.json holds it
     tensors: dict[str, TensorSpec]  # in reading order
-    weight_files: list[Path]
     shards: list[Shard] = field(default_factory=list)  # safetensors: each file's header
     other_files: list[Path] = field(default_factory=list)  # tokenizer, generation config, licence: copied
     card: Path | None = None  # its README.md, copied as README.source.md
@@ -102,9 +101,7 @@ class ConversionSummary:
 class Conversion:
     source: Source
     out: Path
-    kept: list[TensorSpec]
-    copy_as_is: bool  # the source's safetensors files go over as they are
-    layout: list[OutputShard]
+    layout: list[OutputShard]  # the kept tensors by file
     config: dict  # the ladder config.json
     summary: ConversionSummary
 
@@ -160,11 +157,10 @@ def ladder_config_dict(config: dict, layers: list[int], dtype: str) -> dict:
 def _fits_in_memory(tensors: list[TensorSpec]) -> str | None:
     """Why verification would not fit in memory, or None: it holds one module of each model at a
     time, in float32."""
-    module_sizes: dict[str, int] = {}
+    module_sizes = collections.Counter()
     for spec in tensors:
-        layer = re.match(r"model\.layers\.\d+\.", spec.name)
-        module = layer.group(0) if layer else spec.name
-        module_sizes[module] = module_sizes.get(module, 0) + math.prod(spec.shape)
+        layer = LAYER_TENSOR.match(spec.name)
+        module_sizes[layer.group(0) if layer else spec.name] += math.prod(spec.shape)
     needed = 2 * 4 * max(module_sizes.values())
     available = psutil.virtual_memory().available
     if needed < 0.8 * available:
@@ -179,10 +175,7 @@ def search_layers(source: Source, auto: AutoLayers, calibration: list[Path] | No
     """Run the `auto:N` search on the source model, loaded whole in float32."""
     from ladder.layer_search import calibration_from_files, choose_ladder_layers
 
-    if source.model is not None:
-        model, tokenizer = source.model, source.tokenizer
-    else:
-        model, tokenizer = load_model(source.path)
+    model, tokenizer = (source.model, source.tokenizer) if source.model is not None else load_model(source.path)
     say(progress, f"{auto}: measuring the damage of each candidate layer set on calibration text ...")
     search = choose_ladder_layers(model, calibration_from_files(tokenizer, calibration), auto)
     say(progress, search.summary())
@@ -205,10 +198,10 @@ def read_source(path: Path) -> tuple[Source | None, int]:
             f"{path} has no safetensors weights (model.safetensors or {INDEX_NAME}); save the "
             "model with save_pretrained, which writes them"
         )
-    source = Source(path, "safetensors", config, index.tensors, index.files, list(index.shards))
+    source = Source(path, "safetensors", config, index.tensors, list(index.shards))
     root = input_root(path)
     for entry in sorted(path.iterdir()):
-        if entry.name.startswith(".") or entry in source.weight_files:
+        if entry.name.startswith(".") or entry in index.files:
             continue
         if entry.is_dir():
             source.not_copied.append(entry.name + "/")
@@ -226,13 +219,6 @@ def read_source(path: Path) -> tuple[Source | None, int]:
     return source, config_size(config, "num_hidden_layers")
 
 
-def output_dir(source: Path, out: str | Path | None, choice: LayerChoice, force: bool) -> Path:
-    count = choice.count if isinstance(choice, AutoLayers) else len(choice)
-    out = Path(out) if out is not None else default_output_dir(source, count)
-    check_output(out, "convert", [source], force=force)
-    return out
-
-
 def open_source(path: Path, dtype: str | None, progress: bool) -> Source:
     """A GGUF file dequantized whole, checked as a directory's headers are."""
     say(progress, f"dequantizing {path.name} ...")
@@ -241,7 +227,7 @@ def open_source(path: Path, dtype: str | None, progress: bool) -> Source:
     config = model.config.to_dict()
     check_config(config, str(path))
     dropped = check_weights(tensors, config)
-    return Source(path, "gguf", config, tensors, [path], dropped=dropped, model=model, tokenizer=tokenizer)
+    return Source(path, "gguf", config, tensors, dropped=dropped, model=model, tokenizer=tokenizer)
 
 
 def lay_out(
@@ -256,19 +242,19 @@ def lay_out(
 ) -> Conversion:
     """Which tensors are kept, in which files, whether the source's files go over as they are, the
     ladder config, and whether verification runs."""
-    dropped = source.dropped
     kept = [
         dataclasses.replace(spec, dtype=dtype) if dtype is not None and spec.is_floating_point else spec
         for spec in source.tensors.values()
-        if spec.name not in dropped
+        if spec.name not in source.dropped
     ]
     copy_as_is = (
         source.format == "safetensors"
-        and not dropped
+        and not source.dropped
         and max_shard_size is None
         and all(spec.dtype == source.tensors[spec.name].dtype for spec in kept)
     )
-    _check_weight_mode_possible(weights, copy_as_is, source.path, out)
+    if weights == "link":
+        _check_link_possible(copy_as_is, source.path, out)
     layout = (
         [OutputShard(s.path.name, s.tensors) for s in source.shards]
         if copy_as_is
@@ -286,19 +272,16 @@ def lay_out(
         tensors=len(kept),
         weight_bytes=sum(spec.nbytes for spec in kept),
         shards=[shard.filename for shard in layout],
-        dropped=dropped,
+        dropped=source.dropped,
         not_copied=source.not_copied,
         layer_search=search,
         verify_skipped=_fits_in_memory(kept) if verify is None else None if verify else "skipped: --no-verify",
     )
-    config = ladder_config_dict(source.config, layers, summary.dtype)
-    return Conversion(source, out, kept, copy_as_is, layout, config, summary)
+    return Conversion(source, out, layout, ladder_config_dict(source.config, layers, summary.dtype), summary)
 
 
-def _check_weight_mode_possible(weights: str, copy_as_is: bool, source: Path, out: Path) -> None:
+def _check_link_possible(copy_as_is: bool, source: Path, out: Path) -> None:
     """Links need the source's files as they are, and one filesystem (hard links cannot cross one)."""
-    if weights != "link":
-        return
     if not copy_as_is:
         raise UsageError(
             "--weights link: the weights are rewritten here (a dtype cast, resharding, a "

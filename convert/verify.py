@@ -4,8 +4,9 @@ logits; top-1 agreement and mean KL(original || ladder) measure what the rewirin
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,10 +73,14 @@ def damage_problems(damage: Damage) -> list[str]:
 TensorReader = Callable[[str], torch.Tensor]
 
 
-def _load_module(module: torch.nn.Module, prefix: str, read: TensorReader, dtypes: dict[str, torch.dtype]) -> None:
-    """Give a meta-device submodule its weights in float32, rounded first to the converted dtype."""
+@contextlib.contextmanager
+def _loaded(module: torch.nn.Module, prefix: str, read: TensorReader, dtypes: dict[str, torch.dtype]) -> Iterator:
+    """A meta-device submodule given its weights in float32, rounded first to the converted dtype, for
+    the block; released to the meta device after it."""
     state = {name: read(prefix + name).to(dtypes[prefix + name]).float() for name in module.state_dict()}
     module.load_state_dict(state, strict=True, assign=True)
+    yield module
+    module.to("meta")
 
 
 @torch.no_grad()
@@ -93,11 +98,8 @@ def measure_damage_layerwise(
     first = min(ladder_model.config.ladder_layers, default=None)
 
     def embed(model: PreTrainedModel, read: TensorReader) -> list[torch.Tensor]:
-        table = model.model.embed_tokens
-        _load_module(table, "model.embed_tokens.", read, dtypes)
-        states = [table(ids[None]) for ids in prompts]
-        table.to("meta")
-        return states
+        with _loaded(model.model.embed_tokens, "model.embed_tokens.", read, dtypes) as table:
+            return [table(ids[None]) for ids in prompts]
 
     reference = embed(original, read_original)
     attn_streams = mlp_streams = embed(ladder_model, read_ladder)
@@ -116,26 +118,21 @@ def measure_damage_layerwise(
     for index in range(ladder_model.config.num_hidden_layers):
         prefix = f"model.layers.{index}."
         plain, rewired = original.model.layers[index], ladder_model.model.layers[index]
-        _load_module(plain, prefix, read_original, dtypes)
-        _load_module(rewired, prefix, read_ladder, dtypes)
-        reference = [
-            plain(state, **extra | {"attention_mask": extra["attention_mask"][rewired.attention_type]})
-            for state, extra in zip(reference, extras)
-        ]
-        streams = [rewired(a, m, **extra) for a, m, extra in zip(attn_streams, mlp_streams, extras)]
+        with _loaded(plain, prefix, read_original, dtypes), _loaded(rewired, prefix, read_ladder, dtypes):
+            reference = [
+                plain(state, **extra | {"attention_mask": extra["attention_mask"][rewired.attention_type]})
+                for state, extra in zip(reference, extras)
+            ]
+            streams = [rewired(a, m, **extra) for a, m, extra in zip(attn_streams, mlp_streams, extras)]
         attn_streams, mlp_streams = [s[0] for s in streams], [s[1] for s in streams]
-        plain.to("meta")
-        rewired.to("meta")
         if first is None or index < first:  # the stream entering layer index + 1
             hidden_diff = largest(hidden_diff, *((a - b).abs().max().item() for a, b in zip(reference, mlp_streams)))
 
     def logits(model: PreTrainedModel, read: TensorReader, states: list[torch.Tensor]) -> list[torch.Tensor]:
-        _load_module(model.model.norm, "model.norm.", read, dtypes)
         head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
         weight = read(head).to(dtypes[head]).float()
-        result = [F.linear(model.model.norm(state), weight)[0] for state in states]
-        model.model.norm.to("meta")
-        return result
+        with _loaded(model.model.norm, "model.norm.", read, dtypes) as norm:
+            return [F.linear(norm(state), weight)[0] for state in states]
 
     logits_diff = kl_sum = 0.0
     agreements = tokens = 0

@@ -53,6 +53,3 @@ def comma_list(item: Callable[[str], int | float]) -> Callable[[str], list]:
         return [item(part) for part in parts]
 
     return parse
-
-
-positive_ints = comma_list(positive_int)
