@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 from ladder.cli_types import non_negative_int, positive_int
-from ladder.errors import ArgumentParser, UsageError
+from ladder.errors import ArgumentParser
 from ladder.io.files import atomic_write
 from ladder.io.outputs import check_output
 from ladder.log import log
@@ -47,25 +46,13 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--length", type=positive_int, default=512, help="new tokens per document (default 512)")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="documents sampled together (default 32)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (a GPU when one is visible, else the CPU; the default), cpu, cuda or cuda:N",
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing output file")
     return parser
-
-
-def sample_device(text: str | None) -> str:
-    """--device as a torch device this machine has (default: cuda when there is one)."""
-    import torch
-
-    gpus = torch.cuda.device_count()
-    if text is None:
-        return "cuda" if gpus else "cpu"
-    if not (device := re.fullmatch(r"(cpu|cuda)(?::(0|[1-9]\d*))?", text)):  # as torch.device spells them
-        raise UsageError(f"--device {text!r}: choose cpu, cuda or cuda:N")
-    if device[1] == "cuda" and int(device[2] or 0) >= gpus:
-        raise UsageError(
-            f"--device {text}: " + (f"only {gpus} GPU(s) are visible" if gpus else "no CUDA GPU is visible")
-        )
-    return text
 
 
 def sample_documents(
@@ -106,9 +93,9 @@ def sample_documents(
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    device = sample_device(args.device)
+    from ladder.io.loading import load_model, process_device, resolve_model_path
 
-    from ladder.io.loading import load_model, resolve_model_path
+    device = process_device(args.device)
 
     # The output rule before the model loads: never the weights it reads, nor a folder (ladder/io/outputs.py).
     out = check_output(args.out, "sample", [resolve_model_path(args.model)], kind="file", force=args.force)

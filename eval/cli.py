@@ -18,13 +18,13 @@ import yaml
 from ladder.cli_types import non_negative_int, positive_int
 from ladder.errors import ArgumentParser, UsageError, first_line, run_command
 from ladder.io.files import ladder_cache_dir, ladder_data_dir
-from ladder.io.loading import gguf_parsed_once
+from ladder.io.loading import gguf_parsed_once, visible_gpus
 from ladder.io.yaml_files import parse_yaml
 from ladder.launch import multi_process_launcher
 
 from .backends import BACKENDS
 from .evaluate import check_outputs, check_tasks, evaluate_models, quiet_libraries
-from .runtime import DEFAULT_BATCH_SIZE, check_processes, resolve_runtime, visible_gpus
+from .runtime import DEFAULT_BATCH_SIZE, check_processes, resolve_runtime
 from .suite import load_suite, suite_names, tasks_suite
 
 DEFAULT_RUNS = Path("runs/eval")

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 from dataclasses import dataclass
 
 from ladder.errors import UsageError
+from ladder.io.loading import process_device
 from ladder.serving.engine import use_spawn_where_cuda_may_be
 
-# `--device` values; `cuda:N` names one GPU.
-DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # lm-eval's batch size unless told otherwise, and what `auto` means on the CPU: lm-eval's search for the
 # largest batch that fits is for GPU memory, and on the CPU it chose 64-row batches of padding (393 s
 # against 92 s for the same items).
@@ -67,8 +65,7 @@ def resolve_runtime(
 ) -> Runtime:
     """`auto`: a GPU in bfloat16 (float16 without bf16), else the CPU in float32; under `accelerate
     launch` each process takes the device accelerate gives it. The backend's `check` says the rest."""
-    if not DEVICE_PATTERN.fullmatch(device):
-        raise UsageError(f"--device {device!r}: choose auto, cpu, cuda or cuda:N")
+    resolved = process_device(device)
     if backend == "vllm":
         use_spawn_where_cuda_may_be()  # before anything imports vLLM (its backend's check does)
     accelerator = None
@@ -79,12 +76,12 @@ def resolve_runtime(
         # Process 0 hashes the models and reads the cache while the others wait (a large model
         # takes a while): a generous timeout for the first collective.
         accelerator = Accelerator(
-            cpu=device == "cpu" or visible_gpus() == 0,
+            cpu=resolved == "cpu",
             kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(hours=6))],
         )
         device = "cpu" if accelerator.device.type == "cpu" else str(accelerator.device)
     else:
-        device = _single_process_device(device)
+        device = resolved
     if parallelize and not device.startswith("cuda"):
         raise UsageError("--parallelize splits a model over GPUs: it needs --device cuda")
     if dtype == "auto":
@@ -99,32 +96,6 @@ def check_processes(device: str, parallelize: bool) -> None:
         raise UsageError("--parallelize splits one model over all GPUs: it runs in one process (drop --processes)")
     if device.startswith("cuda:"):
         raise UsageError(f"--device {device} names one GPU; with several processes each takes its own")
-
-
-def visible_gpus() -> int:
-    """The GPUs this process may use (CUDA_VISIBLE_DEVICES honoured), counted through NVML where it
-    answers, so that this process does not initialise the CUDA driver: torch.cuda.is_available()
-    does, without setting the flag (torch.cuda.is_initialized) that vLLM reads to choose between
-    fork and spawn, and vLLM's forked engine then fails ("CUDA driver initialization failed")."""
-    import torch
-
-    return torch.cuda.device_count()
-
-
-def _single_process_device(device: str) -> str:
-    import torch
-
-    gpus = visible_gpus()
-    if device == "auto":
-        return "cuda:0" if gpus else "cpu"
-    if device.startswith("cuda"):
-        index = int(device.partition(":")[2] or 0)
-        if not gpus:
-            raise UsageError(f"--device {device}: no CUDA GPU is visible (torch {torch.__version__})")
-        if index >= gpus:
-            raise UsageError(f"--device {device}: only {gpus} GPU(s) are visible")
-        return f"cuda:{index}"
-    return device
 
 
 def _default_dtype(device: str, backend: str) -> str:

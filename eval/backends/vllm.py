@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 
 from ladder.errors import UsageError
+from ladder.io.loading import visible_gpus
 from ladder.serving.engine import cpu_binding
 
 from ..models import ModelRef
-from ..runtime import Runtime, visible_gpus
+from ..runtime import Runtime
 
 
 def check(runtime: Runtime, models: list[ModelRef]) -> None:

@@ -34,6 +34,36 @@ EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
+# `--device` values (eval, sample); `cuda:N` names one GPU.
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(?::(\d+))?")
+
+
+def visible_gpus() -> int:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES honoured), counted through NVML where it
+    answers, so that this process does not initialise the CUDA driver: torch.cuda.is_available()
+    does, without setting the flag (torch.cuda.is_initialized) that vLLM reads to choose between
+    fork and spawn, and vLLM's forked engine then fails ("CUDA driver initialization failed")."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def process_device(device: str) -> str:
+    """`--device` as one process's torch device: `auto` is the first GPU where one is visible, else
+    the CPU; a GPU that is not there is one line."""
+    if not (match := DEVICE_PATTERN.fullmatch(device)):
+        raise UsageError(f"--device {device!r}: choose auto, cpu, cuda or cuda:N")
+    gpus = visible_gpus()
+    if device in ("auto", "cpu"):
+        return "cuda:0" if device == "auto" and gpus else "cpu"
+    if (index := int(match[1] or 0)) >= gpus:
+        import torch
+
+        visible = f"only {gpus} GPU(s) are visible" if gpus else f"no CUDA GPU is visible (torch {torch.__version__})"
+        raise UsageError(f"--device {device}: {visible}")
+    return f"cuda:{index}"
+
+
 def __getattr__(name: str):
     if name == "DTYPES":
         import torch
