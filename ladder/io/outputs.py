@@ -77,11 +77,6 @@ def make_output_folder(folder: str | Path, command: str) -> Path:
     return folder
 
 
-def home_folders() -> set[Path]:
-    homes = {Path.home(), *(Path(entry.pw_dir) for entry in pwd.getpwall() if entry.pw_dir)}
-    return {home.resolve() for home in homes}
-
-
 def _refuse_too_long(path: Path, what: str) -> None:
     place = _nearest_existing(path.parent)
     name_max, path_max = os.pathconf(place, "PC_NAME_MAX"), os.pathconf(place, "PC_PATH_MAX")
@@ -99,7 +94,8 @@ def _refuse_too_long(path: Path, what: str) -> None:
 def _refuse_system_folder(resolved: Path, what: str) -> None:
     if resolved == Path(resolved.anchor):
         raise UsageError(f"{what} {resolved} is the root folder: choose a folder of its own")
-    for home in home_folders():
+    homes = {Path.home(), *(Path(entry.pw_dir) for entry in pwd.getpwall() if entry.pw_dir)}
+    for home in {home.resolve() for home in homes}:
         if home.is_relative_to(resolved):
             holds = "is" if home == resolved else "holds"
             raise UsageError(f"{what} {resolved} {holds} the home folder {home}: choose a folder of its own")
