@@ -7,13 +7,10 @@ or write into the user's cache.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 # `python -m pytest` from the checkout puts it on sys.path, where the stage folders would import a
 # second time under their folder names (`adapt.recipe` beside `ladder.adapt.recipe`, two classes
@@ -36,15 +33,7 @@ import pytest  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from adapt_runs import prose  # noqa: E402
-from serving import (  # noqa: E402
-    NEW_TOKENS,
-    PROMPTS,
-    SERVE_ENV,
-    TINY_LADDER_LAYERS,
-    TINY_LAYERS,
-    Background,
-    vllm_runs_command,
-)
+from serving import NEW_TOKENS, PROMPTS, TINY_LADDER_LAYERS, TINY_LAYERS, vllm_runs  # noqa: E402
 from tiny import save_tiny_checkpoint  # noqa: E402
 
 
@@ -100,16 +89,15 @@ def greedy_prompt_ids(smollm2_tokenizer_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def vllm_background(vllm_models, greedy_prompt_ids, tmp_path_factory) -> SimpleNamespace:
-    """The session's vLLM work, started once and run beside the other tests (`Background`; one
-    .venv-serve process at a time): first the greedy job, every engine tests/test_vllm.py compares
-    with transformers and tests/test_serving_compiled.py reads the code of (one vLLM import, one
-    compile each), then `ladder eval --backend vllm --data-parallel 2` of the real SmolLM2 ladder.
-    SmolLM2 runs in vLLM's default mode, torch.compile (Dynamo traces our layer loop, inductor builds
-    it in C++: minutes), which is what `vllm serve` and `ladder serve` run; its 9 heads do not split
-    over 2 ranks, so the tiny ladder model runs TP=2, compiled too, and TP=1 eager; the plain Llama
-    (vLLM's own model) runs eager. The TP=1 engines run in the runner's own process (no engine
-    process to start and import vLLM again: 5 s against 26 s for an eager one)."""
+def vllm_greedy(vllm_models, greedy_prompt_ids, tmp_path_factory) -> dict:
+    """Every vLLM engine the session compares or reads, in one .venv-serve process (one vLLM import,
+    one compile each): tests/test_vllm.py compares their greedy tokens with transformers',
+    tests/test_serving_compiled.py reads the code inductor built at TP=2 (in its run's own
+    `compile_cache`). SmolLM2 runs in vLLM's default mode, torch.compile (Dynamo traces our layer
+    loop, inductor builds it in C++: minutes), which is what `vllm serve` and `ladder serve` run; its
+    9 heads do not split over 2 ranks, so the tiny ladder model runs TP=2, compiled too, and TP=1
+    eager; the plain Llama (vLLM's own model) runs eager. The TP=1 engines run in the runner's own
+    process (no engine process to start and import vLLM again: 5 s against 26 s for an eager one)."""
     work = tmp_path_factory.mktemp("vllm-greedy")
     runs = [  # TP=2 first, in its own processes; then the TP=1 engines in the runner's (`in_process`)
         dict(name="tiny-ladder-tp2", model=vllm_models["tiny-ladder"], tp=2, eager=False, compile_cache=work / "tp2"),
@@ -120,36 +108,9 @@ def vllm_background(vllm_models, greedy_prompt_ids, tmp_path_factory) -> SimpleN
     for run in runs:
         run.update({key: str(value) for key, value in run.items() if isinstance(value, Path)})
         run.update(prompts=greedy_prompt_ids, max_tokens=NEW_TOKENS)
-    evaluated = tmp_path_factory.mktemp("vllm-eval") / "vllm"
-    evaluate = [SERVE_ENV / "bin" / "ladder", "eval", vllm_models["smollm2-ladder"], "--suite", "smoke", "--no-cache"]
-    evaluate += ["--out", evaluated, "--backend", "vllm", "--data-parallel", 2]
-    background = Background({"greedy": vllm_runs_command(runs, work), "eval": [*map(str, evaluate)]})
-    yield SimpleNamespace(background=background, greedy=work, evaluated=evaluated)
-    background.stop()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _vllm_work_starts_first(request) -> None:
-    """Starts the session's vLLM work before its first test, where some test of the session uses it."""
-    users = ("vllm_greedy", "vllm_eval")
-    if any(user in item.fixturenames for item in request.session.items for user in users):
-        request.getfixturevalue("vllm_background")
-
-
-@pytest.fixture(scope="session")
-def vllm_greedy(vllm_background) -> dict:
-    """The greedy job's results by run name; the TP=2 run's with its `compile_cache` folder."""
-    completed = vllm_background.background.result("greedy")
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
-    results = json.loads((vllm_background.greedy / "result.json").read_text())
-    results["tiny-ladder-tp2"]["compile_cache"] = vllm_background.greedy / "tp2"
+    results = vllm_runs(runs, work)
+    results["tiny-ladder-tp2"]["compile_cache"] = work / "tp2"
     return results
-
-
-@pytest.fixture(scope="session")
-def vllm_eval(vllm_background) -> tuple[subprocess.CompletedProcess, Path]:
-    """`ladder eval --backend vllm --data-parallel 2` of the real SmolLM2 ladder: how it ran, and its results folder."""
-    return vllm_background.background.result("eval"), vllm_background.evaluated
 
 
 @pytest.fixture

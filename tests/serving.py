@@ -3,12 +3,9 @@ reach it: its python, the session's offline environment for it, and `ladder` run
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
@@ -51,63 +48,12 @@ def serve_ladder(*arguments: object, timeout: int = 300) -> subprocess.Completed
     return subprocess.run(command, env=serve_env_vars(), capture_output=True, text=True, timeout=timeout)
 
 
-def vllm_runs_command(runs: list[dict], work: Path, **job: object) -> list[str]:
-    """tests/vllm_runner.py for `runs` (one engine each, one after another in one subprocess of
-    .venv-serve), with the job's other keys (`in_process`); its files go in `work` (result.json)."""
+def vllm_runs(runs: list[dict], work: Path, timeout: int = 1200, **job: object) -> dict:
+    """The results of tests/vllm_runner.py for `runs` (one engine each, one after another in one
+    subprocess of .venv-serve), with the job's other keys (`in_process`); the files go in `work`."""
     (work / "job.json").write_text(json.dumps({"runs": runs, **job}))
     runner = Path(__file__).with_name("vllm_runner.py")
-    return [str(serve_python()), str(runner), str(work / "job.json"), str(work / "result.json")]
-
-
-def vllm_runs(runs: list[dict], work: Path, timeout: int = 1200, **job: object) -> dict:
-    """The results of `vllm_runs_command`, run now."""
-    command = vllm_runs_command(runs, work, **job)
+    command = [str(serve_python()), str(runner), str(work / "job.json"), str(work / "result.json")]
     completed = subprocess.run(command, env=serve_env_vars(), capture_output=True, text=True, timeout=timeout)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
     return json.loads((work / "result.json").read_text())
-
-
-class Background:
-    """Commands run in .venv-serve one after another, in a thread, while the session's other tests
-    run: the vLLM work (minutes, mostly on one core of two) overlaps them instead of following them.
-    `result(name)` waits for one command; `stop()` ends what still runs (its whole process group)."""
-
-    def __init__(self, commands: dict[str, list[str]], timeout: int = 1800):
-        self.results: dict[str, subprocess.CompletedProcess | str] = {}
-        self.finished = {name: threading.Event() for name in commands}
-        self.process: subprocess.Popen | None = None
-        self.stopped = False
-        self.thread = threading.Thread(target=self._run, args=(commands, timeout), daemon=True)
-        self.thread.start()
-
-    def _run(self, commands: dict[str, list[str]], timeout: int) -> None:
-        for name, command in commands.items():
-            if not self.stopped:
-                self.process = subprocess.Popen(
-                    command, env=serve_env_vars(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                    start_new_session=True,
-                )  # fmt: skip
-                try:
-                    stdout, stderr = self.process.communicate(timeout=timeout)
-                    self.results[name] = subprocess.CompletedProcess(command, self.process.returncode, stdout, stderr)
-                except subprocess.TimeoutExpired:
-                    self._kill()
-                    self.process.communicate()
-                    self.results[name] = f"{command[:3]} ran past {timeout} s"
-            self.finished[name].set()
-
-    def _kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-
-    def result(self, name: str) -> subprocess.CompletedProcess:
-        self.finished[name].wait()
-        result = self.results.get(name, "stopped")
-        assert not isinstance(result, str), result
-        return result
-
-    def stop(self) -> None:
-        self.stopped = True
-        if self.process is not None and self.process.poll() is None:
-            self._kill()
-        self.thread.join()

@@ -149,21 +149,25 @@ def scores(results_dir: Path) -> dict[str, dict[str, float]]:
     }
 
 
-def test_lm_eval_vllm_backend_matches_hf(smollm2_ladder, vllm_eval, tmp_path):
+def test_lm_eval_vllm_backend_matches_hf(smollm2_ladder, tmp_path):
     """The real SmolLM2 ladder scored by `ladder eval --backend vllm --data-parallel 2` (two engines
-    at TP=1 in vLLM's default compiled mode, one core each, splitting every batch of requests; run
-    beside the other tests, conftest's vllm_background) as the HF backend scores it. (The compiled
-    model's fault once gave LAMBADA perplexity 1019 through vLLM against 113.)"""
+    at TP=1 in vLLM's default compiled mode, one core each, splitting every batch of requests) as the
+    HF backend scores it. (The compiled model's fault once gave LAMBADA perplexity 1019 through vLLM
+    against 113.)"""
     from ladder.eval import cli
 
-    assert cli.main([str(smollm2_ladder), "--suite", "smoke", "--no-cache", "--out", str(tmp_path / "hf")]) == 0
-    completed, evaluated = vllm_eval
+    model = smollm2_ladder
+    common = ["--suite", "smoke", "--no-cache"]
+    assert cli.main([str(model), *common, "--out", str(tmp_path / "hf")]) == 0
+    completed = serve_ladder(
+        "eval", model, *common, "--out", tmp_path / "vllm", "--backend", "vllm", "--data-parallel", 2, timeout=900
+    )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     engines = set(re.findall(r"\(EngineCore pid=(\d+)\)", completed.stdout + completed.stderr))
     assert len(engines) == 2, engines
-    (record,) = [path for path in evaluated.glob("*.json") if path.name != "report.json"]
+    (record,) = [path for path in (tmp_path / "vllm").glob("*.json") if path.name != "report.json"]
     assert json.loads(record.read_text())["config"]["data_parallel"] == 2
-    hf, vllm = scores(tmp_path / "hf"), scores(evaluated)
+    hf, vllm = scores(tmp_path / "hf"), scores(tmp_path / "vllm")
     assert hf.keys() == vllm.keys() and len(hf) == 6
     sizes = {"ladder_wikitext": 1, "ladder_lambada_openai": 8}
     for task, metrics in hf.items():
