@@ -60,11 +60,15 @@ def hub_offline(datasets_cache: Path) -> Iterator[None]:
 def task_manager(suite: Suite, data_dir: Path | None = None) -> TaskManager:
     """A TaskManager over our task folder; lm-eval's own task configs are indexed (about 10 s) only
     when the suite names a task that is not ours."""
-    metadata = {"data_dir": str(data_dir.resolve())} if data_dir is not None else {}
-    ours = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata=metadata)
-    if all(task.task in ours.all_tasks for task in suite.tasks):
-        return ours
-    return TaskManager(include_path=str(TASKS_DIR), metadata=metadata)
+    data_dir = str(data_dir.resolve()) if data_dir is not None else None
+    ours = _task_manager(data_dir, include_defaults=False)
+    return ours if all(task.task in ours.all_tasks for task in suite.tasks) else _task_manager(data_dir)
+
+
+@functools.cache  # an index is of installed files: built once per process
+def _task_manager(data_dir: str | None, include_defaults: bool = True) -> TaskManager:
+    metadata = {"data_dir": data_dir} if data_dir is not None else {}
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=include_defaults, metadata=metadata)
 
 
 def task_configs(suite: Suite, manager: TaskManager) -> dict[str, dict]:

@@ -1,5 +1,5 @@
 """Test session setup: no network, a private HF cache and ladder cache, shared tiny checkpoints and
-corpus, the embedded SmolLM2 converted once, and one vLLM job for the session's greedy engines.
+corpus, the embedded SmolLM2 converted once, and the vLLM jobs (greedy engines, families) side by side.
 
 The environment is set before transformers is imported anywhere, so no test can reach the Hub
 or write into the user's cache.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 # `python -m pytest` from the checkout puts it on sys.path, where the stage folders would import a
@@ -32,8 +33,9 @@ os.environ.update(
 import pytest  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+import family_engines  # noqa: E402
 from adapt_runs import prose  # noqa: E402
-from serving import NEW_TOKENS, PROMPTS, TINY_LADDER_LAYERS, TINY_LAYERS, vllm_runs  # noqa: E402
+from serving import NEW_TOKENS, PROMPTS, SERVE_ENV, TINY_LADDER_LAYERS, TINY_LAYERS, ServeJob, VLLMJob  # noqa: E402
 from tiny import save_tiny_checkpoint  # noqa: E402
 
 
@@ -89,7 +91,46 @@ def greedy_prompt_ids(smollm2_tokenizer_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def vllm_greedy(vllm_models, greedy_prompt_ids, tmp_path_factory) -> dict:
+def family_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """tests/family_engines.py's checkpoints of every family, and their tokenizer ("tokenizer")."""
+    return family_engines.write_checkpoints(tmp_path_factory.mktemp("family-checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def family_prompts(family_checkpoints) -> list[list[int]]:
+    return family_engines.random_prompts(family_checkpoints["tokenizer"])
+
+
+@pytest.fixture(scope="session")
+def vllm_jobs(request, tmp_path_factory) -> Iterator[dict[str, VLLMJob]]:
+    """The session's vLLM jobs that its tests need ("greedy", "families", "eval"), each in .venv-serve
+    processes of its own, started together when the first is needed: an engine compiles mostly on one
+    core, so side by side they take less than one after another, while the tests wait for them."""
+    needed = {name for item in request.session.items for name in item.fixturenames}
+    jobs = {}
+    if "vllm_greedy" in needed:
+        jobs["greedy"] = greedy_job(
+            request.getfixturevalue("vllm_models"),
+            request.getfixturevalue("greedy_prompt_ids"),
+            tmp_path_factory.mktemp("vllm-greedy"),
+        )
+    if "vllm_families" in needed:
+        runs = family_engines.runs(
+            request.getfixturevalue("family_checkpoints"), request.getfixturevalue("family_prompts")
+        )
+        jobs["families"] = VLLMJob(runs, tmp_path_factory.mktemp("vllm-families"), in_process=True)
+    if "vllm_eval" in needed:  # tests/test_vllm.py scores the same with the HF backend
+        work, model = tmp_path_factory.mktemp("vllm-eval"), request.getfixturevalue("vllm_models")["tiny-ladder"]
+        command = ["eval", model, "--suite", "smoke", "--no-cache", "--out", work / "scores"]
+        jobs["eval"] = ServeJob(
+            [SERVE_ENV / "bin" / "ladder", *command, "--backend", "vllm", "--data-parallel", 2], work
+        )
+    yield jobs
+    for job in jobs.values():
+        job.stop()
+
+
+def greedy_job(models: dict[str, Path], prompt_ids: list[list[int]], work: Path) -> VLLMJob:
     """Every vLLM engine the session compares or reads, in one .venv-serve process (one vLLM import,
     one compile each): tests/test_vllm.py compares their greedy tokens with transformers',
     tests/test_serving_compiled.py reads the code inductor built at TP=2 (in its run's own
@@ -98,19 +139,37 @@ def vllm_greedy(vllm_models, greedy_prompt_ids, tmp_path_factory) -> dict:
     9 heads do not split over 2 ranks, so the tiny ladder model runs TP=2, compiled too, and TP=1
     eager; the plain Llama (vLLM's own model) runs eager. The TP=1 engines run in the runner's own
     process (no engine process to start and import vLLM again: 5 s against 26 s for an eager one)."""
-    work = tmp_path_factory.mktemp("vllm-greedy")
     runs = [  # TP=2 first, in its own processes; then the TP=1 engines in the runner's (`in_process`)
-        dict(name="tiny-ladder-tp2", model=vllm_models["tiny-ladder"], tp=2, eager=False, compile_cache=work / "tp2"),
-        dict(name="smollm2-ladder", model=vllm_models["smollm2-ladder"], tp=1, eager=False, in_process=True),
-        dict(name="tiny-ladder-tp1", model=vllm_models["tiny-ladder"], tp=1, eager=True),
-        dict(name="tiny-plain", model=vllm_models["tiny-plain"], tp=1, eager=True),
+        dict(name="tiny-ladder-tp2", model=models["tiny-ladder"], tp=2, eager=False, compile_cache=work / "tp2"),
+        dict(name="smollm2-ladder", model=models["smollm2-ladder"], tp=1, eager=False, in_process=True),
+        dict(name="tiny-ladder-tp1", model=models["tiny-ladder"], tp=1, eager=True),
+        dict(name="tiny-plain", model=models["tiny-plain"], tp=1, eager=True),
     ]
     for run in runs:
         run.update({key: str(value) for key, value in run.items() if isinstance(value, Path)})
-        run.update(prompts=greedy_prompt_ids, max_tokens=NEW_TOKENS)
-    results = vllm_runs(runs, work)
-    results["tiny-ladder-tp2"]["compile_cache"] = work / "tp2"
+        run.update(prompts=prompt_ids, max_tokens=NEW_TOKENS)
+    return VLLMJob(runs, work)
+
+
+@pytest.fixture(scope="session")
+def vllm_greedy(vllm_jobs) -> dict:
+    """The greedy job's results (greedy_job), per run name."""
+    results = vllm_jobs["greedy"].result()
+    results["tiny-ladder-tp2"]["compile_cache"] = vllm_jobs["greedy"].work / "tp2"
     return results
+
+
+@pytest.fixture(scope="session")
+def vllm_eval(vllm_jobs) -> tuple[int, str, Path]:
+    """`ladder eval --backend vllm --data-parallel 2` of the tiny ladder model on the smoke suite: its
+    exit status, output and scores folder."""
+    return *vllm_jobs["eval"].wait(), vllm_jobs["eval"].work / "scores"
+
+
+@pytest.fixture(scope="session")
+def vllm_families(vllm_jobs) -> dict:
+    """The family job's results (tests/family_engines.py), per run name."""
+    return vllm_jobs["families"].result()
 
 
 @pytest.fixture

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -48,12 +50,46 @@ def serve_ladder(*arguments: object, timeout: int = 300) -> subprocess.Completed
     return subprocess.run(command, env=serve_env_vars(), capture_output=True, text=True, timeout=timeout)
 
 
-def vllm_runs(runs: list[dict], work: Path, timeout: int = 1200, **job: object) -> dict:
-    """The results of tests/vllm_runner.py for `runs` (one engine each, one after another in one
-    subprocess of .venv-serve), with the job's other keys (`in_process`); the files go in `work`."""
-    (work / "job.json").write_text(json.dumps({"runs": runs, **job}))
-    runner = Path(__file__).with_name("vllm_runner.py")
-    command = [str(serve_python()), str(runner), str(work / "job.json"), str(work / "result.json")]
-    completed = subprocess.run(command, env=serve_env_vars(), capture_output=True, text=True, timeout=timeout)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-5000:]
-    return json.loads((work / "result.json").read_text())
+class ServeJob:
+    """A command of .venv-serve started at once, with the session's environment; its output goes to
+    work/output.log. `wait()` gives its exit status and output."""
+
+    def __init__(self, command: list[object], work: Path, timeout: int = 1200):
+        self.work, self.deadline = work, time.monotonic() + timeout
+        with open(work / "output.log", "w") as log:
+            self.process = subprocess.Popen(
+                list(map(str, command)),
+                env=serve_env_vars(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait(self) -> tuple[int, str]:
+        try:
+            returncode = self.process.wait(timeout=max(self.deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        return returncode, (self.work / "output.log").read_text()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:  # the session ended first: the command and its engines' processes
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+class VLLMJob(ServeJob):
+    """tests/vllm_runner.py on `runs` (one engine each, one after another in one subprocess of
+    .venv-serve), with the job's other keys (`in_process`); its files go in `work`. `result()` waits
+    for it."""
+
+    def __init__(self, runs: list[dict], work: Path, **job: object):
+        (work / "job.json").write_text(json.dumps({"runs": runs, **job}))
+        runner = Path(__file__).with_name("vllm_runner.py")
+        super().__init__([serve_python(), runner, work / "job.json", work / "result.json"], work)
+
+    def result(self) -> dict:
+        returncode, output = self.wait()
+        assert returncode == 0, output[-8000:]
+        return json.loads((self.work / "result.json").read_text())

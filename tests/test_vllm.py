@@ -149,25 +149,23 @@ def scores(results_dir: Path) -> dict[str, dict[str, float]]:
     }
 
 
-def test_lm_eval_vllm_backend_matches_hf(smollm2_ladder, tmp_path):
-    """The real SmolLM2 ladder scored by `ladder eval --backend vllm --data-parallel 2` (two engines
-    at TP=1 in vLLM's default compiled mode, one core each, splitting every batch of requests) as the
-    HF backend scores it. (The compiled model's fault once gave LAMBADA perplexity 1019 through vLLM
-    against 113.)"""
+def test_lm_eval_vllm_backend_matches_hf(vllm_eval, vllm_models, tmp_path):
+    """The session's tiny ladder model scored by `ladder eval --backend vllm --data-parallel 2` (two
+    engines at TP=1 in vLLM's default compiled mode, one core each, splitting every batch of requests;
+    conftest's vllm_eval, started beside the session's other vLLM jobs) as the HF backend scores it.
+    (The compiled model's fault that once gave LAMBADA perplexity 1019 through vLLM against 113 is the
+    real SmolLM2's prompt log-probabilities, compared with transformers' in vLLM's compiled mode by
+    test_smollm2_ladder_compiled_matches_transformers.)"""
     from ladder.eval import cli
 
-    model = smollm2_ladder
-    common = ["--suite", "smoke", "--no-cache"]
-    assert cli.main([str(model), *common, "--out", str(tmp_path / "hf")]) == 0
-    completed = serve_ladder(
-        "eval", model, *common, "--out", tmp_path / "vllm", "--backend", "vllm", "--data-parallel", 2, timeout=900
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    engines = set(re.findall(r"\(EngineCore pid=(\d+)\)", completed.stdout + completed.stderr))
-    assert len(engines) == 2, engines
-    (record,) = [path for path in (tmp_path / "vllm").glob("*.json") if path.name != "report.json"]
+    returncode, output, scored = vllm_eval
+    assert returncode == 0, output[-6000:]
+    assert len(set(re.findall(r"\(EngineCore pid=(\d+)\)", output))) == 2
+    (record,) = [path for path in scored.glob("*.json") if path.name != "report.json"]
     assert json.loads(record.read_text())["config"]["data_parallel"] == 2
-    hf, vllm = scores(tmp_path / "hf"), scores(tmp_path / "vllm")
+    model = vllm_models["tiny-ladder"]
+    assert cli.main([str(model), "--suite", "smoke", "--no-cache", "--out", str(tmp_path / "hf")]) == 0
+    hf, vllm = scores(tmp_path / "hf"), scores(scored)
     assert hf.keys() == vllm.keys() and len(hf) == 6
     sizes = {"ladder_wikitext": 1, "ladder_lambada_openai": 8}
     for task, metrics in hf.items():

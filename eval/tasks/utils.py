@@ -82,8 +82,15 @@ def load_jsonl(data_files: dict, data_dir: str | None = None, **_metadata) -> da
     )
 
 
+# The last sentence of an ActivityNet context: a lowercase fragment with no closing punctuation.
+_UNFINISHED_SENTENCE = re.compile(r"(^|(?<=[.!?] ))([a-z][^.!?]*)$")
+
+
 def load_hellaswag(data_files: dict, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
-    """The llama.cpp text layout: six lines per item (`label: context`, gold index, four endings)."""
+    """The llama.cpp text layout, six lines per item (`label: context`, gold index, four endings), with
+    the fields the stock `hellaswag` process_docs adds (here, once: lm-eval asks a task for its docs a
+    dozen times per evaluation). The layout keeps `ctx` whole, so the stock `ctx_b.capitalize()` is
+    redone on the unfinished last sentence, which is ctx_b."""
     path = data_file(data_files["validation"], data_dir)
     with bz2.open(path, "rt", encoding="utf-8") as handle:
         lines = handle.read().split("\n")
@@ -91,27 +98,10 @@ def load_hellaswag(data_files: dict, data_dir: str | None = None, **_metadata) -
         lines.pop()
     if len(lines) % 6:
         raise ValueError(f"{path}: {len(lines)} lines is not a whole number of 6-line HellaSwag items")
-    records = [
-        {"context": lines[i], "label": int(lines[i + 1]), "endings": lines[i + 2 : i + 6]}
-        for i in range(0, len(lines), 6)
-    ]
+    records = []
+    for i in range(0, len(lines), 6):
+        context, label, endings = lines[i], int(lines[i + 1]), lines[i + 2 : i + 6]
+        query = hellaswag_preprocess(_UNFINISHED_SENTENCE.sub(lambda match: match.group(2).capitalize(), context))
+        choices = [hellaswag_preprocess(ending) for ending in endings]
+        records.append(dict(context=context, label=label, endings=endings, query=query, choices=choices, gold=label))
     return datasets.DatasetDict({"validation": datasets.Dataset.from_list(records)})
-
-
-# The last sentence of an ActivityNet context: a lowercase fragment with no closing punctuation.
-_UNFINISHED_SENTENCE = re.compile(r"(^|(?<=[.!?] ))([a-z][^.!?]*)$")
-
-
-def process_hellaswag_docs(dataset: datasets.Dataset) -> datasets.Dataset:
-    """The stock `hellaswag` process_docs, on the text layout. The layout keeps `ctx` whole, so the
-    stock `ctx_b.capitalize()` is redone on the unfinished last sentence, which is ctx_b."""
-
-    def process(doc: dict) -> dict:
-        context = _UNFINISHED_SENTENCE.sub(lambda match: match.group(2).capitalize(), doc["context"])
-        return {
-            "query": hellaswag_preprocess(context),
-            "choices": [hellaswag_preprocess(ending) for ending in doc["endings"]],
-            "gold": doc["label"],
-        }
-
-    return dataset.map(process)
