@@ -28,8 +28,10 @@ from ladder.serving.engine import cpu_kv_cache_space, gpu_memory_utilization
 from serving import serve_env_vars, serve_python
 from tiny import save_tiny_checkpoint
 
-# Needs vLLM's environment (.venv-serve), which `make test` builds: `make test-fast` skips it.
-pytestmark = pytest.mark.envs
+# Needs vLLM's environment (.venv-serve), which `make test` builds: `make test-fast` skips it. The
+# session's vLLM jobs (conftest's vllm_jobs, those its tests need) start first: they compile while
+# this file's `.venv-serve` processes start, which leave a core idle most of the time.
+pytestmark = [pytest.mark.envs, pytest.mark.usefixtures("vllm_jobs")]
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "ladder-test-key"

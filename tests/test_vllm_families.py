@@ -4,9 +4,10 @@
 The checkpoints and engines are tests/family_engines.py's: tiny random models of each family, with
 biases, q/k norms and sliding windows. All engines run one after another in one subprocess of
 .venv-serve (tests/vllm_runner.py), in that process (`in_process`: no engine or worker processes to
-start), eager and, with no ladder layers, compiled too; conftest's vllm_jobs starts that job beside
-the greedy one. (`ladder serve` checks a converted Qwen3 in tests/test_serve_access.py, whose live
-server is the suite's one: the HTTP layer is the same for every family.)
+start), eager and, with no ladder layers, compiled too (Qwen2's and Qwen3's); conftest's vllm_jobs
+starts that job beside the greedy one. (`ladder serve` checks a converted Qwen3 in
+tests/test_serve_access.py, whose live server is the suite's one: the HTTP layer is the same for
+every family.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from family_engines import FAMILIES, LADDER_LAYERS
+from family_engines import COMPILED, FAMILIES, LADDER_LAYERS
 from ladder.model.config_rules import CLASS_NAMES, ladder_architecture
 
 # Needs vLLM's environment (.venv-serve), which `make test` builds: `make test-fast` skips it.
@@ -26,8 +27,9 @@ LOGPROB_ATOL = 1e-3
 TIE_MARGIN = 1e-4  # vLLM's greedy token may be another only where the reference's best two are closer
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    ("family", "mode"), [(family, "eager") for family in FAMILIES] + [(family, "compiled") for family in COMPILED]
+)
 def test_no_ladder_layers_is_vllms_own_model(vllm_families, family, mode):
     """With no ladder layers the ladder model is vLLM's own model of the family, to the bit: the
     same prompt log-probabilities, greedy tokens and their log-probabilities."""
