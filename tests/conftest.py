@@ -1,5 +1,5 @@
 """Test session setup: no network, a private HF cache and ladder cache, shared tiny checkpoints and
-corpus, the embedded SmolLM2 converted once, and the vLLM jobs (greedy engines, families) side by side.
+corpus, the embedded SmolLM2 converted once, and the vLLM jobs (greedy engines, families, eval) side by side.
 
 The environment is set before transformers is imported anywhere, so no test can reach the Hub
 or write into the user's cache.
@@ -102,7 +102,7 @@ def family_prompts(family_checkpoints) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def vllm_jobs(request, tmp_path_factory) -> Iterator[dict[str, VLLMJob]]:
+def vllm_jobs(request, tmp_path_factory) -> Iterator[dict[str, ServeJob]]:
     """The session's vLLM jobs that its tests need ("greedy", "families", "eval"), each in .venv-serve
     processes of its own, started together when the first is needed: an engine compiles mostly on one
     core, so side by side they take less than one after another, while the tests wait for them."""

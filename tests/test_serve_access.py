@@ -116,18 +116,7 @@ def servable_checkpoint(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servable_qwen3_ladder(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny Qwen3 (q/k norms, heads 32 wide), rewired by `ladder convert`."""
-    from ladder.convert.convert import convert_checkpoint
-
-    root = tmp_path_factory.mktemp("servable-qwen3")
-    save_tiny_checkpoint(root / "qwen3", smollm2_tokenizer_dir, "qwen3", num_hidden_layers=2, head_dim=32)
-    convert_checkpoint(root / "qwen3", root / "qwen3-ladder", ladder_layers=[0, 1], verify=False)
-    return root / "qwen3-ladder"
-
-
-@pytest.fixture(scope="module")
-def outcomes(servable_checkpoint, servable_qwen3_ladder, tiny_checkpoint, tmp_path_factory) -> dict[str, dict]:
+def outcomes(servable_checkpoint, family_checkpoints, tiny_checkpoint, tmp_path_factory) -> dict[str, dict]:
     uds = tmp_path_factory.mktemp("uds") / "server.sock"
     rows = []
     run = [arguments for arguments, _ in [*RUN_REFUSALS.values(), *RUN_ACCEPTED.values()]]
@@ -139,7 +128,7 @@ def outcomes(servable_checkpoint, servable_qwen3_ladder, tiny_checkpoint, tmp_pa
         rows.append((["serve", str(servable_checkpoint), *ours, "--check-only", *rest], env))
     rows[-1][1]["VLLM_CPU_KVCACHE_SPACE"] = ""  # unset, as vLLM reads it: `ladder serve` sizes it
     rows.append((["serve", str(tiny_checkpoint), "--check-only"], {}))  # heads 16 wide
-    rows.append((["serve", str(servable_qwen3_ladder), "--check-only"], {}))
+    rows.append((["serve", str(family_checkpoints["qwen3-ladder"]), "--check-only"], {}))  # tests/family_engines.py
     env = serve_env_vars()
     env.pop("VLLM_API_KEY", None)
     done = subprocess.run(
@@ -199,13 +188,13 @@ def test_serve_pre_check_refuses_a_head_size_the_cpu_attention_cannot_run(outcom
     assert "attention head size is 16, and vLLM's CPU attention runs 32, 64" in line, line
 
 
-def test_serve_checks_a_converted_qwen3(outcomes, servable_qwen3_ladder):
+def test_serve_checks_a_converted_qwen3(outcomes, family_checkpoints):
     """Every family goes through the same `ladder serve` (tests/test_vllm_families.py runs each in
     vLLM; the live server below stands for every family's HTTP layer): a converted Qwen3 passes its
     checks, vLLM's engine configuration included, which resolves the architecture by the plugin."""
     outcome = outcomes["qwen3"]
     assert outcome["status"] == 0, outcome
-    assert f"vLLM can serve {servable_qwen3_ladder} at TP=1 as qwen3-ladder" in outcome["stdout"], outcome
+    assert f"vLLM can serve {family_checkpoints['qwen3-ladder']} at TP=1 as qwen3-ladder" in outcome["stdout"], outcome
 
 
 # --- one live server: `make serve`, beyond loopback with a key, stopped by SIGTERM ----------------------
